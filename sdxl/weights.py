@@ -1,0 +1,208 @@
+"""Strict loading of diffusers/transformers safetensors checkpoints into Flax parameter trees.
+
+The Flax modules are named after the checkpoint's keys (`down_blocks.0` is a module name), so the
+mapping between a checkpoint key and a parameter path is mechanical:
+
+    down_blocks.0.resnets.1.conv1.weight  <->  params["down_blocks.0"]["resnets.1"]["conv1"]["kernel"]
+
+Only the leaf names and the tensor layouts differ between PyTorch and Flax. Every key and every
+shape is checked in both directions, and all mismatches are reported at once.
+"""
+
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+SAFETENSORS_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or does not match the model it is loaded into."""
+
+
+class SafetensorsFile:
+    """A memory-mapped safetensors file: tensors are read lazily, as zero-copy numpy views.
+
+    We parse the (simple, documented) format ourselves instead of using `safetensors.safe_open` so
+    that bf16 tensors come back as numpy arrays (via ml_dtypes) and truncated files are caught
+    before any tensor is read.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{self.path}: not a safetensors file ({size} bytes)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8:
+                raise CheckpointError(
+                    f"{self.path}: truncated or corrupt (header claims {header_len} bytes, file has {size})"
+                )
+            try:
+                header = json.loads(f.read(header_len))
+            except ValueError as e:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from e
+        header.pop("__metadata__", None)
+        data_len = size - 8 - header_len
+        self._entries = {}
+        for key, entry in header.items():
+            dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
+            if dtype is None:
+                raise CheckpointError(f"{self.path}: tensor {key} has unsupported dtype {entry.get('dtype')}")
+            begin, end = entry["data_offsets"]
+            shape = tuple(entry["shape"])
+            if end > data_len:
+                raise CheckpointError(
+                    f"{self.path}: truncated: tensor {key} ends at byte {end} of the data section, "
+                    f"which has only {data_len} bytes"
+                )
+            if end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+                raise CheckpointError(f"{self.path}: corrupt: tensor {key} size does not match its shape")
+            self._entries[key] = (dtype, shape, 8 + header_len + begin)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if data_len else None
+
+    def keys(self) -> Iterable[str]:
+        return self._entries.keys()
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._entries[key][1]
+
+    def tensor(self, key: str) -> np.ndarray:
+        dtype, shape, offset = self._entries[key]
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(self._map, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+    flat = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, prefix + (name,)))
+        else:
+            flat[prefix + (name,)] = value
+    return flat
+
+
+def unflatten(flat: dict[tuple[str, ...], object]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = value
+    return tree
+
+
+def checkpoint_key(path: tuple[str, ...]) -> str:
+    """The PyTorch state-dict key of a Flax parameter path."""
+    leaf = "bias" if path[-1] == "bias" else "weight"
+    return ".".join(path[:-1] + (leaf,))
+
+
+def flax_axes(path: tuple[str, ...], ndim: int) -> tuple[int, ...]:
+    """The permutation from PyTorch to Flax layout: Linear (out, in) -> (in, out); Conv OIHW -> HWIO."""
+    if path[-1] != "kernel":
+        return tuple(range(ndim))
+    return (1, 0) if ndim == 2 else (2, 3, 1, 0)
+
+
+def torch_axes(path: tuple[str, ...], ndim: int) -> tuple[int, ...]:
+    return tuple(int(a) for a in np.argsort(flax_axes(path, ndim)))
+
+
+def load_params(
+    files: list[Path],
+    abstract_params: dict,
+    *,
+    dtype,
+    rename: Callable[[str], str] = lambda key: key,
+    ignore: Iterable[str] = (),
+    put: Callable[[np.ndarray], object] = np.asarray,
+) -> dict:
+    """Loads safetensors `files` into a parameter tree shaped like `abstract_params`.
+
+    Args:
+      files: the component's safetensors files (several for a sharded checkpoint).
+      abstract_params: the model's parameters as a tree of arrays or ShapeDtypeStructs
+        (`jax.eval_shape(model.init, ...)["params"]`).
+      dtype: the dtype every parameter is cast to.
+      rename: maps a key as stored to the module's key (legacy names, optional prefixes).
+      ignore: stored keys that are buffers, not parameters.
+      put: places one converted tensor (e.g. `jax.device_put` with a sharding). Tensors are
+        converted and placed one at a time, so the host never holds a second copy of the model.
+
+    Raises:
+      CheckpointError: listing every missing, unexpected and mis-shaped key.
+    """
+    if not files:
+        raise CheckpointError("no safetensors files given")
+    where = ", ".join(str(f) for f in files)
+    stored: dict[str, tuple[SafetensorsFile, str]] = {}
+    ignore = set(ignore)
+    for file in map(SafetensorsFile, files):
+        for key in file.keys():
+            if key in ignore:
+                continue
+            name = rename(key)
+            if name in stored:
+                raise CheckpointError(f"{file.path}: key {key} is stored twice")
+            stored[name] = (file, key)
+
+    abstract = flatten(abstract_params)
+    expected = {checkpoint_key(path): path for path in abstract}
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    misshaped = []
+    for name in sorted(set(expected) & set(stored)):
+        path = expected[name]
+        file, key = stored[name]
+        want = tuple(abstract[path].shape)
+        got = file.shape(key)
+        if len(got) != len(want) or tuple(got[a] for a in flax_axes(path, len(got))) != want:
+            needed = tuple(want[a] for a in torch_axes(path, len(want)))
+            misshaped.append(f"{key} in {file.path.name}: stored {got}, model needs {needed}")
+    if missing or unexpected or misshaped:
+        lines = [f"checkpoint {where} does not match the model:"]
+        lines += [f"  missing key: {k}" for k in missing]
+        lines += [f"  unexpected key: {stored[k][1]} in {stored[k][0].path.name}" for k in unexpected]
+        lines += [f"  wrong shape: {m}" for m in misshaped]
+        raise CheckpointError("\n".join(lines))
+
+    flat = {}
+    for name, path in expected.items():
+        file, key = stored[name]
+        tensor = file.tensor(key)
+        tensor = tensor.transpose(flax_axes(path, tensor.ndim))
+        flat[path] = put(np.ascontiguousarray(tensor, dtype=dtype))
+    return unflatten(flat)
+
+
+def save_params(params: dict, path: Path, *, rename: Callable[[str], str] = lambda key: key, dtype=None) -> None:
+    """Writes a parameter tree as a PyTorch-layout safetensors file (the inverse of `load_params`)."""
+    from safetensors.numpy import save_file
+
+    tensors = {}
+    for leaf_path, array in flatten(params).items():
+        array = np.asarray(array)
+        array = array.transpose(torch_axes(leaf_path, array.ndim))
+        tensors[rename(checkpoint_key(leaf_path))] = np.ascontiguousarray(array, dtype=dtype or array.dtype)
+    os.makedirs(Path(path).parent, exist_ok=True)
+    save_file(tensors, str(path))
