@@ -1,0 +1,568 @@
+"""The denoising UNet (diffusers' `UNet2DConditionModel`) as configured by SD 1.x/2.x and SDXL.
+
+Module names follow the diffusers state-dict keys (`down_blocks.1.attentions.0.transformer_blocks.0
+.attn2.to_k`), so `sdxl.weights.load_params` loads `unet/diffusion_pytorch_model.safetensors`
+directly.
+
+Latents are NHWC. Every level of the UNet is a down block (resnets, each optionally followed by a
+spatial transformer, then a stride-2 conv) whose intermediate outputs are kept as skips; an up block
+consumes them in reverse, concatenating one skip onto its input before each resnet.
+"""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DOWN_BLOCK_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
+UP_BLOCK_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
+# The GroupNorm in front of every spatial transformer has this epsilon, whatever norm_eps says.
+TRANSFORMER_GROUP_NORM_EPS = 1e-6
+# The LayerNorms inside every transformer block (diffusers' BasicTransformerBlock default).
+TRANSFORMER_LAYER_NORM_EPS = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class UNetConfig:
+    """diffusers' `UNet2DConditionModel` config (the fields of `unet/config.json`), with its defaults.
+
+    Fields that only switch on features this module does not implement are kept so that a config
+    using them is rejected instead of silently misread. `sample_size` does not change the network.
+    `upcast_attention` is accepted and ignored: attention logits are always computed in float32.
+
+    `attention_head_dim` is, for historical reasons, the number of attention heads per level, not
+    their width (diffusers reads it so whenever `num_attention_heads` is unset, and refuses
+    `num_attention_heads` altogether); each head is `channels // heads` wide.
+    """
+
+    sample_size: int | tuple[int, int] | None = None
+    in_channels: int = 4
+    out_channels: int = 4
+    center_input_sample: bool = False
+    flip_sin_to_cos: bool = True
+    freq_shift: int = 0
+    down_block_types: tuple[str, ...] = (
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "DownBlock2D",
+    )
+    mid_block_type: str | None = "UNetMidBlock2DCrossAttn"
+    up_block_types: tuple[str, ...] = ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D")
+    only_cross_attention: bool | tuple[bool, ...] = False
+    block_out_channels: tuple[int, ...] = (320, 640, 1280, 1280)
+    layers_per_block: int = 2
+    downsample_padding: int = 1
+    mid_block_scale_factor: float = 1.0
+    act_fn: str = "silu"
+    norm_num_groups: int | None = 32
+    norm_eps: float = 1e-5
+    cross_attention_dim: int = 1280
+    transformer_layers_per_block: int | tuple[int, ...] = 1
+    reverse_transformer_layers_per_block: tuple[tuple[int, ...], ...] | None = None
+    encoder_hid_dim: int | None = None
+    encoder_hid_dim_type: str | None = None
+    attention_head_dim: int | tuple[int, ...] = 8
+    num_attention_heads: int | tuple[int, ...] | None = None
+    dual_cross_attention: bool = False
+    use_linear_projection: bool = False
+    class_embed_type: str | None = None
+    addition_embed_type: str | None = None
+    addition_time_embed_dim: int | None = None
+    num_class_embeds: int | None = None
+    upcast_attention: bool | None = False
+    resnet_time_scale_shift: str = "default"
+    time_embedding_type: str = "positional"
+    time_embedding_dim: int | None = None
+    time_embedding_act_fn: str | None = None
+    timestep_post_act: str | None = None
+    time_cond_proj_dim: int | None = None
+    conv_in_kernel: int = 3
+    conv_out_kernel: int = 3
+    projection_class_embeddings_input_dim: int | None = None
+    attention_type: str = "default"
+
+    def __post_init__(self):
+        required = {
+            "center_input_sample": False,
+            "mid_block_type": "UNetMidBlock2DCrossAttn",
+            "act_fn": "silu",
+            "dual_cross_attention": False,
+            "resnet_time_scale_shift": "default",
+            "time_embedding_type": "positional",
+            "attention_type": "default",
+            "conv_in_kernel": 3,
+            "conv_out_kernel": 3,
+            "reverse_transformer_layers_per_block": None,
+            "encoder_hid_dim": None,
+            "encoder_hid_dim_type": None,
+            "class_embed_type": None,
+            "num_class_embeds": None,
+            "time_embedding_dim": None,
+            "time_embedding_act_fn": None,
+            "timestep_post_act": None,
+            "time_cond_proj_dim": None,
+        }
+        for name, supported in required.items():
+            if getattr(self, name) != supported:
+                raise ValueError(f"UNetConfig: {name}={getattr(self, name)!r} is not supported (only {supported!r})")
+        if self.num_attention_heads is not None:
+            raise ValueError(
+                "UNetConfig: num_attention_heads must be unset (diffusers refuses it too); "
+                "attention_head_dim gives the number of heads per level"
+            )
+        if any(np.atleast_1d(self.only_cross_attention)):
+            raise ValueError(f"UNetConfig: only_cross_attention={self.only_cross_attention!r} is not supported")
+        if self.addition_embed_type not in (None, "text_time"):
+            raise ValueError(
+                f"UNetConfig: addition_embed_type={self.addition_embed_type!r} is not supported "
+                "(only None or 'text_time')"
+            )
+        if self.addition_embed_type == "text_time" and (
+            self.addition_time_embed_dim is None or self.projection_class_embeddings_input_dim is None
+        ):
+            raise ValueError(
+                "UNetConfig: addition_embed_type 'text_time' needs addition_time_embed_dim and "
+                "projection_class_embeddings_input_dim"
+            )
+        if not isinstance(self.layers_per_block, int):
+            raise ValueError(f"UNetConfig: layers_per_block must be an int, got {self.layers_per_block!r}")
+        if not isinstance(self.cross_attention_dim, int):
+            raise ValueError(f"UNetConfig: cross_attention_dim must be an int, got {self.cross_attention_dim!r}")
+        if self.norm_num_groups is None:
+            raise ValueError("UNetConfig: norm_num_groups=None (no output norm) is not supported")
+        if self.downsample_padding not in (0, 1):
+            raise ValueError(f"UNetConfig: downsample_padding={self.downsample_padding!r} is not supported (0 or 1)")
+
+        levels = len(self.block_out_channels)
+        if len(self.down_block_types) != levels or len(self.up_block_types) != levels:
+            raise ValueError(
+                f"UNetConfig: need one down and one up block per entry of block_out_channels "
+                f"{self.block_out_channels}, got {self.down_block_types} and {self.up_block_types}"
+            )
+        for types, supported in ((self.down_block_types, DOWN_BLOCK_TYPES), (self.up_block_types, UP_BLOCK_TYPES)):
+            for block_type in types:
+                if block_type not in supported:
+                    raise ValueError(f"UNetConfig: block type {block_type!r} is not supported (only {supported})")
+        for name in ("attention_head_dim", "transformer_layers_per_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) and (len(value) != levels or not all(isinstance(v, int) for v in value)):
+                raise ValueError(f"UNetConfig: {name} must be an int or one int per level, got {value!r}")
+        for channels, heads in zip(self.block_out_channels, self.num_heads):
+            if channels % self.norm_num_groups or channels % heads:
+                raise ValueError(
+                    f"UNetConfig: {channels} channels do not split into {self.norm_num_groups} norm groups "
+                    f"and {heads} attention heads"
+                )
+
+    @property
+    def num_heads(self) -> tuple[int, ...]:
+        """Attention heads per level, from the misnamed `attention_head_dim`."""
+        return _per_level(self.attention_head_dim, len(self.block_out_channels))
+
+    @property
+    def transformer_layers(self) -> tuple[int, ...]:
+        """Transformer blocks in each spatial transformer, per level."""
+        return _per_level(self.transformer_layers_per_block, len(self.block_out_channels))
+
+    @property
+    def time_embed_dim(self) -> int:
+        return 4 * self.block_out_channels[0]
+
+
+def _per_level(value: int | tuple[int, ...], levels: int) -> tuple[int, ...]:
+    return (value,) * levels if isinstance(value, int) else tuple(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerSpec:
+    """How the spatial transformers of one level are built."""
+
+    num_heads: int
+    num_layers: int
+    use_linear_projection: bool
+
+
+def timestep_embedding(timesteps: jax.Array, dim: int, flip_sin_to_cos: bool, freq_shift: float) -> jax.Array:
+    """Sinusoidal embedding of (possibly fractional) timesteps, as diffusers' `get_timestep_embedding`.
+
+    Args:
+      timesteps: [N] values to embed.
+      dim: embedding width; half sines, half cosines (zero-padded when odd).
+      flip_sin_to_cos: put the cosines first.
+      freq_shift: frequencies are 10000 ** (-i / (dim // 2 - freq_shift)).
+
+    Returns:
+      [N, dim] float32 embeddings.
+    """
+    half = dim // 2
+    exponent = -math.log(10000) * jnp.arange(half, dtype=jnp.float32) / (half - freq_shift)
+    angles = timesteps.astype(jnp.float32)[:, None] * jnp.exp(exponent)[None, :]  # [N, half]
+    waves = [jnp.cos(angles), jnp.sin(angles)] if flip_sin_to_cos else [jnp.sin(angles), jnp.cos(angles)]
+    return jnp.pad(jnp.concatenate(waves, axis=-1), ((0, 0), (0, dim % 2)))
+
+
+def group_norm(num_groups: int, epsilon: float, dtype, name: str) -> nn.GroupNorm:
+    # Two-pass variance, as torch computes it: the residual stream grows large, where
+    # E[x^2] - E[x]^2 loses precision.
+    return nn.GroupNorm(num_groups=num_groups, epsilon=epsilon, use_fast_variance=False, dtype=dtype, name=name)
+
+
+def conv3x3(features: int, dtype, name: str, strides: int = 1, padding=1) -> nn.Conv:
+    return nn.Conv(features, (3, 3), strides=strides, padding=padding, dtype=dtype, name=name)
+
+
+def resize_nearest(x: jax.Array, size: tuple[int, int]) -> jax.Array:
+    """Nearest-neighbour resize of [B, H, W, C] to [B, *size, C] with torch's index rule floor(i * in / out)."""
+    for axis, out in zip((1, 2), size):
+        n = x.shape[axis]
+        if out == 2 * n:
+            x = jnp.repeat(x, 2, axis=axis)
+        else:
+            x = jnp.take(x, (np.arange(out) * n) // out, axis=axis)
+    return x
+
+
+class TimestepEmbedding(nn.Module):
+    """Linear -> SiLU -> linear MLP that lifts a sinusoidal (or any) vector to the time-embedding width."""
+
+    features: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [B, D] -> [B, features]
+        x = nn.silu(nn.Dense(self.features, dtype=self.dtype, name="linear_1")(x))
+        return nn.Dense(self.features, dtype=self.dtype, name="linear_2")(x)
+
+
+class ResnetBlock2D(nn.Module):
+    """Pre-norm residual block with the time embedding added between its two convs."""
+
+    out_channels: int
+    norm_num_groups: int
+    norm_eps: float
+    output_scale_factor: float = 1.0
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, temb):  # [B, H, W, C_in], [B, D_t] -> [B, H, W, out_channels]
+        h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm1")(x))
+        h = conv3x3(self.out_channels, self.dtype, "conv1")(h)
+        temb = nn.Dense(self.out_channels, dtype=self.dtype, name="time_emb_proj")(nn.silu(temb))
+        h = h + temb[:, None, None, :]
+        h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm2")(h))
+        h = conv3x3(self.out_channels, self.dtype, "conv2")(h)
+        if x.shape[-1] != self.out_channels:
+            x = nn.Conv(self.out_channels, (1, 1), dtype=self.dtype, name="conv_shortcut")(x)
+        return (x + h) / self.output_scale_factor
+
+
+class Attention(nn.Module):
+    """Multi-head attention of `x` over `context` (over itself when `context` is None)."""
+
+    num_heads: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, context=None):  # [B, T, C], [B, S, D] -> [B, T, C]
+        batch, length, channels = x.shape
+        context = x if context is None else context
+        head_dim = channels // self.num_heads
+
+        def project(name, inputs):  # -> [B, T or S, heads, head_dim]
+            y = nn.Dense(channels, use_bias=False, dtype=self.dtype, name=name)(inputs)
+            return y.reshape(batch, -1, self.num_heads, head_dim)
+
+        out = jax.nn.dot_product_attention(project("to_q", x), project("to_k", context), project("to_v", context))
+        return nn.Dense(channels, dtype=self.dtype, name="to_out.0")(out.reshape(batch, length, channels))
+
+
+class GEGLU(nn.Module):
+    """Linear projection to twice the width; one half gates the other through an exact GELU."""
+
+    features: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [B, T, C] -> [B, T, features]
+        hidden, gate = jnp.split(nn.Dense(2 * self.features, dtype=self.dtype, name="proj")(x), 2, axis=-1)
+        return hidden * nn.gelu(gate, approximate=False)
+
+
+class FeedForward(nn.Module):
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [B, T, C]
+        channels = x.shape[-1]
+        # `net.1` is a dropout layer, which holds no weights.
+        x = GEGLU(4 * channels, self.dtype, name="net.0")(x)
+        return nn.Dense(channels, dtype=self.dtype, name="net.2")(x)
+
+
+class BasicTransformerBlock(nn.Module):
+    """Pre-norm self-attention, cross-attention over the text, and GEGLU feed-forward, each residual."""
+
+    num_heads: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, context):  # [B, T, C], [B, S, D]
+        def layer_norm(name):
+            return nn.LayerNorm(
+                epsilon=TRANSFORMER_LAYER_NORM_EPS, use_fast_variance=False, dtype=self.dtype, name=name
+            )
+
+        x = x + Attention(self.num_heads, self.dtype, name="attn1")(layer_norm("norm1")(x))
+        x = x + Attention(self.num_heads, self.dtype, name="attn2")(layer_norm("norm2")(x), context)
+        return x + FeedForward(self.dtype, name="ff")(layer_norm("norm3")(x))
+
+
+class Transformer2DModel(nn.Module):
+    """Spatial transformer: the pixels of a feature map, as tokens, attend to each other and to the text."""
+
+    spec: TransformerSpec
+    norm_num_groups: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, context):  # [B, H, W, C], [B, S, D] -> [B, H, W, C]
+        batch, height, width, channels = x.shape
+        h = group_norm(self.norm_num_groups, TRANSFORMER_GROUP_NORM_EPS, self.dtype, "norm")(x)
+        # A 1x1 conv and a linear layer compute the same map on NHWC data; the checkpoint stores
+        # one or the other depending on use_linear_projection.
+        if self.spec.use_linear_projection:
+            projection = lambda name: nn.Dense(channels, dtype=self.dtype, name=name)  # noqa: E731
+        else:
+            projection = lambda name: nn.Conv(channels, (1, 1), dtype=self.dtype, name=name)  # noqa: E731
+        h = projection("proj_in")(h).reshape(batch, height * width, channels)  # [B, T, C]
+        for i in range(self.spec.num_layers):
+            h = BasicTransformerBlock(self.spec.num_heads, self.dtype, name=f"transformer_blocks.{i}")(h, context)
+        h = projection("proj_out")(h.reshape(batch, height, width, channels))
+        return x + h
+
+
+class Downsample2D(nn.Module):
+    """Stride-2 3x3 conv; padding 0 means padding only the bottom and right edges."""
+
+    padding: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [B, H, W, C] -> [B, ceil(H/2), ceil(W/2), C]
+        padding = ((0, 1), (0, 1)) if self.padding == 0 else self.padding
+        return conv3x3(x.shape[-1], self.dtype, "conv", strides=2, padding=padding)(x)
+
+
+class Upsample2D(nn.Module):
+    """Nearest-neighbour upsampling to a given size (twice the input for even latents), then a 3x3 conv."""
+
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, size):  # [B, H, W, C] -> [B, *size, C]
+        return conv3x3(x.shape[-1], self.dtype, "conv")(resize_nearest(x, size))
+
+
+def _resnet_and_transformer(block: nn.Module, index: int, x, temb, context):
+    """Layer `index` of a down or up block: a resnet, then a spatial transformer if the block has one.
+
+    Called from inside `block`'s `__call__`, so the layers it creates are `block`'s children.
+    """
+    x = ResnetBlock2D(
+        block.out_channels, block.norm_num_groups, block.norm_eps, dtype=block.dtype, name=f"resnets.{index}"
+    )(x, temb)
+    if block.transformer is not None:
+        x = Transformer2DModel(
+            block.transformer, block.norm_num_groups, block.dtype, name=f"attentions.{index}"
+        )(x, context)
+    return x
+
+
+class DownBlock(nn.Module):
+    """One UNet level on the way down: `DownBlock2D`, or `CrossAttnDownBlock2D` when `transformer` is set.
+
+    Returns the block's output and its skips: the output of every layer, then that of the downsampler.
+    """
+
+    out_channels: int
+    num_layers: int
+    transformer: TransformerSpec | None
+    add_downsample: bool
+    downsample_padding: int
+    norm_num_groups: int
+    norm_eps: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, temb, context):  # [B, H, W, C_in] -> [B, H/2, W/2, out_channels], skips
+        skips = []
+        for i in range(self.num_layers):
+            x = _resnet_and_transformer(self, i, x, temb, context)
+            skips.append(x)
+        if self.add_downsample:
+            x = Downsample2D(self.downsample_padding, self.dtype, name="downsamplers.0")(x)
+            skips.append(x)
+        return x, skips
+
+
+class UpBlock(nn.Module):
+    """One UNet level on the way up: `UpBlock2D`, or `CrossAttnUpBlock2D` when `transformer` is set.
+
+    There is one layer per skip; each takes the running features concatenated (channels last) with
+    one skip, the most recent skip first.
+    """
+
+    out_channels: int
+    transformer: TransformerSpec | None
+    add_upsample: bool
+    norm_num_groups: int
+    norm_eps: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, skips, temb, context, upsample_size=None):  # [B, h, w, C_in] -> [B, *upsample_size, out]
+        for i, skip in enumerate(reversed(skips)):
+            x = _resnet_and_transformer(self, i, jnp.concatenate([x, skip], axis=-1), temb, context)
+        if self.add_upsample:
+            x = Upsample2D(self.dtype, name="upsamplers.0")(x, upsample_size)
+        return x
+
+
+class UNetMidBlock2DCrossAttn(nn.Module):
+    """resnet -> spatial transformer -> resnet at the lowest resolution."""
+
+    transformer: TransformerSpec
+    norm_num_groups: int
+    norm_eps: float
+    output_scale_factor: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, temb, context):  # [B, h, w, C]
+        def resnet(name):
+            return ResnetBlock2D(
+                x.shape[-1], self.norm_num_groups, self.norm_eps, self.output_scale_factor, self.dtype, name=name
+            )
+
+        x = resnet("resnets.0")(x, temb)
+        x = Transformer2DModel(self.transformer, self.norm_num_groups, self.dtype, name="attentions.0")(x, context)
+        return resnet("resnets.1")(x, temb)
+
+
+class UNet2DConditionModel(nn.Module):
+    """Predicts the noise (or v) in a latent, given the timestep, the text tokens and, for SDXL, the
+    pooled text embedding and the size/crop conditioning ("time ids")."""
+
+    config: UNetConfig
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None):
+        """Runs the UNet.
+
+        Args:
+          sample: [B, H, W, in_channels] noisy latents.
+          timesteps: [B] (or scalar) timesteps; may be fractional and traced.
+          encoder_hidden_states: [B, S, cross_attention_dim] text encoder tokens.
+          text_embeds: [B, D_pooled] pooled text embedding; required for addition_embed_type 'text_time'.
+          time_ids: [B, N] size and crop conditioning (N = 6 for SDXL base: original size, crop
+            top-left, target size); required for addition_embed_type 'text_time'.
+
+        Returns:
+          [B, H, W, out_channels] in `dtype`.
+        """
+        cfg = self.config
+        dtype = self.dtype
+        batch = sample.shape[0]
+        x = sample.astype(dtype)
+        context = encoder_hidden_states.astype(dtype)
+
+        timesteps = jnp.broadcast_to(jnp.asarray(timesteps, jnp.float32), (batch,))
+        t_emb = timestep_embedding(timesteps, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
+        temb = TimestepEmbedding(cfg.time_embed_dim, dtype, name="time_embedding")(t_emb.astype(dtype))
+        if cfg.addition_embed_type == "text_time":
+            if text_embeds is None or time_ids is None:
+                raise ValueError("addition_embed_type 'text_time' needs text_embeds and time_ids")
+            width = text_embeds.shape[-1] + time_ids.shape[-1] * cfg.addition_time_embed_dim
+            if width != cfg.projection_class_embeddings_input_dim:
+                raise ValueError(
+                    f"text_embeds {text_embeds.shape} and time_ids {time_ids.shape} give {width} features; "
+                    f"projection_class_embeddings_input_dim is {cfg.projection_class_embeddings_input_dim}"
+                )
+            time_embeds = timestep_embedding(
+                time_ids.reshape(-1), cfg.addition_time_embed_dim, cfg.flip_sin_to_cos, cfg.freq_shift
+            ).reshape(batch, -1)  # [B, N * addition_time_embed_dim]
+            add_embeds = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds], axis=-1).astype(dtype)
+            temb = temb + TimestepEmbedding(cfg.time_embed_dim, dtype, name="add_embedding")(add_embeds)
+
+        specs = [
+            TransformerSpec(heads, layers, cfg.use_linear_projection)
+            for heads, layers in zip(cfg.num_heads, cfg.transformer_layers)
+        ]
+
+        def transformer(level, block_type):  # None for the blocks without attention
+            return specs[level] if block_type.startswith("CrossAttn") else None
+
+        norm = dict(norm_num_groups=cfg.norm_num_groups, norm_eps=cfg.norm_eps, dtype=dtype)
+        levels = len(cfg.block_out_channels)
+        x = conv3x3(cfg.block_out_channels[0], dtype, "conv_in")(x)
+        skips = [x]
+        for level, block_type in enumerate(cfg.down_block_types):
+            x, block_skips = DownBlock(
+                cfg.block_out_channels[level],
+                cfg.layers_per_block,
+                transformer(level, block_type),
+                add_downsample=level < levels - 1,
+                downsample_padding=cfg.downsample_padding,
+                name=f"down_blocks.{level}",
+                **norm,
+            )(x, temb, context)
+            skips += block_skips
+
+        x = UNetMidBlock2DCrossAttn(
+            specs[-1],
+            output_scale_factor=cfg.mid_block_scale_factor,
+            name="mid_block",
+            **norm,
+        )(x, temb, context)
+
+        for i, block_type in enumerate(cfg.up_block_types):
+            level = levels - 1 - i
+            num_layers = cfg.layers_per_block + 1
+            block_skips, skips = skips[-num_layers:], skips[:-num_layers]
+            # Upsample to the size of the next level's skips: twice this size, except where an odd
+            # size was rounded up on the way down.
+            x = UpBlock(
+                cfg.block_out_channels[level],
+                transformer(level, block_type),
+                add_upsample=level > 0,
+                name=f"up_blocks.{i}",
+                **norm,
+            )(x, block_skips, temb, context, skips[-1].shape[1:3] if skips else None)
+
+        x = nn.silu(group_norm(cfg.norm_num_groups, cfg.norm_eps, dtype, "conv_norm_out")(x))
+        return conv3x3(cfg.out_channels, dtype, "conv_out")(x)
+
+
+def abstract_params(config: UNetConfig) -> dict:
+    """The UNet's parameter shapes and dtypes, without allocating them."""
+    size = 2 ** (len(config.block_out_channels) - 1)
+
+    def dummy(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    inputs = dict(
+        sample=dummy(1, size, size, config.in_channels),
+        timesteps=dummy(1),
+        encoder_hidden_states=dummy(1, 1, config.cross_attention_dim),
+    )
+    if config.addition_embed_type == "text_time":
+        # Only the concatenated width reaches a parameter, so one time id will do.
+        pooled_dim = config.projection_class_embeddings_input_dim - config.addition_time_embed_dim
+        inputs.update(text_embeds=dummy(1, pooled_dim), time_ids=dummy(1, 1))
+    model = UNet2DConditionModel(config)
+    return jax.eval_shape(model.init, jax.random.key(0), **inputs)["params"]

@@ -1,0 +1,252 @@
+"""Parity of sdxl.unet with diffusers' UNet2DConditionModel, on tiny random models saved to disk."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from diffusers import UNet2DConditionModel as TorchUNet
+
+from sdxl.config import config_from_dict, config_from_file
+from sdxl.unet import UNet2DConditionModel, UNetConfig, abstract_params
+from sdxl.weights import flatten, load_params
+
+POOLED_DIM = 16
+TIME_EMBED_DIM = 8
+NUM_TIME_IDS = 6
+
+SDXL_STYLE = dict(
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    block_out_channels=(32, 64, 64),
+    layers_per_block=2,
+    norm_num_groups=8,
+    # Different per level, so that reading them in the wrong order breaks the checkpoint's shapes.
+    transformer_layers_per_block=(1, 1, 2),
+    attention_head_dim=(2, 4, 2),  # heads per level: 16-, 16- and 32-wide heads
+    use_linear_projection=True,
+    cross_attention_dim=32,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=TIME_EMBED_DIM,
+    projection_class_embeddings_input_dim=POOLED_DIM + NUM_TIME_IDS * TIME_EMBED_DIM,
+    sample_size=16,
+)
+
+SD1_STYLE = dict(
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    block_out_channels=(32, 48, 64),
+    layers_per_block=1,
+    norm_num_groups=8,
+    attention_head_dim=4,
+    use_linear_projection=False,
+    cross_attention_dim=24,
+    sample_size=16,
+    # Not SD's values: they take the other branch of each option.
+    flip_sin_to_cos=False,
+    freq_shift=1,
+    downsample_padding=0,
+    mid_block_scale_factor=1.5,
+)
+
+# unet/config.json of stabilityai/stable-diffusion-xl-base-1.0.
+SDXL_BASE_CONFIG = {
+    "act_fn": "silu",
+    "addition_embed_type": "text_time",
+    "addition_embed_type_num_heads": 64,
+    "addition_time_embed_dim": 256,
+    "attention_head_dim": [5, 10, 20],
+    "block_out_channels": [320, 640, 1280],
+    "center_input_sample": False,
+    "class_embed_type": None,
+    "class_embeddings_concat": False,
+    "conv_in_kernel": 3,
+    "conv_out_kernel": 3,
+    "cross_attention_dim": 2048,
+    "cross_attention_norm": None,
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "downsample_padding": 1,
+    "dual_cross_attention": False,
+    "encoder_hid_dim": None,
+    "encoder_hid_dim_type": None,
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "in_channels": 4,
+    "layers_per_block": 2,
+    "mid_block_only_cross_attention": None,
+    "mid_block_scale_factor": 1,
+    "mid_block_type": "UNetMidBlock2DCrossAttn",
+    "norm_eps": 1e-05,
+    "norm_num_groups": 32,
+    "num_attention_heads": None,
+    "num_class_embeds": None,
+    "only_cross_attention": False,
+    "out_channels": 4,
+    "projection_class_embeddings_input_dim": 2816,
+    "resnet_out_scale_factor": 1.0,
+    "resnet_skip_time_act": False,
+    "resnet_time_scale_shift": "default",
+    "sample_size": 128,
+    "time_cond_proj_dim": None,
+    "time_embedding_act_fn": None,
+    "time_embedding_dim": None,
+    "time_embedding_type": "positional",
+    "timestep_post_act": None,
+    "transformer_layers_per_block": [1, 2, 10],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    "upcast_attention": None,
+    "use_linear_projection": True,
+}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Re-initialises every weight so that activations and outputs are O(1).
+
+    diffusers' default init leaves outputs too small for an absolute tolerance to mean much.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(shape):
+        return torch.randn(shape, generator=generator)
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.GroupNorm, torch.nn.LayerNorm)):
+                module.weight.copy_(1 + 0.1 * normal(module.weight.shape))
+                module.bias.copy_(0.1 * normal(module.bias.shape))
+            elif isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+                fan_in = module.weight[0].numel()
+                module.weight.copy_(normal(module.weight.shape) / fan_in**0.5)
+                if module.bias is not None:
+                    module.bias.copy_(0.1 * normal(module.bias.shape))
+
+
+def save_reference(config: dict, path, seed: int) -> TorchUNet:
+    torch.manual_seed(seed)
+    model = TorchUNet(**config).eval()
+    randomize(model, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def inputs(rng, config: dict, height: int, width: int, with_text_time: bool) -> dict:
+    batch = 2
+    values = dict(
+        sample=rng.standard_normal((batch, height, width, config.get("in_channels", 4)), dtype=np.float32),
+        timesteps=np.array([999.0, 37.5], np.float32),
+        encoder_hidden_states=rng.standard_normal((batch, 7, config["cross_attention_dim"]), dtype=np.float32),
+    )
+    if with_text_time:
+        values["text_embeds"] = rng.standard_normal((batch, POOLED_DIM), dtype=np.float32)
+        # original size, crop top-left, target size (in pixels)
+        values["time_ids"] = np.array([[1024, 1024, 0, 0, 1024, 1024], [768, 1344, 16, 32, 832, 1216]], np.float32)
+    return values
+
+
+def torch_forward(model: TorchUNet, values: dict) -> np.ndarray:
+    added = {k: torch.from_numpy(values[k]) for k in ("text_embeds", "time_ids") if k in values}
+    with torch.no_grad():
+        out = model(
+            torch.from_numpy(values["sample"]).permute(0, 3, 1, 2),
+            torch.from_numpy(values["timesteps"]),
+            torch.from_numpy(values["encoder_hidden_states"]),
+            added_cond_kwargs=added or None,
+        ).sample
+    return out.permute(0, 2, 3, 1).numpy()
+
+
+def load_jax(path, dtype):
+    config = config_from_file(UNetConfig, path / "config.json")
+    params = load_params([path / "diffusion_pytorch_model.safetensors"], abstract_params(config), dtype=dtype)
+    return config, params
+
+
+def jax_forward(config: UNetConfig, params: dict, values: dict, dtype=jnp.float32) -> np.ndarray:
+    # Jitted with the timesteps as an argument: they must work traced.
+    forward = jax.jit(lambda p, v: UNet2DConditionModel(config, dtype).apply({"params": p}, **v))
+    return np.asarray(forward(params, values).astype(jnp.float32))
+
+
+@pytest.fixture(scope="module")
+def sdxl_style(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sdxl_style_unet")
+    model = save_reference(SDXL_STYLE, path, seed=0)
+    values = inputs(np.random.default_rng(0), SDXL_STYLE, 16, 24, with_text_time=True)
+    return path, values, torch_forward(model, values)
+
+
+def test_sdxl_style_matches_diffusers(sdxl_style):
+    path, values, expected = sdxl_style
+    config, params = load_jax(path, np.float32)
+    assert config.num_heads == (2, 4, 2) and config.transformer_layers == (1, 1, 2)
+    out = jax_forward(config, params, values)
+    diff = np.abs(out - expected).max()
+    print(f"SDXL-style UNet: max abs diff {diff:.2e}, output std {expected.std():.3f}")
+    assert out.shape == (2, 16, 24, 4)
+    assert expected.std() > 0.1
+    assert diff <= 1e-4
+
+
+def test_sd1_style_odd_latent_matches_diffusers(tmp_path, rng):
+    model = save_reference(SD1_STYLE, tmp_path, seed=1)
+    # 18x22 -> 9x11 -> 4x5 on the way down, so the up blocks resize to the skips' sizes, not 2x.
+    values = inputs(rng, SD1_STYLE, 18, 22, with_text_time=False)
+    expected = torch_forward(model, values)
+    config, params = load_jax(tmp_path, np.float32)
+    out = jax_forward(config, params, values)
+    diff = np.abs(out - expected).max()
+    print(f"SD1-style UNet, odd latent: max abs diff {diff:.2e}, output std {expected.std():.3f}")
+    assert out.shape == (2, 18, 22, 4)
+    assert expected.std() > 0.1
+    assert diff <= 1e-4
+
+
+def test_bfloat16_close_to_float32(sdxl_style):
+    path, values, expected = sdxl_style
+    config, params = load_jax(path, ml_dtypes.bfloat16)
+    assert all(p.dtype == ml_dtypes.bfloat16 for p in flatten(params).values())
+    out = jax_forward(config, params, values, dtype=jnp.bfloat16)
+    # bf16 keeps 8 significant bits (relative rounding 2**-9 ~ 2e-3 per op), and the errors of the
+    # ~50 layers between input and output add up: diffusers' own bf16 run of this model is off its
+    # fp32 output by about 1.5% RMS and 6% at worst (relative to the output std); so is ours.
+    # 5% RMS / 25% worst leave headroom while still catching a layer that computes wrongly in bf16.
+    rms = np.sqrt(np.mean((out - expected) ** 2)) / expected.std()
+    worst = np.abs(out - expected).max() / expected.std()
+    print(f"bf16 UNet: RMS error {rms:.2e}, max abs error {worst:.2e} (relative to the output std)")
+    assert np.isfinite(out).all()
+    assert rms < 5e-2
+    assert worst < 0.25
+
+
+def test_sdxl_base_parameter_count():
+    config = config_from_dict(UNetConfig, SDXL_BASE_CONFIG)
+    assert config.num_heads == (5, 10, 20)
+    shapes = abstract_params(config)
+    count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes))
+    assert count == 2_567_463_684
+    assert shapes["down_blocks.2"]["attentions.1"]["transformer_blocks.9"]["attn2"]["to_k"]["kernel"].shape == (
+        2048,
+        1280,
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(num_attention_heads=8),
+        dict(only_cross_attention=True),
+        dict(addition_embed_type="text"),
+        dict(class_embed_type="timestep"),
+        dict(time_cond_proj_dim=256),
+        dict(down_block_types=("DownBlock2D", "AttnDownBlock2D", "CrossAttnDownBlock2D")),
+        dict(transformer_layers_per_block=(1, 2)),
+        dict(attention_head_dim=(5, 10, 7)),
+    ],
+)
+def test_unsupported_config_raises(change):
+    config = config_from_dict(UNetConfig, SDXL_BASE_CONFIG)
+    with pytest.raises(ValueError):
+        dataclasses.replace(config, **change)
