@@ -1,0 +1,276 @@
+"""Noise schedules, computed on the host exactly as diffusers' schedulers compute them.
+
+Each `*_schedule(config, num_steps, max_steps)` reproduces one diffusers scheduler's
+`set_timesteps(num_steps)` in numpy (float64 where diffusers works in float64, float32 where it works
+in float32) and pads the result to `max_steps`, so that one compiled sampling loop serves every step
+count: the step count is a traced loop bound and the padding is never read.
+
+Noise levels are k-diffusion sigmas: the noisy latent is x = x0 + sigma * noise, and the
+variance-preserving sample a diffusers UNet is trained on is x / sqrt(sigma^2 + 1).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+TIMESTEP_SPACINGS = ("linspace", "leading", "trailing")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """`scheduler/scheduler_config.json`, in the vocabulary shared by diffusers' scheduler classes.
+
+    Defaults are EulerDiscreteScheduler's, except where noted. Checkpoints ship the config of one
+    scheduler class (`_class_name`: PNDMScheduler for SD 1.5, EulerDiscreteScheduler for SDXL); like
+    diffusers' `SomeScheduler.from_config`, every schedule below reads the fields it knows from it.
+    """
+
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.0001
+    beta_end: float = 0.02
+    beta_schedule: str = "linear"
+    trained_betas: tuple[float, ...] | None = None
+    prediction_type: str = "epsilon"
+    # None when the JSON does not say: each schedule then applies its own diffusers class's default
+    # ("leading" for DDIM, "linspace" for the others), as `from_config` would.
+    timestep_spacing: str | None = None
+    steps_offset: int = 0
+    interpolation_type: str = "linear"
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    sigma_min: float | None = None
+    sigma_max: float | None = None
+    final_sigmas_type: str = "zero"
+    timestep_type: str = "discrete"
+    rescale_betas_zero_snr: bool = False
+    # DDIM (and PNDM) fields, with DDIMScheduler's defaults.
+    set_alpha_to_one: bool = True
+    clip_sample: bool = True
+    thresholding: bool = False
+
+    def __post_init__(self):
+        supported = {
+            "beta_schedule": ("linear", "scaled_linear"),
+            "trained_betas": (None,),
+            "prediction_type": ("epsilon", "v_prediction"),
+            "timestep_spacing": (None, *TIMESTEP_SPACINGS),
+            "interpolation_type": ("linear",),
+            "use_exponential_sigmas": (False, None),
+            "use_beta_sigmas": (False, None),
+            "sigma_min": (None,),
+            "sigma_max": (None,),
+            "final_sigmas_type": ("zero", "sigma_min"),
+            "timestep_type": ("discrete",),
+            "rescale_betas_zero_snr": (False,),
+        }
+        for name, values in supported.items():
+            if getattr(self, name) not in values:
+                raise ValueError(f"scheduler config: {name}={getattr(self, name)!r} is not supported (only {values})")
+
+
+@struct.dataclass
+class Schedule:
+    """A padded noise schedule; entries past the step count are copies of the last real one.
+
+    Attributes:
+      sigmas: [max_steps + 1] float32, the noise level the denoiser sees at each step, then the
+        level the last step ends at (0, or sigma_min for final_sigmas_type="sigma_min").
+      timesteps: [max_steps] float32, the UNet's timestep at each step, as diffusers passes it.
+      init_noise_sigma: [] float32, diffusers' `scheduler.init_noise_sigma`: the sampler starts from
+        standard normal noise times this.
+    """
+
+    sigmas: jax.Array
+    timesteps: jax.Array
+    init_noise_sigma: jax.Array
+
+
+@struct.dataclass
+class DDIMSchedule(Schedule):
+    """A DDIM schedule, whose step i goes to `target_sigmas[i]` rather than to `sigmas[i + 1]`.
+
+    Attributes:
+      target_sigmas: [max_steps] float32. diffusers' DDIM steps from timestep t to
+        t - num_train_timesteps // num_steps, which is the next timestep only for "leading" spacing.
+    """
+
+    target_sigmas: jax.Array
+
+
+def alphas_cumprod(config: SchedulerConfig) -> np.ndarray:
+    """[num_train_timesteps] float32 cumulative products of (1 - beta), bit-compatible with diffusers.
+
+    diffusers builds float32 betas with torch.linspace and takes torch.cumprod, which on CPU
+    accumulates in float64. The betas here are the correctly rounded float32 values; torch's float32
+    linspace can differ from them in the last bit, which moves these by at most about 4e-7 relative.
+    """
+    steps = config.num_train_timesteps
+    if config.beta_schedule == "linear":
+        betas = np.linspace(config.beta_start, config.beta_end, steps).astype(np.float32)
+    else:  # "scaled_linear": linear in sqrt(beta), the latent diffusion schedule.
+        betas = np.linspace(config.beta_start**0.5, config.beta_end**0.5, steps).astype(np.float32) ** 2
+    return np.cumprod((1 - betas).astype(np.float64)).astype(np.float32)
+
+
+def _sigmas_from_alphas_cumprod(alphas_cumprod: np.ndarray) -> np.ndarray:
+    return np.sqrt((1 - alphas_cumprod) / alphas_cumprod)
+
+
+def train_sigmas(config: SchedulerConfig) -> np.ndarray:
+    """[num_train_timesteps] float32 noise level of each training timestep, increasing."""
+    return _sigmas_from_alphas_cumprod(alphas_cumprod(config))
+
+
+def _spaced_timesteps(config: SchedulerConfig, spacing: str, num_steps: int, round_linspace: bool) -> np.ndarray:
+    """[num_steps] float64 decreasing timesteps, spaced as in the table 2 of Lin et al. 2023.
+
+    "leading" and "trailing" give integers, "linspace" fractions unless `round_linspace`.
+    """
+    steps = config.num_train_timesteps
+    if spacing == "linspace":
+        timesteps = np.linspace(0, steps - 1, num_steps)[::-1]
+        return timesteps.round() if round_linspace else timesteps
+    if spacing == "leading":
+        return (np.arange(num_steps) * (steps // num_steps)).round()[::-1] + config.steps_offset
+    timesteps = np.arange(steps, 0, -steps / num_steps).round() - 1
+    if len(timesteps) != num_steps:
+        # np.arange's float step overshoots for some counts (61, 103, ...): diffusers then runs an
+        # extra step at timestep -1.
+        raise ValueError(f"'trailing' spacing gives {len(timesteps)} timesteps for {num_steps} steps in diffusers")
+    return timesteps
+
+
+def _karras_sigmas(sigma_min: float, sigma_max: float, num_steps: int, rho: float = 7.0) -> np.ndarray:
+    """[num_steps] float64 decreasing sigmas, evenly spaced in sigma^(1/rho) (Karras et al. 2022, eq. 5)."""
+    ramp = np.linspace(0, 1, num_steps)
+    max_inv_rho, min_inv_rho = sigma_max ** (1 / rho), sigma_min ** (1 / rho)
+    return (max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** rho
+
+
+def _sigma_to_t(sigmas: np.ndarray, log_train_sigmas: np.ndarray) -> np.ndarray:
+    """Fractional timesteps whose noise levels are `sigmas`, interpolating linearly in log sigma."""
+    log_sigmas = np.log(np.maximum(sigmas, 1e-10))
+    dists = log_sigmas - log_train_sigmas[:, None]  # [T, N]
+    low = np.cumsum(dists >= 0, axis=0).argmax(axis=0).clip(max=len(log_train_sigmas) - 2)
+    w = (log_train_sigmas[low] - log_sigmas) / (log_train_sigmas[low] - log_train_sigmas[low + 1])
+    w = np.clip(w, 0, 1)
+    return (1 - w) * low + w * (low + 1)
+
+
+def _final_sigma(config: SchedulerConfig, sigmas_of_train: np.ndarray) -> np.float32:
+    return sigmas_of_train[0] if config.final_sigmas_type == "sigma_min" else np.float32(0)
+
+
+def _padded(values: np.ndarray, length: int) -> jax.Array:
+    values = np.asarray(values, np.float32)
+    return jnp.asarray(np.pad(values, (0, length - len(values)), mode="edge"))
+
+
+def _check_steps(num_steps: int, max_steps: int) -> None:
+    if not 1 <= num_steps <= max_steps:
+        raise ValueError(f"num_steps={num_steps} must be between 1 and max_steps={max_steps}")
+
+
+def _schedule_fields(sigmas, timesteps, init_noise_sigma, max_steps: int) -> dict:
+    return {
+        "sigmas": _padded(sigmas, max_steps + 1),
+        "timesteps": _padded(timesteps, max_steps),
+        "init_noise_sigma": jnp.float32(init_noise_sigma),
+    }
+
+
+def euler_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> Schedule:
+    """EulerDiscreteScheduler.set_timesteps(num_steps), padded to max_steps.
+
+    Args:
+      config: the checkpoint's scheduler config.
+      num_steps: the number of denoising steps, 1 <= num_steps <= max_steps.
+      max_steps: the padded length (static in the compiled sampler).
+
+    Returns:
+      The schedule: timesteps spaced per config.timestep_spacing, sigmas interpolated linearly in
+      the timestep (or Karras sigmas), ending in the final sigma.
+    """
+    _check_steps(num_steps, max_steps)
+    spacing = config.timestep_spacing or "linspace"
+    # diffusers interpolates at float32 timesteps.
+    timesteps = _spaced_timesteps(config, spacing, num_steps, round_linspace=False).astype(np.float32)
+    sigmas_of_train = train_sigmas(config)
+    sigmas = np.interp(timesteps, np.arange(len(sigmas_of_train)), sigmas_of_train)  # float64
+    if config.use_karras_sigmas:
+        sigmas = _karras_sigmas(sigmas[-1], sigmas[0], num_steps)
+        timesteps = _sigma_to_t(sigmas, np.log(sigmas_of_train))
+    sigmas = np.append(sigmas, _final_sigma(config, sigmas_of_train)).astype(np.float32)
+    # For "leading" spacing the first sigma is below the largest training one, and diffusers starts
+    # from the variance-preserving noise level instead.
+    init_noise_sigma = sigmas.max() if spacing in ("linspace", "trailing") else np.sqrt(sigmas.max() ** 2 + 1)
+    return Schedule(**_schedule_fields(sigmas, timesteps, init_noise_sigma, max_steps))
+
+
+def euler_ancestral_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> Schedule:
+    """EulerAncestralDiscreteScheduler.set_timesteps(num_steps), padded to max_steps.
+
+    That scheduler has no Karras or final-sigma options: it is Euler's schedule with interpolated
+    sigmas ending in 0, whatever the config says about those.
+    """
+    plain = dataclasses.replace(config, use_karras_sigmas=False, final_sigmas_type="zero")
+    return euler_schedule(plain, num_steps, max_steps)
+
+
+def dpmpp_2m_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> Schedule:
+    """DPMSolverMultistepScheduler.set_timesteps(num_steps), padded to max_steps.
+
+    Integer timesteps; with use_karras_sigmas, Karras sigmas over the whole training range and their
+    timesteps rounded. The sampler's x is diffusers' variance-preserving sample, so it starts at
+    unit variance.
+    """
+    _check_steps(num_steps, max_steps)
+    if config.thresholding:
+        raise ValueError("scheduler config: thresholding is not supported")
+    spacing = config.timestep_spacing or "linspace"
+    if spacing == "trailing":
+        timesteps = _spaced_timesteps(config, spacing, num_steps, round_linspace=True)
+    else:
+        # diffusers spaces num_steps + 1 points and drops the lowest one.
+        timesteps = _spaced_timesteps(config, spacing, num_steps + 1, round_linspace=True)[:-1]
+    sigmas_of_train = train_sigmas(config)
+    if config.use_karras_sigmas:
+        sigmas = _karras_sigmas(sigmas_of_train[0].item(), sigmas_of_train[-1].item(), num_steps)
+        timesteps = _sigma_to_t(sigmas, np.log(sigmas_of_train)).round()
+    else:
+        sigmas = np.interp(timesteps, np.arange(len(sigmas_of_train)), sigmas_of_train)
+    sigmas = np.append(sigmas, _final_sigma(config, sigmas_of_train))
+    return Schedule(**_schedule_fields(sigmas, timesteps, 1.0, max_steps))
+
+
+def dpmpp_2m_karras_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> Schedule:
+    """`dpmpp_2m_schedule` with Karras sigmas, as diffusers with use_karras_sigmas=True."""
+    return dpmpp_2m_schedule(dataclasses.replace(config, use_karras_sigmas=True), num_steps, max_steps)
+
+
+def ddim_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> DDIMSchedule:
+    """DDIMScheduler.set_timesteps(num_steps), padded to max_steps.
+
+    The last step goes to alphas_cumprod = 1 (sigma 0) with set_alpha_to_one, else to the first
+    training timestep's. The sampler's x is diffusers' variance-preserving sample, so it starts at
+    unit variance.
+    """
+    _check_steps(num_steps, max_steps)
+    if config.clip_sample or config.thresholding:
+        raise ValueError("scheduler config: DDIM's clip_sample and thresholding are not supported")
+    spacing = config.timestep_spacing or "leading"
+    timesteps = _spaced_timesteps(config, spacing, num_steps, round_linspace=True).astype(np.int64)
+    cumprod = alphas_cumprod(config)
+    final_cumprod = np.float32(1) if config.set_alpha_to_one else cumprod[0]
+    targets = timesteps - config.num_train_timesteps // num_steps
+    target_cumprod = np.where(targets >= 0, cumprod[targets.clip(min=0)], final_cumprod)
+    sigmas = _sigmas_from_alphas_cumprod(cumprod[timesteps])
+    target_sigmas = _sigmas_from_alphas_cumprod(target_cumprod)
+    return DDIMSchedule(
+        **_schedule_fields(np.append(sigmas, target_sigmas[-1]), timesteps, 1.0, max_steps),
+        target_sigmas=_padded(target_sigmas, max_steps),
+    )

@@ -1,0 +1,198 @@
+"""Samplers against a loop of diffusers' scheduler.scale_model_input / step, with a toy model."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+)
+from diffusers.schedulers import scheduling_euler_ancestral_discrete
+from test_schedulers import SD15_SCHEDULER_CONFIG, SDXL_SCHEDULER_CONFIG
+
+from sdxl import sampling
+from sdxl.config import config_from_dict
+from sdxl.sampling import SAMPLERS, denoised_from_model_output
+from sdxl.schedulers import SchedulerConfig
+
+SHAPE = (2, 8, 8, 4)  # [B, H, W, C]
+MAX_STEPS = 30
+PATTERN = np.random.default_rng(1).standard_normal(SHAPE[1:]).astype(np.float32)
+
+
+def toy_model(model_input, timestep, xp):
+    """A fixed stand-in for the UNet: linear in its input, smooth in the timestep."""
+    return 0.9 * model_input + 0.2 * xp.asarray(PATTERN) * xp.cos(timestep / 300)
+
+
+def toy_denoiser(prediction_type: str):
+    """Wraps the toy model as the pipeline wraps the UNet: input scaled by c_in, output parametrised."""
+
+    def denoiser(x, sigma, timestep):
+        model_output = toy_model(x / jnp.sqrt(sigma**2 + 1), timestep, jnp)
+        return denoised_from_model_output(x, model_output, sigma, prediction_type)
+
+    return denoiser
+
+
+def diffusers_sample(scheduler, noise: np.ndarray) -> np.ndarray:
+    """The loop a diffusers pipeline runs, with the toy model."""
+    latents = torch.from_numpy(noise) * scheduler.init_noise_sigma
+    for t in scheduler.timesteps:
+        model_input = scheduler.scale_model_input(latents, t)
+        model_output = toy_model(model_input, t.float(), torch)
+        latents = scheduler.step(model_output, t, latents).prev_sample
+    return latents.numpy()
+
+
+@functools.cache
+def compiled_sampler(name: str, prediction_type: str):
+    return jax.jit(functools.partial(SAMPLERS[name].sample, toy_denoiser(prediction_type)))
+
+
+def run(name, values, num_steps, noise, keys=None):
+    """Our schedule and sampler, jitted with num_steps traced."""
+    sampler = SAMPLERS[name]
+    config = config_from_dict(SchedulerConfig, values)
+    schedule = sampler.schedule(config, num_steps, MAX_STEPS)
+    extra = (keys,) if sampler.stochastic else ()
+    x = jnp.asarray(noise) * schedule.init_noise_sigma
+    return np.asarray(compiled_sampler(name, config.prediction_type)(x, schedule, num_steps, *extra))
+
+
+def check_against_diffusers(name, reference_cls, values, num_steps, keys=None):
+    noise = np.random.default_rng(num_steps).standard_normal(SHAPE).astype(np.float32)
+    reference = reference_cls.from_config(values)
+    reference.set_timesteps(num_steps)
+    expected = diffusers_sample(reference, noise)
+    ours = run(name, values, num_steps, noise, keys)
+    diff = np.abs(ours - expected).max()
+    print(f"{name} {num_steps} steps: max abs diff {diff:.2e} (output std {expected.std():.2f})")
+    assert expected.std() > 0.01  # SD 1.5 with 1 step starts at sigma 0.03: "linspace" puts it at t = 0
+    assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("num_steps", [1, 7, 25])
+@pytest.mark.parametrize(
+    "values",
+    [
+        SDXL_SCHEDULER_CONFIG,
+        {**SDXL_SCHEDULER_CONFIG, "prediction_type": "v_prediction", "timestep_spacing": "trailing"},
+        {**SD15_SCHEDULER_CONFIG, "use_karras_sigmas": True, "final_sigmas_type": "sigma_min"},
+    ],
+    ids=["sdxl", "trailing v", "sd15 karras"],
+)
+def test_euler_matches_diffusers(values, num_steps):
+    check_against_diffusers("euler", EulerDiscreteScheduler, values, num_steps)
+
+
+def test_num_steps_is_traced():
+    """One compilation serves two step counts, and both match diffusers."""
+    traces = 0
+    config = config_from_dict(SchedulerConfig, SDXL_SCHEDULER_CONFIG)
+    denoiser = toy_denoiser("epsilon")
+
+    @jax.jit
+    def sample(x, schedule, num_steps):
+        nonlocal traces
+        traces += 1
+        return sampling.sample_euler(denoiser, x, schedule, num_steps)
+
+    noise = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
+    for num_steps in (7, 25):
+        schedule = sampling.euler_schedule(config, num_steps, MAX_STEPS)
+        reference = EulerDiscreteScheduler.from_config(SDXL_SCHEDULER_CONFIG)
+        reference.set_timesteps(num_steps)
+        ours = sample(jnp.asarray(noise) * schedule.init_noise_sigma, schedule, jnp.int32(num_steps))
+        np.testing.assert_allclose(ours, diffusers_sample(reference, noise), atol=1e-5, rtol=0)
+    assert traces == 1
+
+
+def test_padding_is_not_read():
+    config = config_from_dict(SchedulerConfig, SDXL_SCHEDULER_CONFIG)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32))
+    padded = sampling.euler_schedule(config, 7, MAX_STEPS)
+    exact = sampling.euler_schedule(config, 7, 7)
+    sigmas, timesteps = np.array(padded.sigmas), np.array(padded.timesteps)
+    sigmas[8:], timesteps[7:] = np.nan, np.nan
+    garbage = padded.replace(sigmas=jnp.asarray(sigmas), timesteps=jnp.asarray(timesteps))
+    denoiser = toy_denoiser("epsilon")
+    results = [sampling.sample_euler(denoiser, x, s, 7) for s in (exact, padded, garbage)]
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
+
+
+def test_denoised_from_model_output():
+    x, eps, sigma = jnp.float32(3.0), jnp.float32(0.5), jnp.float32(2.0)
+    assert denoised_from_model_output(x, eps, sigma, "epsilon") == 2.0
+    # x = x0 + sigma * eps and v = alpha * eps - sigma_vp * x0 (variance-preserving alpha, sigma_vp).
+    x0 = jnp.float32(0.7)
+    alpha, sigma_vp = 1 / jnp.sqrt(sigma**2 + 1), sigma / jnp.sqrt(sigma**2 + 1)
+    v = alpha * eps - sigma_vp * x0
+    np.testing.assert_allclose(denoised_from_model_output(x0 + sigma * eps, v, sigma, "v_prediction"), x0, rtol=1e-6)
+    with pytest.raises(ValueError, match="sample"):
+        denoised_from_model_output(x, eps, sigma, "sample")
+
+
+@pytest.mark.parametrize("num_steps", [1, 7, 20])
+@pytest.mark.parametrize(
+    "name, values",
+    [
+        ("dpmpp_2m", SDXL_SCHEDULER_CONFIG),
+        ("dpmpp_2m_karras", {**SD15_SCHEDULER_CONFIG, "prediction_type": "v_prediction"}),
+        ("dpmpp_2m", {**SD15_SCHEDULER_CONFIG, "final_sigmas_type": "sigma_min"}),
+    ],
+    ids=["sdxl", "sd15 karras v", "sd15 sigma_min"],
+)
+def test_dpmpp_2m_matches_diffusers(name, values, num_steps):
+    if name == "dpmpp_2m_karras":
+        values = {**values, "use_karras_sigmas": True}
+    check_against_diffusers(name, DPMSolverMultistepScheduler, values, num_steps)
+
+
+@pytest.mark.parametrize("num_steps", [1, 7, 25])
+@pytest.mark.parametrize(
+    "values",
+    [
+        SDXL_SCHEDULER_CONFIG,
+        {**SD15_SCHEDULER_CONFIG, "prediction_type": "v_prediction"},
+        {**SD15_SCHEDULER_CONFIG, "timestep_spacing": "linspace", "set_alpha_to_one": True},
+    ],
+    ids=["sdxl", "sd15 v", "sd15 linspace"],
+)
+def test_ddim_matches_diffusers(values, num_steps):
+    check_against_diffusers("ddim", DDIMScheduler, values, num_steps)
+
+
+@pytest.mark.parametrize("num_steps", [1, 7, 25])
+@pytest.mark.parametrize("values", [SDXL_SCHEDULER_CONFIG, SD15_SCHEDULER_CONFIG], ids=["sdxl", "sd15"])
+def test_euler_ancestral_matches_diffusers(values, num_steps, monkeypatch):
+    keys = jax.random.split(jax.random.key(0), SHAPE[0])
+    step_noise = jax.jit(sampling.step_noise, static_argnums=2)
+    steps_taken = 0
+
+    def same_noise(shape, **kwargs):
+        nonlocal steps_taken
+        noise = np.array(step_noise(keys, steps_taken, tuple(shape[1:])))
+        steps_taken += 1
+        return torch.from_numpy(noise)
+
+    monkeypatch.setattr(scheduling_euler_ancestral_discrete, "randn_tensor", same_noise)
+    check_against_diffusers("euler_ancestral", EulerAncestralDiscreteScheduler, values, num_steps, keys)
+    assert steps_taken == num_steps
+
+
+def test_euler_ancestral_noise_depends_only_on_the_image_key():
+    keys = jax.random.split(jax.random.key(0), 2)
+    noise = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
+    pair = run("euler_ancestral", SDXL_SCHEDULER_CONFIG, 7, noise, keys)
+    alone = run("euler_ancestral", SDXL_SCHEDULER_CONFIG, 7, noise[1:], keys[1:])
+    swapped = run("euler_ancestral", SDXL_SCHEDULER_CONFIG, 7, noise[1:], keys[:1])
+    np.testing.assert_allclose(alone[0], pair[1], atol=1e-6)
+    assert np.abs(swapped[0] - pair[1]).max() > 0.1
