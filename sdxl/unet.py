@@ -7,6 +7,8 @@ directly.
 Latents are NHWC. Every level of the UNet is a down block (resnets, each optionally followed by a
 spatial transformer, then a stride-2 conv) whose intermediate outputs are kept as skips; an up block
 consumes them in reverse, concatenating one skip onto its input before each resnet.
+
+The resnet, attention and resampling layers are diffusers' shared ones; `sdxl.vae` builds on them too.
 """
 
 import dataclasses
@@ -206,8 +208,8 @@ def timestep_embedding(timesteps: jax.Array, dim: int, flip_sin_to_cos: bool, fr
 
 
 def group_norm(num_groups: int, epsilon: float, dtype, name: str) -> nn.GroupNorm:
-    # Two-pass variance, as torch computes it: the residual stream grows large, where
-    # E[x^2] - E[x]^2 loses precision.
+    # Two-pass variance, as torch computes it: the residual stream (and the VAE decoder's
+    # activations) reach the hundreds, where E[x^2] - E[x]^2 loses precision.
     return nn.GroupNorm(num_groups=num_groups, epsilon=epsilon, use_fast_variance=False, dtype=dtype, name=name)
 
 
@@ -239,7 +241,11 @@ class TimestepEmbedding(nn.Module):
 
 
 class ResnetBlock2D(nn.Module):
-    """Pre-norm residual block with the time embedding added between its two convs."""
+    """Pre-norm residual block; the time embedding, if any, is added between its two convs.
+
+    Without a time embedding (the VAE's resnets) the block has no `time_emb_proj` layer, as
+    diffusers' `ResnetBlock2D` with `temb_channels=None`.
+    """
 
     out_channels: int
     norm_num_groups: int
@@ -248,11 +254,12 @@ class ResnetBlock2D(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, temb):  # [B, H, W, C_in], [B, D_t] -> [B, H, W, out_channels]
+    def __call__(self, x, temb=None):  # [B, H, W, C_in], [B, D_t] or None -> [B, H, W, out_channels]
         h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm1")(x))
         h = conv3x3(self.out_channels, self.dtype, "conv1")(h)
-        temb = nn.Dense(self.out_channels, dtype=self.dtype, name="time_emb_proj")(nn.silu(temb))
-        h = h + temb[:, None, None, :]
+        if temb is not None:
+            temb = nn.Dense(self.out_channels, dtype=self.dtype, name="time_emb_proj")(nn.silu(temb))
+            h = h + temb[:, None, None, :]
         h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm2")(h))
         h = conv3x3(self.out_channels, self.dtype, "conv2")(h)
         if x.shape[-1] != self.out_channels:
@@ -261,9 +268,13 @@ class ResnetBlock2D(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention of `x` over `context` (over itself when `context` is None)."""
+    """Multi-head attention of `x` over `context` (over itself when `context` is None).
+
+    The UNet's query/key/value projections have no bias; the VAE's do (`qkv_bias`).
+    """
 
     num_heads: int
+    qkv_bias: bool = False
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
@@ -273,7 +284,7 @@ class Attention(nn.Module):
         head_dim = channels // self.num_heads
 
         def project(name, inputs):  # -> [B, T or S, heads, head_dim]
-            y = nn.Dense(channels, use_bias=False, dtype=self.dtype, name=name)(inputs)
+            y = nn.Dense(channels, use_bias=self.qkv_bias, dtype=self.dtype, name=name)(inputs)
             return y.reshape(batch, -1, self.num_heads, head_dim)
 
         out = jax.nn.dot_product_attention(project("to_q", x), project("to_k", context), project("to_v", context))
@@ -316,8 +327,8 @@ class BasicTransformerBlock(nn.Module):
                 epsilon=TRANSFORMER_LAYER_NORM_EPS, use_fast_variance=False, dtype=self.dtype, name=name
             )
 
-        x = x + Attention(self.num_heads, self.dtype, name="attn1")(layer_norm("norm1")(x))
-        x = x + Attention(self.num_heads, self.dtype, name="attn2")(layer_norm("norm2")(x), context)
+        x = x + Attention(self.num_heads, dtype=self.dtype, name="attn1")(layer_norm("norm1")(x))
+        x = x + Attention(self.num_heads, dtype=self.dtype, name="attn2")(layer_norm("norm2")(x), context)
         return x + FeedForward(self.dtype, name="ff")(layer_norm("norm3")(x))
 
 

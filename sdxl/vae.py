@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .unet import Attention, Downsample2D, ResnetBlock2D, Upsample2D, group_norm
+
 # Every norm in the VAE (resnets, mid-block attention, conv_norm_out) uses this epsilon.
 NORM_EPS = 1e-6
 # diffusers' DiagonalGaussianDistribution clamps the log-variance to this range.
@@ -72,47 +74,30 @@ class VAEConfig:
         return 2 ** (len(self.block_out_channels) - 1)
 
 
-def group_norm(num_groups: int, dtype, name: str) -> nn.GroupNorm:
-    # Two-pass variance, as torch computes it: the decoder's activations reach the hundreds, where
-    # E[x^2] - E[x]^2 loses precision.
-    return nn.GroupNorm(num_groups=num_groups, epsilon=NORM_EPS, use_fast_variance=False, dtype=dtype, name=name)
-
-
-class ResnetBlock2D(nn.Module):
-    """Pre-norm residual block (no timestep input); a 1x1 conv matches channels on the skip path."""
-
-    out_channels: int
-    norm_num_groups: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):  # [B, H, W, C_in] -> [B, H, W, out_channels]
-        h = nn.silu(group_norm(self.norm_num_groups, self.dtype, "norm1")(x))
-        h = nn.Conv(self.out_channels, (3, 3), padding=1, dtype=self.dtype, name="conv1")(h)
-        h = nn.silu(group_norm(self.norm_num_groups, self.dtype, "norm2")(h))
-        h = nn.Conv(self.out_channels, (3, 3), padding=1, dtype=self.dtype, name="conv2")(h)
-        if x.shape[-1] != self.out_channels:
-            x = nn.Conv(self.out_channels, (1, 1), dtype=self.dtype, name="conv_shortcut")(x)
-        return x + h
+def resnet(out_channels: int, norm_num_groups: int, dtype, name: str) -> ResnetBlock2D:
+    """A resnet without time embedding, with the VAE's norm epsilon."""
+    return ResnetBlock2D(out_channels, norm_num_groups, NORM_EPS, dtype=dtype, name=name)
 
 
 class SpatialSelfAttention(nn.Module):
-    """Residual self-attention over all pixels, with a single head as wide as the channels."""
+    """Residual self-attention over all pixels, with a single head as wide as the channels.
+
+    The checkpoint keeps the norm beside the projections (`attentions.0.group_norm`,
+    `attentions.0.to_q`), so the attention layer shares this module's scope.
+    """
 
     norm_num_groups: int
     dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        self.attention = Attention(num_heads=1, qkv_bias=True, dtype=self.dtype)
+        nn.share_scope(self, self.attention)
 
     @nn.compact
     def __call__(self, x):  # [B, H, W, C]
         batch, height, width, channels = x.shape
-        h = group_norm(self.norm_num_groups, self.dtype, "group_norm")(x)
-        h = h.reshape(batch, height * width, channels)  # [B, T, C]
-
-        def project(name):  # -> [B, T, 1, C]
-            return nn.Dense(channels, dtype=self.dtype, name=name)(h)[:, :, None, :]
-
-        h = jax.nn.dot_product_attention(project("to_q"), project("to_k"), project("to_v"))
-        h = nn.Dense(channels, dtype=self.dtype, name="to_out.0")(h.reshape(batch, height * width, channels))
+        h = group_norm(self.norm_num_groups, NORM_EPS, self.dtype, "group_norm")(x)
+        h = self.attention(h.reshape(batch, height * width, channels))  # [B, T, C]
         return x + h.reshape(batch, height, width, channels)
 
 
@@ -126,32 +111,10 @@ class UNetMidBlock2D(nn.Module):
     @nn.compact
     def __call__(self, x):  # [B, h, w, C]
         channels = x.shape[-1]
-        x = ResnetBlock2D(channels, self.norm_num_groups, self.dtype, name="resnets.0")(x)
+        x = resnet(channels, self.norm_num_groups, self.dtype, "resnets.0")(x)
         if self.add_attention:
             x = SpatialSelfAttention(self.norm_num_groups, self.dtype, name="attentions.0")(x)
-        return ResnetBlock2D(channels, self.norm_num_groups, self.dtype, name="resnets.1")(x)
-
-
-class Downsample2D(nn.Module):
-    """Stride-2 3x3 conv that pads only the bottom and right edge, as the original LDM encoder does."""
-
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):  # [B, H, W, C] -> [B, H/2, W/2, C]
-        conv = nn.Conv(x.shape[-1], (3, 3), strides=2, padding=((0, 1), (0, 1)), dtype=self.dtype, name="conv")
-        return conv(x)
-
-
-class Upsample2D(nn.Module):
-    """Nearest-neighbour 2x upsampling followed by a 3x3 conv."""
-
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):  # [B, H, W, C] -> [B, 2H, 2W, C]
-        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
-        return nn.Conv(x.shape[-1], (3, 3), padding=1, dtype=self.dtype, name="conv")(x)
+        return resnet(channels, self.norm_num_groups, self.dtype, "resnets.1")(x)
 
 
 class DownEncoderBlock2D(nn.Module):
@@ -164,9 +127,10 @@ class DownEncoderBlock2D(nn.Module):
     @nn.compact
     def __call__(self, x):  # [B, H, W, C_in] -> [B, H/2, W/2, out_channels] (H, W if not add_downsample)
         for i in range(self.num_layers):
-            x = ResnetBlock2D(self.out_channels, self.norm_num_groups, self.dtype, name=f"resnets.{i}")(x)
+            x = resnet(self.out_channels, self.norm_num_groups, self.dtype, f"resnets.{i}")(x)
         if self.add_downsample:
-            x = Downsample2D(self.dtype, name="downsamplers.0")(x)
+            # Padding 0: pad only the bottom and right edges, as the original LDM encoder does.
+            x = Downsample2D(padding=0, dtype=self.dtype, name="downsamplers.0")(x)
         return x
 
 
@@ -180,9 +144,9 @@ class UpDecoderBlock2D(nn.Module):
     @nn.compact
     def __call__(self, x):  # [B, H, W, C_in] -> [B, 2H, 2W, out_channels] (H, W if not add_upsample)
         for i in range(self.num_layers):
-            x = ResnetBlock2D(self.out_channels, self.norm_num_groups, self.dtype, name=f"resnets.{i}")(x)
+            x = resnet(self.out_channels, self.norm_num_groups, self.dtype, f"resnets.{i}")(x)
         if self.add_upsample:
-            x = Upsample2D(self.dtype, name="upsamplers.0")(x)
+            x = Upsample2D(self.dtype, name="upsamplers.0")(x, (2 * x.shape[1], 2 * x.shape[2]))
         return x
 
 
@@ -205,7 +169,7 @@ class Encoder(nn.Module):
                 name=f"down_blocks.{i}",
             )(x)
         x = UNetMidBlock2D(cfg.norm_num_groups, cfg.mid_block_add_attention, self.dtype, name="mid_block")(x)
-        x = nn.silu(group_norm(cfg.norm_num_groups, self.dtype, "conv_norm_out")(x))
+        x = nn.silu(group_norm(cfg.norm_num_groups, NORM_EPS, self.dtype, "conv_norm_out")(x))
         return nn.Conv(2 * cfg.latent_channels, (3, 3), padding=1, dtype=self.dtype, name="conv_out")(x)
 
 
@@ -229,7 +193,7 @@ class Decoder(nn.Module):
                 dtype=self.dtype,
                 name=f"up_blocks.{i}",
             )(x)
-        x = nn.silu(group_norm(cfg.norm_num_groups, self.dtype, "conv_norm_out")(x))
+        x = nn.silu(group_norm(cfg.norm_num_groups, NORM_EPS, self.dtype, "conv_norm_out")(x))
         return nn.Conv(cfg.out_channels, (3, 3), padding=1, dtype=self.dtype, name="conv_out")(x)
 
 
