@@ -184,7 +184,9 @@ class CLIPTextTransformer(nn.Module):
         else:
             # The first end-of-text token: padding may reuse the same id.
             pool_at = jnp.argmax(input_ids == cfg.eos_token_id, axis=-1)
-        pooled = last_hidden_state[jnp.arange(input_ids.shape[0]), pool_at]  # [B, C]
+        # A per-row gather (batched by vmap, not indexed with an arange) so that a batch-sharded
+        # input stays on its devices: XLA's partitioner cannot tell an arange index is row-local.
+        pooled = jax.vmap(lambda states, i: states[i])(last_hidden_state, pool_at)  # [B, C]
         return tuple(hidden_states), last_hidden_state, pooled
 
 
