@@ -29,6 +29,19 @@ from .schedulers import (
 )
 
 Denoiser = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# Called inside the loop with each step's index, e.g. to report progress with jax.debug.callback.
+StepCallback = Callable[[jax.Array], None] | None
+
+
+def _loop(num_steps: jax.Array, step, init, callback: StepCallback):
+    """`lax.fori_loop` over the steps, calling `callback(i)` in step i when one is given."""
+
+    def body(i, carry):
+        if callback is not None:
+            callback(i)
+        return step(i, carry)
+
+    return jax.lax.fori_loop(0, num_steps, body, init)
 
 
 def denoised_from_model_output(
@@ -68,7 +81,9 @@ def _euler_step(x: jax.Array, denoised: jax.Array, sigma: jax.Array, sigma_next:
     return x + (x - denoised) / sigma * (sigma_next - sigma)
 
 
-def sample_euler(denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_steps: jax.Array) -> jax.Array:
+def sample_euler(
+    denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_steps: jax.Array, *, callback: StepCallback = None
+) -> jax.Array:
     """Euler's method: Karras et al. 2022 Algorithm 2 with Euler steps only and S_churn = 0.
 
     Args:
@@ -76,6 +91,7 @@ def sample_euler(denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_steps
       x: [B, ...] initial noise times schedule.init_noise_sigma.
       schedule: from `euler_schedule`.
       num_steps: scalar int, possibly traced, at most the schedule's padded length.
+      callback: called with each step's index from inside the loop (progress reporting).
 
     Returns:
       [B, ...] float32 latents at the final sigma.
@@ -86,11 +102,17 @@ def sample_euler(denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_steps
         denoised = denoiser(x, sigma, schedule.timesteps[i])
         return _euler_step(x, denoised, sigma, schedule.sigmas[i + 1])
 
-    return jax.lax.fori_loop(0, num_steps, step, x.astype(jnp.float32))
+    return _loop(num_steps, step, x.astype(jnp.float32), callback)
 
 
 def sample_euler_ancestral(
-    denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_steps: jax.Array, keys: jax.Array
+    denoiser: Denoiser,
+    x: jax.Array,
+    schedule: Schedule,
+    num_steps: jax.Array,
+    keys: jax.Array,
+    *,
+    callback: StepCallback = None,
 ) -> jax.Array:
     """Euler ancestral sampling (k-diffusion's sample_euler_ancestral, eta = 1), as EulerAncestralDiscreteScheduler.
 
@@ -102,6 +124,7 @@ def sample_euler_ancestral(
       x: [B, ...] initial noise times schedule.init_noise_sigma.
       schedule: from `euler_ancestral_schedule`.
       num_steps: scalar int, possibly traced.
+      callback: called with each step's index from inside the loop (progress reporting).
       keys: [B] PRNG keys; step i adds `step_noise(keys, i, x.shape[1:])`, so each image depends only on
         its own key.
 
@@ -117,7 +140,7 @@ def sample_euler_ancestral(
         x = _euler_step(x, denoised, sigma, sigma_down)
         return x + step_noise(keys, i, x.shape[1:]) * sigma_up
 
-    return jax.lax.fori_loop(0, num_steps, step, x.astype(jnp.float32))
+    return _loop(num_steps, step, x.astype(jnp.float32), callback)
 
 
 def _vp_scale(sigma: jax.Array) -> jax.Array:
@@ -125,7 +148,9 @@ def _vp_scale(sigma: jax.Array) -> jax.Array:
     return jax.lax.rsqrt(sigma**2 + 1)
 
 
-def sample_dpmpp_2m(denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_steps: jax.Array) -> jax.Array:
+def sample_dpmpp_2m(
+    denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_steps: jax.Array, *, callback: StepCallback = None
+) -> jax.Array:
     """DPM-Solver++(2M), Lu et al. 2022 Algorithm 2, as DPMSolverMultistepScheduler with its defaults.
 
     That is algorithm_type "dpmsolver++", solver_order 2, solver_type "midpoint", and
@@ -137,6 +162,7 @@ def sample_dpmpp_2m(denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_st
       x: [B, ...] initial noise; diffusers' sample here is variance preserving (init_noise_sigma 1).
       schedule: from `dpmpp_2m_schedule`.
       num_steps: scalar int, possibly traced.
+      callback: called with each step's index from inside the loop (progress reporting).
 
     Returns:
       [B, ...] float32 variance-preserving latents at the final sigma.
@@ -163,11 +189,13 @@ def sample_dpmpp_2m(denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_st
         return x, denoised
 
     x = x.astype(jnp.float32)
-    x, _ = jax.lax.fori_loop(0, num_steps, step, (x, jnp.zeros_like(x)))
+    x, _ = _loop(num_steps, step, (x, jnp.zeros_like(x)), callback)
     return x
 
 
-def sample_ddim(denoiser: Denoiser, x: jax.Array, schedule: DDIMSchedule, num_steps: jax.Array) -> jax.Array:
+def sample_ddim(
+    denoiser: Denoiser, x: jax.Array, schedule: DDIMSchedule, num_steps: jax.Array, *, callback: StepCallback = None
+) -> jax.Array:
     """DDIM with eta = 0, Song et al. 2021 eq. 12, as DDIMScheduler.
 
     In terms of x = x_vp / alpha it is Euler's method (Karras et al. 2022, sec. 4), stepping to
@@ -178,6 +206,7 @@ def sample_ddim(denoiser: Denoiser, x: jax.Array, schedule: DDIMSchedule, num_st
       x: [B, ...] initial noise; diffusers' sample here is variance preserving (init_noise_sigma 1).
       schedule: from `ddim_schedule`.
       num_steps: scalar int, possibly traced.
+      callback: called with each step's index from inside the loop (progress reporting).
 
     Returns:
       [B, ...] float32 variance-preserving latents at the final sigma.
@@ -189,7 +218,7 @@ def sample_ddim(denoiser: Denoiser, x: jax.Array, schedule: DDIMSchedule, num_st
         denoised = denoiser(x, sigma, schedule.timesteps[i])
         return _euler_step(x, denoised, sigma, sigma_next) * _vp_scale(sigma_next)
 
-    return jax.lax.fori_loop(0, num_steps, step, x.astype(jnp.float32))
+    return _loop(num_steps, step, x.astype(jnp.float32), callback)
 
 
 class Sampler(NamedTuple):
