@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import TypeVar
 
@@ -30,3 +31,8 @@ def read_json(path: Path) -> dict:
 
 def config_from_file(cls: type[T], path: Path) -> T:
     return config_from_dict(cls, read_json(path))
+
+
+def cache_root() -> Path:
+    """Where the project keeps its caches (compiled programs, the tiny checkpoint)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sdxl-jax"

@@ -1,0 +1,568 @@
+"""Text-to-image as one compiled, sharded function.
+
+The whole generation runs inside a single `jax.jit` program: text encoding, the denoising loop
+(`lax.fori_loop` over a traced step count), VAE decoding and the conversion to uint8. Parameters
+are replicated and the image batch is sharded over a 1-D mesh of all devices, so each device
+renders its share of the images with no communication.
+
+Only the batch size and the image size are static. Prompts, seeds, guidance scales and the number
+of steps are array inputs, so changing them reuses the compiled program.
+"""
+
+import dataclasses
+import functools
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import checkpoint, clip, unet, vae
+from .config import config_from_file
+from .sampling import SAMPLERS, denoised_from_model_output
+from .schedulers import Schedule, SchedulerConfig
+from .tokenizer import load_tokenizer, tokenize
+from .weights import CheckpointError, load_params
+
+BATCH_AXIS = "batch"
+MAX_SEED = 2**32 - 1
+
+
+class PromptTruncatedWarning(UserWarning):
+    """A prompt had more tokens than the text encoder takes; the rest was dropped."""
+
+
+class NonFiniteImageError(RuntimeError):
+    """The model produced NaN or infinite values (typically fp16/bf16 overflow)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Everything static about a checkpoint: the configs that shape the compiled program."""
+
+    unet: unet.UNetConfig
+    vae: vae.VAEConfig
+    text_encoders: tuple[clip.CLIPTextConfig, ...]
+    scheduler: SchedulerConfig
+    force_zeros_for_empty_prompt: bool
+
+    @property
+    def is_sdxl(self) -> bool:
+        """SDXL conditions on two encoders' penultimate states plus pooled text and size ids."""
+        return self.unet.addition_embed_type == "text_time"
+
+    @property
+    def text_encoder_names(self) -> tuple[str, ...]:
+        return ("text_encoder", "text_encoder_2")[: len(self.text_encoders)]
+
+    @property
+    def latent_factor(self) -> int:
+        """Image pixels per latent pixel, times the UNet's total downsampling: sizes must divide by it."""
+        return self.vae.downscale_factor * 2 ** (len(self.unet.block_out_channels) - 1)
+
+    @property
+    def native_size(self) -> int:
+        """The training resolution in pixels (1024 for SDXL, 512 for SD 1.x)."""
+        return self.unet.sample_size * self.vae.downscale_factor
+
+    @property
+    def max_tokens(self) -> int:
+        return self.text_encoders[0].max_position_embeddings
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "ModelSpec":
+        index = checkpoint.read_model_index(folder)
+        names = [n for n in ("text_encoder", "text_encoder_2") if index.get(n) and index[n][0] is not None]
+        if not names:
+            raise CheckpointError(f"{folder}: model_index.json names no text encoder")
+        try:
+            return cls(
+                unet=config_from_file(unet.UNetConfig, folder / "unet" / "config.json"),
+                vae=config_from_file(vae.VAEConfig, folder / "vae" / "config.json"),
+                text_encoders=tuple(
+                    config_from_file(clip.CLIPTextConfig, folder / name / "config.json") for name in names
+                ),
+                scheduler=config_from_file(SchedulerConfig, folder / "scheduler" / "scheduler_config.json"),
+                force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", False)),
+            )
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{folder}: missing config file {e.filename}") from e
+
+    def abstract_params(self) -> dict:
+        """The parameter tree's shapes, with nothing allocated."""
+        params = {"unet": unet.abstract_params(self.unet), "vae": vae.abstract_params(self.vae)}
+        for name, config in zip(self.text_encoder_names, self.text_encoders):
+            params[name] = clip.abstract_params(config)
+        return params
+
+
+def load_checkpoint_params(folder: Path, spec: ModelSpec, dtype, put) -> dict:
+    """Loads every component's safetensors into a parameter tree, checking every key and shape."""
+    prefer_variant = None if np.dtype(dtype) == np.float32 else "fp16"
+    abstract = spec.abstract_params()
+    renames = {"vae": vae.rename_key, "unet": lambda k: k}
+    params = {}
+    for name, tree in abstract.items():
+        is_text = name.startswith("text_encoder")
+        params[name] = load_params(
+            checkpoint.weight_files(folder / name, prefer_variant=prefer_variant),
+            tree,
+            dtype=dtype,
+            rename=clip.rename_key if is_text else renames[name],
+            ignore=clip.IGNORED_KEYS if is_text else (),
+            put=put,
+        )
+    return params
+
+
+def encode_text(spec: ModelSpec, params: dict, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
+    """Text conditioning as the diffusers pipelines compute it.
+
+    Args:
+      ids: [B, E, T] token ids, one row per text encoder.
+
+    Returns:
+      context: [B, T, D] cross-attention states. SDXL: both encoders' penultimate hidden states,
+        concatenated; SD 1.x/2.x: the single encoder's last (final-normed) hidden state.
+      pooled: [B, P] the last encoder's projected pooled output (SDXL), else None.
+    """
+    states, pooled = [], None
+    for e, (name, config) in enumerate(zip(spec.text_encoder_names, spec.text_encoders)):
+        out = clip.CLIPTextModel(config, dtype=dtype).apply({"params": params[name]}, ids[:, e])
+        states.append(out.hidden_states[-2] if spec.is_sdxl else out.last_hidden_state)
+        pooled = out.text_embeds
+    return jnp.concatenate(states, axis=-1), (pooled if spec.is_sdxl else None)
+
+
+def _interleave(negative: jax.Array, positive: jax.Array) -> jax.Array:
+    """[B, ...] x2 -> [2B, ...] as (neg_0, pos_0, neg_1, pos_1, ...).
+
+    Keeping each image's two guidance branches adjacent keeps them on the same device, so the
+    batched CFG call needs no cross-device traffic.
+    """
+    return jnp.stack([negative, positive], axis=1).reshape(-1, *negative.shape[1:])
+
+
+def generate_images(
+    params: dict,
+    ids: jax.Array,
+    zero_negative: jax.Array,
+    seeds: jax.Array,
+    image_index: jax.Array,
+    guidance_scale: jax.Array,
+    schedule: Schedule,
+    num_steps: jax.Array,
+    noise: jax.Array | None,
+    *,
+    spec: ModelSpec,
+    sampler: str,
+    height: int,
+    width: int,
+    dtype,
+    as_uint8: bool,
+    on_step: Callable[[jax.Array], None] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The pure function that is compiled: token ids in, images out.
+
+    Args:
+      params: {"unet", "vae", "text_encoder"[, "text_encoder_2"]} parameter trees.
+      ids: [B, 2, E, T] token ids; axis 1 is (negative, positive), axis 2 the text encoders.
+      zero_negative: [B] bool, use all-zero negative conditioning (SDXL's empty negative prompt).
+      seeds, image_index: [B] uint32; image b's noise depends only on (seeds[b], image_index[b]).
+      guidance_scale: [B] float32 classifier-free guidance weights.
+      schedule: the sampler's padded noise schedule; num_steps: scalar int32 <= its length.
+      noise: optional [B, h, w, C] latents that replace the sampled noise.
+      sampler: a name in `sampling.SAMPLERS`.
+      on_step: a host function called with the number of steps begun, from inside the loop.
+
+    Returns:
+      images: [B, height, width, 3], uint8 or float32 in [0, 1].
+      finite: [B] bool, whether each image is free of NaN/inf.
+    """
+    batch = ids.shape[0]
+    factor = spec.vae.downscale_factor
+    latent_shape = (height // factor, width // factor, spec.unet.in_channels)
+
+    context, pooled = encode_text(spec, params, ids.reshape(2 * batch, *ids.shape[2:]), dtype)
+    keep = _interleave(~zero_negative, jnp.ones_like(zero_negative))  # [2B]
+    context = context * keep[:, None, None].astype(context.dtype)
+    unet_kwargs = {}
+    if spec.is_sdxl:
+        # (original size, crop top-left, target size), as diffusers' _get_add_time_ids.
+        time_ids = jnp.array([height, width, 0, 0, height, width], jnp.float32)
+        unet_kwargs = {
+            "text_embeds": pooled * keep[:, None].astype(pooled.dtype),
+            "time_ids": jnp.broadcast_to(time_ids, (2 * batch, 6)),
+        }
+
+    image_keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(seeds, image_index)
+    if noise is None:
+        noise = jax.vmap(lambda key: jax.random.normal(jax.random.fold_in(key, 0), latent_shape))(image_keys)
+    x = noise.astype(jnp.float32) * schedule.init_noise_sigma
+
+    model = unet.UNet2DConditionModel(spec.unet, dtype=dtype)
+    g = guidance_scale[:, None, None, None]
+
+    def denoiser(x, sigma, timestep):
+        x_in = x / jnp.sqrt(sigma**2 + 1)
+        x_in = _interleave(x_in, x_in).astype(dtype)
+        t = jnp.broadcast_to(timestep, (2 * batch,))
+        out = model.apply({"params": params["unet"]}, x_in, t, context, **unet_kwargs).astype(jnp.float32)
+        out = out.reshape(batch, 2, *out.shape[1:])
+        uncond, cond = out[:, 0], out[:, 1]
+        # diffusers skips guidance for scales <= 1 and uses the conditional prediction alone.
+        guided = jnp.where(g > 1, uncond + g * (cond - uncond), cond)
+        return denoised_from_model_output(x, guided, sigma, spec.scheduler.prediction_type)
+
+    method = SAMPLERS[sampler]
+    extra = (jax.vmap(lambda key: jax.random.fold_in(key, 1))(image_keys),) if method.stochastic else ()
+    callback = None if on_step is None else (lambda i: jax.debug.callback(on_step, i + 1))
+    latents = method.sample(denoiser, x, schedule, num_steps, *extra, callback=callback)
+
+    decoder = vae.AutoencoderKL(spec.vae, dtype=dtype)
+    images = decoder.apply(
+        {"params": params["vae"]}, (latents / spec.vae.scaling_factor).astype(dtype), method=decoder.decode
+    ).astype(jnp.float32)
+    finite = jnp.isfinite(images).all(axis=(1, 2, 3))
+    images = jnp.clip(images / 2 + 0.5, 0.0, 1.0)
+    if as_uint8:
+        images = jnp.round(images * 255).astype(jnp.uint8)
+    return images, finite
+
+
+@dataclasses.dataclass
+class Generation:
+    """One batch's outputs, with what the caller may want to report."""
+
+    images: np.ndarray  # [N, H, W, 3] uint8, or float32 in [0, 1]
+    finite: np.ndarray  # [N] bool: False where the model produced NaN/inf
+    truncated_prompts: list[str]
+    seconds: float
+
+    def raise_if_not_finite(self) -> None:
+        if not self.finite.all():
+            bad = ", ".join(str(i) for i in np.flatnonzero(~self.finite))
+            raise NonFiniteImageError(
+                f"image(s) {bad} came out as NaN/inf: the model overflowed (try float32, or another checkpoint)"
+            )
+
+
+class Pipeline:
+    """Stable Diffusion (XL) text-to-image, compiled once per image size and batch size.
+
+    pipe = Pipeline.from_pretrained("stabilityai/stable-diffusion-xl-base-1.0")
+    images = pipe.generate("a photo of an astronaut riding a horse", seed=0)
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        params: dict,
+        tokenizers: Sequence,
+        *,
+        mesh: Mesh,
+        dtype,
+        max_steps: int = 100,
+        name: str = "",
+        report_progress: bool = True,
+    ):
+        self.spec = spec
+        self.params = params
+        self.tokenizers = list(tokenizers)
+        self.mesh = mesh
+        self.dtype = jnp.dtype(dtype)
+        self.max_steps = max_steps
+        self.name = name
+        self.report_progress = report_progress
+        self._executables: dict[tuple, jax.stages.Compiled] = {}
+        # Called with the number of finished denoising steps, from inside the running program.
+        self.step_listener: Callable[[int], None] | None = None
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._sharded = NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo_id: str,
+        *,
+        dtype: str | None = None,
+        max_steps: int = 100,
+        devices: Sequence[jax.Device] | None = None,
+    ) -> "Pipeline":
+        """Loads a diffusers-format checkpoint (folder, Hub repo id, or "tiny").
+
+        Args:
+          dtype: parameter and activation dtype. Defaults to bfloat16 on accelerators and float32 on
+            CPU. Schedulers and sampler state are float32 regardless.
+          max_steps: the largest step count a call may ask for (the schedule's padded length).
+          devices: the devices to shard the batch over (default: all).
+        """
+        devices = list(devices or jax.devices())
+        dtype = dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16")
+        folder = checkpoint.resolve(path_or_repo_id, prefer_variant=None if dtype == "float32" else "fp16")
+        spec = ModelSpec.from_folder(folder)
+        tokenizers = [load_tokenizer(folder / n.replace("text_encoder", "tokenizer")) for n in spec.text_encoder_names]
+        mesh = Mesh(np.array(devices), (BATCH_AXIS,))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        params = load_checkpoint_params(folder, spec, jnp.dtype(dtype), lambda a: jax.device_put(a, replicated))
+        return cls(spec, params, tokenizers, mesh=mesh, dtype=dtype, max_steps=max_steps, name=str(path_or_repo_id))
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.size
+
+    @property
+    def device_description(self) -> str:
+        device = self.mesh.devices.flat[0]
+        return f"{self.num_devices}× {getattr(device, 'device_kind', device.platform)}"
+
+    def devices_of(self, num_images: int) -> list[str]:
+        """Which device renders each image of an `num_images` batch (the batch is split in order)."""
+        per_device = self._padded_batch(num_images) // self.num_devices
+        devices = self.mesh.devices.flat
+        return [f"{devices[i // per_device].platform.upper()} {devices[i // per_device].id}" for i in range(num_images)]
+
+    def is_compiled(self, height: int, width: int, num_images: int, sampler: str = "euler") -> bool:
+        """Whether the serving program for this size and batch is ready (else the next call compiles)."""
+        return (sampler, height, width, self._padded_batch(num_images), True, False) in self._executables
+
+    def _report_step(self, step: jax.Array) -> None:
+        if self.step_listener is not None:
+            self.step_listener(int(step))
+
+    def schedule(self, sampler: str, num_steps: int) -> Schedule:
+        return _padded_schedule(sampler, self.spec.scheduler, num_steps, self.max_steps)
+
+    def validate(
+        self, *, height: int, width: int, num_steps: int, seed: int, guidance_scale: float, sampler: str = "euler"
+    ) -> None:
+        """Raises ValueError with a user-facing message for any out-of-range argument."""
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; choose one of: {', '.join(SAMPLERS)}")
+        f = self.spec.latent_factor
+        for label, size in (("height", height), ("width", width)):
+            if not isinstance(size, (int, np.integer)) or size < f or size > 4096 or size % f:
+                raise ValueError(f"{label} must be a multiple of {f} between {f} and 4096, got {size!r}")
+        if not isinstance(num_steps, (int, np.integer)) or not 1 <= num_steps <= self.max_steps:
+            raise ValueError(f"steps must be an integer from 1 to {self.max_steps}, got {num_steps!r}")
+        if not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
+        if not np.isfinite(guidance_scale) or not 0 <= guidance_scale <= 100:
+            raise ValueError(f"guidance scale must be a number from 0 to 100, got {guidance_scale!r}")
+
+    def _executable(
+        self, sampler: str, height: int, width: int, batch: int, as_uint8: bool, with_noise: bool
+    ) -> jax.stages.Compiled:
+        key = (sampler, height, width, batch, as_uint8, with_noise)
+        if key not in self._executables:
+            fn = jax.jit(
+                functools.partial(
+                    generate_images,
+                    spec=self.spec,
+                    sampler=sampler,
+                    height=height,
+                    width=width,
+                    dtype=self.dtype,
+                    as_uint8=as_uint8,
+                    on_step=self._report_step if self.report_progress else None,
+                ),
+                out_shardings=(self._sharded, self._sharded),
+            )
+            args = self._abstract_inputs(sampler, height, width, batch, with_noise)
+            self._executables[key] = fn.lower(self.params, *args).compile()
+        return self._executables[key]
+
+    def _abstract_inputs(self, sampler: str, height: int, width: int, batch: int, with_noise: bool) -> tuple:
+        def sharded(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharded)
+
+        def replicated(x):
+            return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._replicated)
+
+        f = self.spec.vae.downscale_factor
+        noise = sharded((batch, height // f, width // f, self.spec.unet.in_channels), np.float32)
+        return (
+            sharded((batch, 2, len(self.tokenizers), self.spec.max_tokens), np.int32),
+            sharded((batch,), np.bool_),
+            sharded((batch,), np.uint32),
+            sharded((batch,), np.uint32),
+            sharded((batch,), np.float32),
+            jax.tree.map(replicated, self.schedule(sampler, 1)),
+            replicated(np.int32(1)),
+            noise if with_noise else None,
+        )
+
+    def compiled(self, height: int, width: int, batch: int | None = None, sampler: str = "euler") -> jax.stages.Compiled:
+        """The serving program (uint8 output) for a size and batch, compiled on first request."""
+        return self._executable(sampler, height, width, self._padded_batch(batch or self.num_devices), True, False)
+
+    def warmup(self, height: int, width: int, batch: int | None = None, sampler: str = "euler") -> float:
+        """Compiles the serving program for one size ahead of time; returns the seconds it took."""
+        start = time.perf_counter()
+        self.compiled(height, width, batch, sampler)
+        return time.perf_counter() - start
+
+    def _padded_batch(self, n: int) -> int:
+        return -(-n // self.num_devices) * self.num_devices
+
+    def _tokenize(self, prompts: list[str]) -> tuple[np.ndarray, list[str]]:
+        """[N, E, T] ids for every text encoder, and the prompts that were truncated."""
+        per_encoder, truncated = [], set()
+        for tokenizer in self.tokenizers:
+            ids, cut = tokenize(tokenizer, prompts, self.spec.max_tokens)
+            per_encoder.append(ids)
+            truncated.update(p for p, c in zip(prompts, cut) if c)
+        return np.stack(per_encoder, axis=1), [p for p in dict.fromkeys(prompts) if p in truncated]
+
+    def _put(self, array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+        array = np.asarray(array)
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    def run(
+        self,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str],
+        seeds: Sequence[int],
+        image_index: Sequence[int],
+        guidance_scales: Sequence[float],
+        *,
+        steps: int,
+        height: int,
+        width: int,
+        sampler: str = "euler",
+        noise: np.ndarray | None = None,
+        as_uint8: bool = True,
+    ) -> Generation:
+        """Renders one image per entry of the per-image argument lists, in one compiled call.
+
+        Args:
+          prompts, negative_prompts, seeds, image_index, guidance_scales: one entry per image.
+          noise: optional [N, h, w, C] latents (NHWC) replacing the sampled noise.
+
+        Raises:
+          ValueError: an argument is out of range.
+        """
+        n = len(prompts)
+        if not (n == len(negative_prompts) == len(seeds) == len(image_index) == len(guidance_scales)) or n == 0:
+            raise ValueError("every per-image argument needs the same, non-zero, number of entries")
+        for seed, g in zip(seeds, guidance_scales):
+            self.validate(height=height, width=width, num_steps=steps, seed=seed, guidance_scale=g, sampler=sampler)
+        batch = self._padded_batch(n)
+        pad = batch - n
+
+        def padded(values, dtype):
+            values = np.asarray(values, dtype=dtype)
+            return np.concatenate([values, np.repeat(values[-1:], pad, axis=0)]) if pad else values
+
+        start = time.perf_counter()
+        positive, truncated = self._tokenize(list(prompts))
+        negative, truncated_negative = self._tokenize(list(negative_prompts))
+        zero_negative = [self.spec.force_zeros_for_empty_prompt and not p for p in negative_prompts]
+        inputs = (
+            self._put(padded(np.stack([negative, positive], axis=1), np.int32), self._sharded),
+            self._put(padded(zero_negative, np.bool_), self._sharded),
+            self._put(padded(seeds, np.uint32), self._sharded),
+            self._put(padded(image_index, np.uint32), self._sharded),
+            self._put(padded(guidance_scales, np.float32), self._sharded),
+            jax.tree.map(lambda a: self._put(a, self._replicated), self.schedule(sampler, steps)),
+            self._put(np.int32(steps), self._replicated),
+            None if noise is None else self._put(padded(noise, np.float32), self._sharded),
+        )
+        executable = self._executable(sampler, height, width, batch, as_uint8, noise is not None)
+        images, finite = executable(self.params, *inputs)
+        images, finite = _fetch(images)[:n], _fetch(finite)[:n]
+        return Generation(images, finite, truncated + truncated_negative, time.perf_counter() - start)
+
+    def generate(
+        self,
+        prompt: str | Sequence[str],
+        negative_prompt: str | Sequence[str] = "",
+        *,
+        seed: int = 0,
+        steps: int = 25,
+        guidance_scale: float = 5.0,
+        height: int | None = None,
+        width: int | None = None,
+        num_images: int | None = None,
+        sampler: str = "euler",
+        latents: np.ndarray | None = None,
+        output_type: str = "pil",
+    ):
+        """Generates images; image i depends only on (seed, i), whatever the device count.
+
+        Args:
+          prompt, negative_prompt: a string (used for every image) or a list (one per image). An
+            empty negative prompt means "none": SDXL then uses zero conditioning, as diffusers does
+            when no negative prompt is given.
+          height, width: default to the model's native resolution (1024 for SDXL).
+          num_images: defaults to the prompt list's length, else one image per device.
+          sampler: a name in `sampling.SAMPLERS` ("euler", "euler_ancestral", "dpmpp_2m",
+            "dpmpp_2m_karras", "ddim"). Each sampler compiles once.
+          latents: [N, C, h, w] noise in diffusers' layout, replacing the seeded noise.
+          output_type: "pil" for PIL images, "np" for a float32 [N, H, W, 3] array in [0, 1].
+
+        Raises:
+          ValueError: an argument is out of range.
+          NonFiniteImageError: the output contains NaN/inf.
+
+        Warns:
+          PromptTruncatedWarning: a prompt was longer than the text encoder's 77 tokens.
+        """
+        height = self.spec.native_size if height is None else height
+        width = self.spec.native_size if width is None else width
+        if output_type not in ("pil", "np"):
+            raise ValueError(f'output_type must be "pil" or "np", got {output_type!r}')
+        lists = [p for p in (prompt, negative_prompt) if not isinstance(p, str)]
+        if num_images is None:
+            num_images = len(lists[0]) if lists else (len(latents) if latents is not None else self.num_devices)
+        prompts = [prompt] * num_images if isinstance(prompt, str) else list(prompt)
+        negatives = [negative_prompt] * num_images if isinstance(negative_prompt, str) else list(negative_prompt)
+        if not len(prompts) == len(negatives) == num_images:
+            raise ValueError(
+                f"got {len(prompts)} prompts and {len(negatives)} negative prompts for {num_images} images"
+            )
+        noise = None
+        if latents is not None:
+            f = self.spec.vae.downscale_factor
+            expected = (num_images, self.spec.unet.in_channels, height // f, width // f)
+            if tuple(latents.shape) != expected:
+                raise ValueError(f"latents must have shape {expected}, got {tuple(latents.shape)}")
+            noise = np.asarray(latents, np.float32).transpose(0, 2, 3, 1)
+        result = self.run(
+            prompts,
+            negatives,
+            [seed] * num_images,
+            list(range(num_images)),
+            [guidance_scale] * num_images,
+            steps=steps,
+            height=height,
+            width=width,
+            sampler=sampler,
+            noise=noise,
+            as_uint8=output_type == "pil",
+        )
+        result.raise_if_not_finite()
+        for p in result.truncated_prompts:
+            warnings.warn(PromptTruncatedWarning(f"prompt truncated to {self.spec.max_tokens} tokens: {p!r}"))
+        if output_type == "np":
+            return result.images
+        from PIL import Image
+
+        return [Image.fromarray(image) for image in result.images]
+
+
+@functools.lru_cache(maxsize=256)
+def _padded_schedule(sampler: str, config: SchedulerConfig, num_steps: int, max_steps: int) -> Schedule:
+    return SAMPLERS[sampler].schedule(config, num_steps, max_steps)
+
+
+def _fetch(array: jax.Array) -> np.ndarray:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return np.asarray(array)

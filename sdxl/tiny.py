@@ -1,0 +1,158 @@
+"""The built-in `tiny` model: a small random SDXL-layout checkpoint, written on first use.
+
+It has the real diffusers layout (model_index.json, unet/, vae/, text_encoder*/, tokenizer*/,
+scheduler/, safetensors weights) and is loaded through the same `from_pretrained` path as a
+downloaded checkpoint, so the demo, the CLI and the tests run end to end with no download. Its
+images are noise-like patterns: the weights are random.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .config import cache_root
+from .weights import flatten, save_params, unflatten
+
+# Bump when the configs or the weight recipe change, so stale caches are not reused.
+VERSION = 1
+NATIVE_SIZE = 128
+
+_TEXT_ENCODER = {
+    "architectures": ["CLIPTextModel"],
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 77,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-05,
+    "projection_dim": 32,
+    "bos_token_id": 512,
+    "eos_token_id": 513,
+    "pad_token_id": 513,
+}
+_TEXT_ENCODER_2 = {**_TEXT_ENCODER, "architectures": ["CLIPTextModelWithProjection"], "hidden_act": "gelu"}
+CONFIGS = {
+    "model_index.json": {
+        "_class_name": "StableDiffusionXLPipeline",
+        "force_zeros_for_empty_prompt": True,
+        "scheduler": ["diffusers", "EulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "tokenizer_2": ["transformers", "CLIPTokenizer"],
+        "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    },
+    "unet/config.json": {
+        "_class_name": "UNet2DConditionModel",
+        "sample_size": NATIVE_SIZE // 8,
+        "in_channels": 4,
+        "out_channels": 4,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+        "block_out_channels": [32, 64],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "cross_attention_dim": 64,
+        "attention_head_dim": [2, 4],
+        "transformer_layers_per_block": [1, 2],
+        "use_linear_projection": True,
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": 8,
+        "projection_class_embeddings_input_dim": 32 + 6 * 8,
+    },
+    "vae/config.json": {
+        "_class_name": "AutoencoderKL",
+        "in_channels": 3,
+        "out_channels": 3,
+        "down_block_types": ["DownEncoderBlock2D"] * 4,
+        "up_block_types": ["UpDecoderBlock2D"] * 4,
+        "block_out_channels": [8, 16, 16, 16],
+        "layers_per_block": 1,
+        "latent_channels": 4,
+        "norm_num_groups": 4,
+        "sample_size": NATIVE_SIZE,
+        "scaling_factor": 0.13025,
+    },
+    "text_encoder/config.json": _TEXT_ENCODER,
+    "text_encoder_2/config.json": _TEXT_ENCODER_2,
+    "scheduler/scheduler_config.json": {
+        "_class_name": "EulerDiscreteScheduler",
+        "num_train_timesteps": 1000,
+        "beta_start": 0.00085,
+        "beta_end": 0.012,
+        "beta_schedule": "scaled_linear",
+        "prediction_type": "epsilon",
+        "timestep_spacing": "leading",
+        "steps_offset": 1,
+        "interpolation_type": "linear",
+        "use_karras_sigmas": False,
+    },
+}
+_WEIGHT_FILES = {
+    "unet": "diffusion_pytorch_model.safetensors",
+    "vae": "diffusion_pytorch_model.safetensors",
+    "text_encoder": "model.safetensors",
+    "text_encoder_2": "model.safetensors",
+}
+
+
+def random_params(abstract_params: dict, seed: int) -> dict:
+    """Random weights for a parameter tree: fan-in scaled kernels, small biases, unit-ish norm scales.
+
+    Biases and norm scales are random too, so a loader that mixed them up would be caught.
+    """
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for path, leaf in sorted(flatten(abstract_params).items()):
+        shape = tuple(leaf.shape)
+        if path[-1] == "kernel":
+            fan_in = int(np.prod(shape[:-1]))
+            flat[path] = rng.standard_normal(shape) / np.sqrt(fan_in)
+        elif path[-1] == "embedding":
+            flat[path] = rng.standard_normal(shape) * 0.5
+        elif path[-1] == "scale":
+            flat[path] = 1 + 0.1 * rng.standard_normal(shape)
+        else:
+            flat[path] = 0.1 * rng.standard_normal(shape)
+    return unflatten({path: value.astype(np.float32) for path, value in flat.items()})
+
+
+def write_checkpoint(folder: Path, configs: dict = CONFIGS, seed: int = 0) -> Path:
+    """Writes a random checkpoint with the given configs in the diffusers layout."""
+    from .pipeline import ModelSpec
+    from .tokenizer import write_byte_level_tokenizer
+
+    folder = Path(folder)
+    for name, config in configs.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(json.dumps(config, indent=2))
+    spec = ModelSpec.from_folder(folder)
+    for i, (component, abstract) in enumerate(sorted(spec.abstract_params().items())):
+        save_params(random_params(abstract, seed + i), folder / component / _WEIGHT_FILES[component])
+    for encoder in spec.text_encoder_names:
+        write_byte_level_tokenizer(folder / encoder.replace("text_encoder", "tokenizer"), spec.max_tokens)
+    return folder
+
+
+def ensure_checkpoint() -> Path:
+    """The tiny checkpoint's folder, written (atomically) on first use."""
+    folder = cache_root() / f"tiny-v{VERSION}"
+    if (folder / "model_index.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="tiny-", dir=folder.parent))
+    try:
+        write_checkpoint(staging)
+        os.replace(staging, folder)
+    except OSError:
+        if not (folder / "model_index.json").is_file():  # not just another process winning the race
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder

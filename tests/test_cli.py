@@ -1,0 +1,41 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+ROOT = Path(__file__).parents[1]
+
+
+def _cli(*args, model="tiny"):
+    return subprocess.run(
+        [sys.executable, "-m", "sdxl", "generate", "--model", model, *args],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
+    result = _cli("--prompt", "a lighthouse", "--negative-prompt", "fog", "--seed", "3", "--steps", "2",
+                  "--num-images", "2", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "loaded tiny" in result.stdout and "compiled" in result.stdout and "generated 2 images" in result.stdout
+    image = Image.open(tmp_path / "3-1.png")
+    assert image.size == (128, 128)
+    parameters = image.text["parameters"]
+    assert parameters.startswith("a lighthouse\nNegative prompt: fog\n")
+    assert "Steps: 2" in parameters and "Seed: 3" in parameters and "Image index: 1" in parameters
+    assert Image.open(tmp_path / "3-grid.png").size == (256, 128)
+
+
+def test_bad_input_exits_nonzero_with_one_line_reason():
+    result = _cli("--prompt", "a lighthouse", "--steps", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith("error: steps must be an integer from 1 to")
+
+
+def test_missing_checkpoint_exits_nonzero(tmp_path):
+    result = _cli("--prompt", "x", model=str(tmp_path / "nope"))
+    assert result.returncode == 2
+    assert "not a checkpoint folder" in result.stderr

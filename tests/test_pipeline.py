@@ -1,0 +1,152 @@
+import jax
+import numpy as np
+import pytest
+import torch
+
+from reference import sdxl_pipeline
+from sdxl.compilation import CompileCounter
+from sdxl.pipeline import Pipeline, PromptTruncatedWarning
+
+HEIGHT, WIDTH = 64, 96  # non-square, and a multiple of the tiny model's latent factor (16)
+PROMPTS = ["a red cube on a table", "a blue sphere floating over grass"]
+NEGATIVES = ["blurry", "low quality, watermark"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sdxl-reference")
+    return folder, sdxl_pipeline(folder)
+
+
+@pytest.fixture(scope="module")
+def pipe(reference):
+    return Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
+
+
+def _latents(n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, 4, HEIGHT // 8, WIDTH // 8)).astype(np.float32)
+
+
+def _diffusers_images(ref, prompts, negatives, latents, steps, guidance):
+    with torch.no_grad():
+        return ref(
+            prompt=prompts,
+            negative_prompt=negatives,
+            height=HEIGHT,
+            width=WIDTH,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            latents=torch.from_numpy(latents),
+            output_type="np",
+        ).images
+
+
+def test_images_match_diffusers(reference, pipe):
+    _, ref = reference
+    latents = _latents(2)
+    expected = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=4, guidance=5.0)
+    got = pipe.generate(
+        PROMPTS, NEGATIVES, steps=4, guidance_scale=5.0, height=HEIGHT, width=WIDTH, latents=latents, output_type="np"
+    )
+    diff = np.abs(got - expected).max()
+    print(f"end-to-end max abs diff vs diffusers: {diff:.2e}")
+    assert got.shape == (2, HEIGHT, WIDTH, 3)
+    assert expected.std() > 0.05 and np.abs(expected[0] - expected[1]).mean() > 1e-3
+    assert diff <= 1e-4
+
+
+def test_empty_negative_prompt_is_zero_conditioning_like_diffusers(reference, pipe):
+    _, ref = reference
+    latents = _latents(2, seed=1)
+    expected = _diffusers_images(ref, PROMPTS, None, latents, steps=3, guidance=7.0)
+    got = pipe.generate(PROMPTS, "", steps=3, guidance_scale=7.0, height=HEIGHT, width=WIDTH, latents=latents, output_type="np")
+    assert np.abs(got - expected).max() <= 1e-4
+    with_text = _diffusers_images(ref, PROMPTS, [" "] * 2, latents, steps=3, guidance=7.0)
+    assert np.abs(with_text - expected).max() > 1e-3  # zeroing is not the same as encoding ""
+
+
+def test_guidance_at_most_one_uses_the_conditional_branch_like_diffusers(reference, pipe):
+    _, ref = reference
+    latents = _latents(2, seed=2)
+    expected = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=2, guidance=1.0)
+    got = pipe.generate(
+        PROMPTS, NEGATIVES, steps=2, guidance_scale=1.0, height=HEIGHT, width=WIDTH, latents=latents, output_type="np"
+    )
+    assert np.abs(got - expected).max() <= 1e-4
+
+
+def test_same_seed_same_images_on_one_and_four_devices(reference, pipe):
+    assert pipe.num_devices == 4
+    one = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8, devices=jax.devices()[:1])
+    kwargs = dict(seed=7, steps=3, height=HEIGHT, width=WIDTH, output_type="np")
+    four_images = pipe.generate("a cat", **kwargs)
+    one_images = one.generate("a cat", num_images=4, **kwargs)
+    assert four_images.shape == (4, HEIGHT, WIDTH, 3)
+    for i in range(4):
+        for j in range(i):
+            assert np.abs(four_images[i] - four_images[j]).mean() > 1e-3, "images of one request must differ"
+    np.testing.assert_allclose(four_images, one_images, atol=1e-5)
+    # A batch that does not fill the devices is padded; the images it keeps are unchanged.
+    three = pipe.generate("a cat", num_images=3, **kwargs)
+    np.testing.assert_allclose(three, four_images[:3], atol=1e-5)
+    pil = pipe.generate("a cat", seed=7, steps=3, height=HEIGHT, width=WIDTH)
+    assert [im.size for im in pil] == [(WIDTH, HEIGHT)] * 4
+    np.testing.assert_array_equal(np.asarray(pil[2]), np.round(four_images[2] * 255).astype(np.uint8))
+
+
+def test_prompt_seed_guidance_and_steps_do_not_recompile(pipe):
+    kwargs = dict(height=HEIGHT, width=WIDTH)
+    pipe.generate("first", seed=0, steps=2, guidance_scale=5.0, **kwargs)
+    with CompileCounter() as compiles:
+        a = pipe.generate("second prompt", "a negative", seed=1, steps=2, guidance_scale=5.0, **kwargs)
+        b = pipe.generate("second prompt", "a negative", seed=2, steps=2, guidance_scale=5.0, **kwargs)
+        c = pipe.generate("second prompt", "a negative", seed=1, steps=2, guidance_scale=9.0, **kwargs)
+        d = pipe.generate("second prompt", "a negative", seed=1, steps=5, guidance_scale=5.0, **kwargs)
+    assert compiles.count == 0
+    for other in (b, c, d):
+        assert not np.array_equal(np.asarray(a[0]), np.asarray(other[0]))
+    with CompileCounter() as compiles:
+        pipe.generate("first", seed=0, steps=2, height=HEIGHT, width=HEIGHT)
+    assert compiles.count >= 1, "the counter must see a new image size compile"
+
+
+def test_compiled_program_has_no_cross_device_communication(pipe):
+    hlo = pipe.compiled(HEIGHT, WIDTH, 4).as_text()
+    for collective in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
+        assert collective not in hlo
+
+
+def test_truncated_prompt_warns(pipe):
+    with pytest.warns(PromptTruncatedWarning, match="truncated"):
+        pipe.generate("x " * 100, steps=1, height=HEIGHT, width=WIDTH, num_images=4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(steps=0), "steps"),
+        (dict(steps=9), "steps"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**32), "seed"),
+        (dict(guidance_scale=float("nan")), "guidance"),
+        (dict(height=65), "height"),
+        (dict(width=0), "width"),
+        (dict(output_type="jpeg"), "output_type"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(pipe, kwargs, message):
+    args = dict(height=HEIGHT, width=WIDTH, steps=2) | kwargs
+    with pytest.raises(ValueError, match=message):
+        pipe.generate("a cat", **args)
+
+
+def test_bfloat16_is_finite_and_close_to_float32(reference, pipe):
+    bf16 = Pipeline.from_pretrained(reference[0], dtype="bfloat16", max_steps=8)
+    latents = _latents(2, seed=3)
+    kwargs = dict(steps=3, guidance_scale=5.0, height=HEIGHT, width=WIDTH, latents=latents, output_type="np")
+    low = bf16.generate(PROMPTS, NEGATIVES, **kwargs)
+    full = pipe.generate(PROMPTS, NEGATIVES, **kwargs)
+    error = np.abs(low - full).mean()
+    print(f"bf16 vs fp32 mean abs diff: {error:.3e}")
+    assert np.isfinite(low).all()
+    assert error < 0.02
