@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import checkpoint, clip, unet, vae
 from .config import config_from_file
-from .sampling import SAMPLERS, denoised_from_model_output
+from .sampling import SAMPLERS, denoised_from_model_output, run_steps
 from .schedulers import Schedule, SchedulerConfig
 from .tokenizer import load_tokenizer, tokenize
 from .weights import CheckpointError, load_params
@@ -147,28 +147,15 @@ def _interleave(negative: jax.Array, positive: jax.Array) -> jax.Array:
     return jnp.stack([negative, positive], axis=1).reshape(-1, *negative.shape[1:])
 
 
-def generate_images(
-    params: dict,
-    ids: jax.Array,
-    zero_negative: jax.Array,
-    seeds: jax.Array,
-    image_index: jax.Array,
-    guidance_scale: jax.Array,
-    schedule: Schedule,
-    num_steps: jax.Array,
-    noise: jax.Array | None,
-    *,
-    spec: ModelSpec,
-    sampler: str,
-    height: int,
-    width: int,
-    dtype,
-    as_uint8: bool,
-    on_step: Callable[[jax.Array], None] | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """The pure function that is compiled: token ids in, images out.
+@dataclasses.dataclass(frozen=True)
+class GenerateProgram:
+    """What one compiled program is specialised to; its methods are the pure stages of generation.
 
-    Args:
+    `generate` is the whole of it in one program: token ids in, images out. For progress reports
+    the same stages also compile separately (`prepare`, then `denoise` over a few steps at a time,
+    then `finish`), so the host learns how far the loop is without callbacks inside it.
+
+    Array arguments:
       params: {"unet", "vae", "text_encoder"[, "text_encoder_2"]} parameter trees.
       ids: [B, 2, E, T] token ids; axis 1 is (negative, positive), axis 2 the text encoders.
       zero_negative: [B] bool, use all-zero negative conditioning (SDXL's empty negative prompt).
@@ -176,62 +163,73 @@ def generate_images(
       guidance_scale: [B] float32 classifier-free guidance weights.
       schedule: the sampler's padded noise schedule; num_steps: scalar int32 <= its length.
       noise: optional [B, h, w, C] latents that replace the sampled noise.
-      sampler: a name in `sampling.SAMPLERS`.
-      on_step: a host function called with the number of steps begun, from inside the loop.
-
-    Returns:
-      images: [B, height, width, 3], uint8 or float32 in [0, 1].
-      finite: [B] bool, whether each image is free of NaN/inf.
     """
-    batch = ids.shape[0]
-    factor = spec.vae.downscale_factor
-    latent_shape = (height // factor, width // factor, spec.unet.in_channels)
 
-    context, pooled = encode_text(spec, params, ids.reshape(2 * batch, *ids.shape[2:]), dtype)
-    keep = _interleave(~zero_negative, jnp.ones_like(zero_negative))  # [2B]
-    context = context * keep[:, None, None].astype(context.dtype)
-    unet_kwargs = {}
-    if spec.is_sdxl:
-        # (original size, crop top-left, target size), as diffusers' _get_add_time_ids.
-        time_ids = jnp.array([height, width, 0, 0, height, width], jnp.float32)
-        unet_kwargs = {
-            "text_embeds": pooled * keep[:, None].astype(pooled.dtype),
-            "time_ids": jnp.broadcast_to(time_ids, (2 * batch, 6)),
-        }
+    spec: ModelSpec
+    sampler: str  # a name in `sampling.SAMPLERS`
+    height: int
+    width: int
+    dtype: jnp.dtype
+    as_uint8: bool
 
-    image_keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(seeds, image_index)
-    if noise is None:
-        noise = jax.vmap(lambda key: jax.random.normal(jax.random.fold_in(key, 0), latent_shape))(image_keys)
-    x = noise.astype(jnp.float32) * schedule.init_noise_sigma
+    def prepare(self, params, ids, zero_negative, seeds, image_index, schedule, noise):
+        """Text conditioning, the starting noise and the sampler's state. Returns (cond, carry, keys)."""
+        spec, batch = self.spec, ids.shape[0]
+        context, pooled = encode_text(spec, params, ids.reshape(2 * batch, *ids.shape[2:]), self.dtype)
+        keep = _interleave(~zero_negative, jnp.ones_like(zero_negative))  # [2B]
+        cond = {"encoder_hidden_states": context * keep[:, None, None].astype(context.dtype)}
+        if spec.is_sdxl:
+            # (original size, crop top-left, target size), as diffusers' _get_add_time_ids.
+            time_ids = jnp.array([self.height, self.width, 0, 0, self.height, self.width], jnp.float32)
+            cond["text_embeds"] = pooled * keep[:, None].astype(pooled.dtype)
+            cond["time_ids"] = jnp.broadcast_to(time_ids, (2 * batch, 6))
 
-    model = unet.UNet2DConditionModel(spec.unet, dtype=dtype)
-    g = guidance_scale[:, None, None, None]
+        image_keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(seeds, image_index)
+        if noise is None:
+            f = spec.vae.downscale_factor
+            shape = (self.height // f, self.width // f, spec.unet.in_channels)
+            noise = jax.vmap(lambda key: jax.random.normal(jax.random.fold_in(key, 0), shape))(image_keys)
+        method = SAMPLERS[self.sampler]
+        carry = method.init(noise.astype(jnp.float32) * schedule.init_noise_sigma)
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(image_keys) if method.stochastic else None
+        return cond, carry, keys
 
-    def denoiser(x, sigma, timestep):
-        x_in = x / jnp.sqrt(sigma**2 + 1)
-        x_in = _interleave(x_in, x_in).astype(dtype)
-        t = jnp.broadcast_to(timestep, (2 * batch,))
-        out = model.apply({"params": params["unet"]}, x_in, t, context, **unet_kwargs).astype(jnp.float32)
-        out = out.reshape(batch, 2, *out.shape[1:])
-        uncond, cond = out[:, 0], out[:, 1]
-        # diffusers skips guidance for scales <= 1 and uses the conditional prediction alone.
-        guided = jnp.where(g > 1, uncond + g * (cond - uncond), cond)
-        return denoised_from_model_output(x, guided, sigma, spec.scheduler.prediction_type)
+    def denoise(self, params, cond, carry, keys, guidance_scale, schedule, num_steps, start, stop):
+        """Sampler steps start..stop-1 with the guided UNet as the denoiser."""
+        model = unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
+        g = guidance_scale[:, None, None, None]
 
-    method = SAMPLERS[sampler]
-    extra = (jax.vmap(lambda key: jax.random.fold_in(key, 1))(image_keys),) if method.stochastic else ()
-    callback = None if on_step is None else (lambda i: jax.debug.callback(on_step, i + 1))
-    latents = method.sample(denoiser, x, schedule, num_steps, *extra, callback=callback)
+        def denoiser(x, sigma, timestep):
+            batch = x.shape[0]
+            x_in = x / jnp.sqrt(sigma**2 + 1)
+            x_in = _interleave(x_in, x_in).astype(self.dtype)
+            t = jnp.broadcast_to(timestep, (2 * batch,))
+            out = model.apply({"params": params["unet"]}, x_in, t, **cond).astype(jnp.float32)
+            out = out.reshape(batch, 2, *out.shape[1:])
+            uncond, positive = out[:, 0], out[:, 1]
+            # diffusers skips guidance for scales <= 1 and uses the conditional prediction alone.
+            guided = jnp.where(g > 1, uncond + g * (positive - uncond), positive)
+            return denoised_from_model_output(x, guided, sigma, self.spec.scheduler.prediction_type)
 
-    decoder = vae.AutoencoderKL(spec.vae, dtype=dtype)
-    images = decoder.apply(
-        {"params": params["vae"]}, (latents / spec.vae.scaling_factor).astype(dtype), method=decoder.decode
-    ).astype(jnp.float32)
-    finite = jnp.isfinite(images).all(axis=(1, 2, 3))
-    images = jnp.clip(images / 2 + 0.5, 0.0, 1.0)
-    if as_uint8:
-        images = jnp.round(images * 255).astype(jnp.uint8)
-    return images, finite
+        return run_steps(SAMPLERS[self.sampler], denoiser, carry, schedule, num_steps, start, stop, keys)
+
+    def finish(self, params, carry):
+        """VAE decoding. Returns images [B, H, W, 3] (uint8, or float32 in [0, 1]) and finite [B]."""
+        latents = SAMPLERS[self.sampler].finish(carry) / self.spec.vae.scaling_factor
+        decoder = vae.AutoencoderKL(self.spec.vae, dtype=self.dtype)
+        images = decoder.apply({"params": params["vae"]}, latents.astype(self.dtype), method=decoder.decode)
+        images = images.astype(jnp.float32)
+        finite = jnp.isfinite(images).all(axis=(1, 2, 3))
+        images = jnp.clip(images / 2 + 0.5, 0.0, 1.0)
+        if self.as_uint8:
+            images = jnp.round(images * 255).astype(jnp.uint8)
+        return images, finite
+
+    def generate(self, params, ids, zero_negative, seeds, image_index, guidance_scale, schedule, num_steps, noise):
+        """All stages in one program."""
+        cond, carry, keys = self.prepare(params, ids, zero_negative, seeds, image_index, schedule, noise)
+        carry = self.denoise(params, cond, carry, keys, guidance_scale, schedule, num_steps, 0, num_steps)
+        return self.finish(params, carry)
 
 
 @dataclasses.dataclass
@@ -268,7 +266,6 @@ class Pipeline:
         dtype,
         max_steps: int = 100,
         name: str = "",
-        report_progress: bool = True,
     ):
         self.spec = spec
         self.params = params
@@ -277,10 +274,7 @@ class Pipeline:
         self.dtype = jnp.dtype(dtype)
         self.max_steps = max_steps
         self.name = name
-        self.report_progress = report_progress
         self._executables: dict[tuple, jax.stages.Compiled] = {}
-        # Called with the number of finished denoising steps, from inside the running program.
-        self.step_listener: Callable[[int], None] | None = None
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._sharded = NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
 
@@ -327,12 +321,9 @@ class Pipeline:
         return [f"{devices[i // per_device].platform.upper()} {devices[i // per_device].id}" for i in range(num_images)]
 
     def is_compiled(self, height: int, width: int, num_images: int, sampler: str = "euler") -> bool:
-        """Whether the serving program for this size and batch is ready (else the next call compiles)."""
-        return (sampler, height, width, self._padded_batch(num_images), True, False) in self._executables
-
-    def _report_step(self, step: jax.Array) -> None:
-        if self.step_listener is not None:
-            self.step_listener(int(step))
+        """Whether the progress-reporting programs for this size and batch are ready (else the next run compiles)."""
+        program = self._program(sampler, height, width, as_uint8=True)
+        return ("denoise", program, self._padded_batch(num_images), False) in self._executables
 
     def schedule(self, sampler: str, num_steps: int) -> Schedule:
         return _padded_schedule(sampler, self.spec.scheduler, num_steps, self.max_steps)
@@ -354,25 +345,26 @@ class Pipeline:
         if not np.isfinite(guidance_scale) or not 0 <= guidance_scale <= 100:
             raise ValueError(f"guidance scale must be a number from 0 to 100, got {guidance_scale!r}")
 
-    def _executable(
-        self, sampler: str, height: int, width: int, batch: int, as_uint8: bool, with_noise: bool
-    ) -> jax.stages.Compiled:
-        key = (sampler, height, width, batch, as_uint8, with_noise)
+    def _program(self, sampler: str, height: int, width: int, as_uint8: bool) -> GenerateProgram:
+        return GenerateProgram(self.spec, sampler, height, width, self.dtype, as_uint8)
+
+    def _compiled_stage(self, stage: str, program: GenerateProgram, batch: int, with_noise: bool) -> jax.stages.Compiled:
+        """One of the program's stages ("generate", "prepare", "denoise", "finish"), compiled once."""
+        key = (stage, program, batch, with_noise)
         if key not in self._executables:
-            fn = jax.jit(
-                functools.partial(
-                    generate_images,
-                    spec=self.spec,
-                    sampler=sampler,
-                    height=height,
-                    width=width,
-                    dtype=self.dtype,
-                    as_uint8=as_uint8,
-                    on_step=self._report_step if self.report_progress else None,
-                ),
-                out_shardings=(self._sharded, self._sharded),
-            )
-            args = self._abstract_inputs(sampler, height, width, batch, with_noise)
+            inputs = self._abstract_inputs(program.sampler, program.height, program.width, batch, with_noise)
+            ids, zero_negative, seeds, image_index, guidance, schedule, num_steps, noise = inputs
+            if stage == "generate":
+                args = inputs
+            elif stage == "prepare":
+                args = (ids, zero_negative, seeds, image_index, schedule, noise)
+            elif stage == "denoise":
+                cond, carry, keys = self._compiled_stage("prepare", program, batch, with_noise).out_info
+                args = (cond, carry, keys, guidance, schedule, num_steps, num_steps, num_steps)
+            else:
+                _, carry, _ = self._compiled_stage("prepare", program, batch, with_noise).out_info
+                args = (carry,)
+            fn = jax.jit(getattr(program, stage), out_shardings=self._sharded)
             self._executables[key] = fn.lower(self.params, *args).compile()
         return self._executables[key]
 
@@ -397,13 +389,26 @@ class Pipeline:
         )
 
     def compiled(self, height: int, width: int, batch: int | None = None, sampler: str = "euler") -> jax.stages.Compiled:
-        """The serving program (uint8 output) for a size and batch, compiled on first request."""
-        return self._executable(sampler, height, width, self._padded_batch(batch or self.num_devices), True, False)
+        """The whole-generation program (uint8 output) for a size and batch, compiled on first request."""
+        program = self._program(sampler, height, width, as_uint8=True)
+        return self._compiled_stage("generate", program, self._padded_batch(batch or self.num_devices), False)
 
-    def warmup(self, height: int, width: int, batch: int | None = None, sampler: str = "euler") -> float:
-        """Compiles the serving program for one size ahead of time; returns the seconds it took."""
+    def warmup(
+        self, height: int, width: int, batch: int | None = None, sampler: str = "euler", *, progress: bool = False
+    ) -> float:
+        """Compiles ahead of time for one size; returns the seconds it took.
+
+        Args:
+          progress: compile the stage programs that `run(..., on_step=...)` uses, instead of the
+            single whole-generation program.
+        """
         start = time.perf_counter()
-        self.compiled(height, width, batch, sampler)
+        if progress:
+            program = self._program(sampler, height, width, as_uint8=True)
+            for stage in ("prepare", "denoise", "finish"):
+                self._compiled_stage(stage, program, self._padded_batch(batch or self.num_devices), False)
+        else:
+            self.compiled(height, width, batch, sampler)
         return time.perf_counter() - start
 
     def _padded_batch(self, n: int) -> int:
@@ -436,12 +441,17 @@ class Pipeline:
         sampler: str = "euler",
         noise: np.ndarray | None = None,
         as_uint8: bool = True,
+        on_step: Callable[[int], None] | None = None,
+        steps_per_report: int = 1,
     ) -> Generation:
         """Renders one image per entry of the per-image argument lists, in one compiled call.
 
         Args:
           prompts, negative_prompts, seeds, image_index, guidance_scales: one entry per image.
           noise: optional [N, h, w, C] latents (NHWC) replacing the sampled noise.
+          on_step: called with the number of finished steps, every `steps_per_report` steps. The
+            loop then runs as a chain of compiled calls; the next is always queued on the devices
+            before the host waits for the last, so the devices never idle for the report.
 
         Raises:
           ValueError: an argument is out of range.
@@ -472,10 +482,33 @@ class Pipeline:
             self._put(np.int32(steps), self._replicated),
             None if noise is None else self._put(padded(noise, np.float32), self._sharded),
         )
-        executable = self._executable(sampler, height, width, batch, as_uint8, noise is not None)
-        images, finite = executable(self.params, *inputs)
+        program = self._program(sampler, height, width, as_uint8)
+        if on_step is None:
+            images, finite = self._compiled_stage("generate", program, batch, noise is not None)(self.params, *inputs)
+        else:
+            images, finite = self._run_in_stages(program, batch, inputs, steps, on_step, steps_per_report)
         images, finite = _fetch(images)[:n], _fetch(finite)[:n]
         return Generation(images, finite, truncated + truncated_negative, time.perf_counter() - start)
+
+    def _run_in_stages(self, program, batch, inputs, steps, on_step, steps_per_report):
+        ids, zero_negative, seeds, image_index, guidance, schedule, num_steps, noise = inputs
+        stage = functools.partial(self._compiled_stage, program=program, batch=batch, with_noise=noise is not None)
+        cond, carry, keys = stage("prepare")(self.params, ids, zero_negative, seeds, image_index, schedule, noise)
+        denoise = stage("denoise")
+        in_flight = []  # (steps done when it finishes, its output)
+        for start in range(0, steps, steps_per_report):
+            stop = min(start + steps_per_report, steps)
+            bounds = [self._put(np.int32(i), self._replicated) for i in (start, stop)]
+            carry = denoise(self.params, cond, carry, keys, guidance, schedule, num_steps, *bounds)
+            in_flight.append((stop, carry))
+            if len(in_flight) > 1:
+                done, finished = in_flight.pop(0)
+                jax.block_until_ready(finished)
+                on_step(done)
+        images = stage("finish")(self.params, carry)
+        jax.block_until_ready(carry)
+        on_step(steps)
+        return images
 
     def generate(
         self,

@@ -5,14 +5,17 @@ the clean latents from x = x0 + sigma * noise. Classifier-free guidance and the 
 parametrisation live in the caller that builds the denoiser (see `denoised_from_model_output`), so
 the samplers know nothing of them.
 
-Every sampler loops `lax.fori_loop(0, num_steps, ...)` with a traced `num_steps`, so one compiled
-program serves every step count up to the schedule's padded length. Each reproduces one diffusers
+A sampler is its loop's pieces: `init` turns the starting noise into the loop state, `step(i)`
+advances it by one step, `finish` reads the latents out. `sample` runs the whole loop (a
+`lax.fori_loop` with a traced `num_steps`, so one compiled program serves every step count up to the
+schedule's padded length); `run_steps` runs a stretch of it, so a caller can report progress
+between stretches without host callbacks inside the loop. Each sampler reproduces one diffusers
 scheduler's `step`: it starts from standard normal noise times `schedule.init_noise_sigma` and
-returns what diffusers hands to the VAE. All arithmetic is float32.
+finishes with what diffusers hands to the VAE. All arithmetic is float32.
 """
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,19 +32,7 @@ from .schedulers import (
 )
 
 Denoiser = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
-# Called inside the loop with each step's index, e.g. to report progress with jax.debug.callback.
-StepCallback = Callable[[jax.Array], None] | None
-
-
-def _loop(num_steps: jax.Array, step, init, callback: StepCallback):
-    """`lax.fori_loop` over the steps, calling `callback(i)` in step i when one is given."""
-
-    def body(i, carry):
-        if callback is not None:
-            callback(i)
-        return step(i, carry)
-
-    return jax.lax.fori_loop(0, num_steps, body, init)
+Carry = Any  # a sampler's loop state: the latents, plus whatever else it keeps between steps
 
 
 def denoised_from_model_output(
@@ -81,159 +72,127 @@ def _euler_step(x: jax.Array, denoised: jax.Array, sigma: jax.Array, sigma_next:
     return x + (x - denoised) / sigma * (sigma_next - sigma)
 
 
-def sample_euler(
-    denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_steps: jax.Array, *, callback: StepCallback = None
-) -> jax.Array:
-    """Euler's method: Karras et al. 2022 Algorithm 2 with Euler steps only and S_churn = 0.
-
-    Args:
-      denoiser: `denoiser(x, sigma, timestep) -> denoised`.
-      x: [B, ...] initial noise times schedule.init_noise_sigma.
-      schedule: from `euler_schedule`.
-      num_steps: scalar int, possibly traced, at most the schedule's padded length.
-      callback: called with each step's index from inside the loop (progress reporting).
-
-    Returns:
-      [B, ...] float32 latents at the final sigma.
-    """
-
-    def step(i, x):
-        sigma = schedule.sigmas[i]
-        denoised = denoiser(x, sigma, schedule.timesteps[i])
-        return _euler_step(x, denoised, sigma, schedule.sigmas[i + 1])
-
-    return _loop(num_steps, step, x.astype(jnp.float32), callback)
-
-
-def sample_euler_ancestral(
-    denoiser: Denoiser,
-    x: jax.Array,
-    schedule: Schedule,
-    num_steps: jax.Array,
-    keys: jax.Array,
-    *,
-    callback: StepCallback = None,
-) -> jax.Array:
-    """Euler ancestral sampling (k-diffusion's sample_euler_ancestral, eta = 1), as EulerAncestralDiscreteScheduler.
-
-    Each step takes an Euler step down to sigma_down, then adds fresh noise of scale sigma_up, where
-    sigma_down^2 + sigma_up^2 = sigma_next^2 and the whole step is a DDPM ancestral step.
-
-    Args:
-      denoiser: `denoiser(x, sigma, timestep) -> denoised`.
-      x: [B, ...] initial noise times schedule.init_noise_sigma.
-      schedule: from `euler_ancestral_schedule`.
-      num_steps: scalar int, possibly traced.
-      callback: called with each step's index from inside the loop (progress reporting).
-      keys: [B] PRNG keys; step i adds `step_noise(keys, i, x.shape[1:])`, so each image depends only on
-        its own key.
-
-    Returns:
-      [B, ...] float32 latents at sigma 0.
-    """
-
-    def step(i, x):
-        sigma, sigma_next = schedule.sigmas[i], schedule.sigmas[i + 1]
-        denoised = denoiser(x, sigma, schedule.timesteps[i])
-        sigma_up = jnp.sqrt(sigma_next**2 * (sigma**2 - sigma_next**2) / sigma**2)
-        sigma_down = jnp.sqrt(sigma_next**2 - sigma_up**2)
-        x = _euler_step(x, denoised, sigma, sigma_down)
-        return x + step_noise(keys, i, x.shape[1:]) * sigma_up
-
-    return _loop(num_steps, step, x.astype(jnp.float32), callback)
-
-
 def _vp_scale(sigma: jax.Array) -> jax.Array:
     """alpha = 1 / sqrt(sigma^2 + 1): the variance-preserving sample is alpha * x."""
     return jax.lax.rsqrt(sigma**2 + 1)
 
 
-def sample_dpmpp_2m(
-    denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_steps: jax.Array, *, callback: StepCallback = None
-) -> jax.Array:
+def euler_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, x: jax.Array, keys) -> jax.Array:
+    """Euler's method: Karras et al. 2022 Algorithm 2 with Euler steps only and S_churn = 0.
+
+    The state is the latents x at schedule.sigmas[i]; they start as noise * init_noise_sigma.
+    """
+    sigma = schedule.sigmas[i]
+    denoised = denoiser(x, sigma, schedule.timesteps[i])
+    return _euler_step(x, denoised, sigma, schedule.sigmas[i + 1])
+
+
+def euler_ancestral_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, x: jax.Array, keys) -> jax.Array:
+    """Euler ancestral sampling (k-diffusion's sample_euler_ancestral, eta = 1), as EulerAncestralDiscreteScheduler.
+
+    An Euler step down to sigma_down, then fresh noise of scale sigma_up, where
+    sigma_down^2 + sigma_up^2 = sigma_next^2: together a DDPM ancestral step. The noise of step i is
+    `step_noise(keys, i, ...)`, so each image depends only on its own key ([B] PRNG keys).
+    """
+    sigma, sigma_next = schedule.sigmas[i], schedule.sigmas[i + 1]
+    denoised = denoiser(x, sigma, schedule.timesteps[i])
+    sigma_up = jnp.sqrt(sigma_next**2 * (sigma**2 - sigma_next**2) / sigma**2)
+    sigma_down = jnp.sqrt(sigma_next**2 - sigma_up**2)
+    x = _euler_step(x, denoised, sigma, sigma_down)
+    return x + step_noise(keys, i, x.shape[1:]) * sigma_up
+
+
+def dpmpp_2m_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, carry: Carry, keys) -> Carry:
     """DPM-Solver++(2M), Lu et al. 2022 Algorithm 2, as DPMSolverMultistepScheduler with its defaults.
 
     That is algorithm_type "dpmsolver++", solver_order 2, solver_type "midpoint", and
     lower_order_final: the first step, and the last one when there are fewer than 15 steps or it ends
-    at sigma 0, are first order (DDIM) steps.
-
-    Args:
-      denoiser: `denoiser(x, sigma, timestep) -> denoised`.
-      x: [B, ...] initial noise; diffusers' sample here is variance preserving (init_noise_sigma 1).
-      schedule: from `dpmpp_2m_schedule`.
-      num_steps: scalar int, possibly traced.
-      callback: called with each step's index from inside the loop (progress reporting).
-
-    Returns:
-      [B, ...] float32 variance-preserving latents at the final sigma.
+    at sigma 0, are first order (DDIM) steps. The state is (variance-preserving latents, the previous
+    step's denoised prediction); diffusers' sample here is variance preserving (init_noise_sigma 1).
     """
+    x, denoised_prev = carry
     sigmas = schedule.sigmas
     last_first_order = (num_steps < 15) | (sigmas[num_steps] == 0)
-
-    def log_snr(sigma):  # lambda = log(alpha / sigma_vp) = -log(sigma)
-        return -jnp.log(sigma)
-
-    def step(i, carry):
-        x, denoised_prev = carry
-        sigma_prev, sigma, sigma_next = sigmas[jnp.maximum(i - 1, 0)], sigmas[i], sigmas[i + 1]
-        alpha, alpha_next = _vp_scale(sigma), _vp_scale(sigma_next)
-        denoised = denoiser(x / alpha, sigma, schedule.timesteps[i])
-        h = log_snr(sigma_next) - log_snr(sigma)
-        first_order = (i == 0) | ((i == num_steps - 1) & last_first_order)
-        # Second order: extrapolate the denoised prediction linearly in lambda to the step's midpoint.
-        r = (log_snr(sigma) - log_snr(sigma_prev)) / h
-        extrapolation = jnp.where(first_order, 0.0, 0.5 / r)
-        denoised_mid = denoised + extrapolation * (denoised - denoised_prev)
-        # sigma_vp_next / sigma_vp = exp(-h) * alpha_next / alpha.
-        x = (sigma_next * alpha_next) / (sigma * alpha) * x - alpha_next * jnp.expm1(-h) * denoised_mid
-        return x, denoised
-
-    x = x.astype(jnp.float32)
-    x, _ = _loop(num_steps, step, (x, jnp.zeros_like(x)), callback)
-    return x
+    sigma_prev, sigma, sigma_next = sigmas[jnp.maximum(i - 1, 0)], sigmas[i], sigmas[i + 1]
+    alpha, alpha_next = _vp_scale(sigma), _vp_scale(sigma_next)
+    denoised = denoiser(x / alpha, sigma, schedule.timesteps[i])
+    h = jnp.log(sigma) - jnp.log(sigma_next)  # the step in log-SNR, lambda = -log(sigma)
+    first_order = (i == 0) | ((i == num_steps - 1) & last_first_order)
+    # Second order: extrapolate the denoised prediction linearly in lambda to the step's midpoint.
+    r = (jnp.log(sigma_prev) - jnp.log(sigma)) / h
+    extrapolation = jnp.where(first_order, 0.0, 0.5 / r)
+    denoised_mid = denoised + extrapolation * (denoised - denoised_prev)
+    # sigma_vp_next / sigma_vp = exp(-h) * alpha_next / alpha.
+    x = (sigma_next * alpha_next) / (sigma * alpha) * x - alpha_next * jnp.expm1(-h) * denoised_mid
+    return x, denoised
 
 
-def sample_ddim(
-    denoiser: Denoiser, x: jax.Array, schedule: DDIMSchedule, num_steps: jax.Array, *, callback: StepCallback = None
-) -> jax.Array:
+def ddim_step(denoiser: Denoiser, schedule: DDIMSchedule, num_steps, i, x_vp: jax.Array, keys) -> jax.Array:
     """DDIM with eta = 0, Song et al. 2021 eq. 12, as DDIMScheduler.
 
     In terms of x = x_vp / alpha it is Euler's method (Karras et al. 2022, sec. 4), stepping to
-    `schedule.target_sigmas[i]`.
-
-    Args:
-      denoiser: `denoiser(x, sigma, timestep) -> denoised`.
-      x: [B, ...] initial noise; diffusers' sample here is variance preserving (init_noise_sigma 1).
-      schedule: from `ddim_schedule`.
-      num_steps: scalar int, possibly traced.
-      callback: called with each step's index from inside the loop (progress reporting).
-
-    Returns:
-      [B, ...] float32 variance-preserving latents at the final sigma.
+    `schedule.target_sigmas[i]`. The state is diffusers' variance-preserving sample
+    (init_noise_sigma 1).
     """
+    sigma, sigma_next = schedule.sigmas[i], schedule.target_sigmas[i]
+    x = x_vp / _vp_scale(sigma)
+    denoised = denoiser(x, sigma, schedule.timesteps[i])
+    return _euler_step(x, denoised, sigma, sigma_next) * _vp_scale(sigma_next)
 
-    def step(i, x_vp):
-        sigma, sigma_next = schedule.sigmas[i], schedule.target_sigmas[i]
-        x = x_vp / _vp_scale(sigma)
-        denoised = denoiser(x, sigma, schedule.timesteps[i])
-        return _euler_step(x, denoised, sigma, sigma_next) * _vp_scale(sigma_next)
 
-    return _loop(num_steps, step, x.astype(jnp.float32), callback)
+def _dpmpp_2m_init(x: jax.Array) -> Carry:
+    return x.astype(jnp.float32), jnp.zeros(x.shape, jnp.float32)
+
+
+def _dpmpp_2m_finish(carry: Carry) -> jax.Array:
+    return carry[0]
 
 
 class Sampler(NamedTuple):
-    """A sampler and the schedule it runs on."""
+    """A sampler as the pieces of its loop, and the schedule it runs on."""
 
     schedule: Callable[[SchedulerConfig, int, int], Schedule]
-    sample: Callable[..., jax.Array]
-    # Whether `sample` injects noise and so takes a last argument `keys`: [B] per-image PRNG keys.
-    stochastic: bool
+    # step(denoiser, schedule, num_steps, i, carry, keys) -> carry
+    step: Callable[..., Carry]
+    # Whether `step` injects noise drawn from `keys`: [B] per-image PRNG keys.
+    stochastic: bool = False
+    init: Callable[[jax.Array], Carry] = lambda x: x.astype(jnp.float32)
+    finish: Callable[[Carry], jax.Array] = lambda carry: carry
+
+
+def run_steps(
+    sampler: Sampler, denoiser: Denoiser, carry: Carry, schedule: Schedule, num_steps, start, stop, keys=None
+) -> Carry:
+    """Runs steps start..stop-1 (each possibly traced) of a `num_steps`-step loop."""
+    return jax.lax.fori_loop(
+        start, stop, lambda i, c: sampler.step(denoiser, schedule, num_steps, i, c, keys), carry
+    )
+
+
+def sample(sampler: Sampler, denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_steps, keys=None) -> jax.Array:
+    """Runs a whole sampling loop.
+
+    Args:
+      sampler: e.g. `SAMPLERS["euler"]`.
+      denoiser: `denoiser(x, sigma, timestep) -> denoised`.
+      x: [B, ...] standard normal noise times schedule.init_noise_sigma.
+      schedule: from `sampler.schedule`.
+      num_steps: scalar int, possibly traced, at most the schedule's padded length.
+      keys: [B] PRNG keys, for stochastic samplers.
+
+    Returns:
+      [B, ...] float32 latents for the VAE.
+    """
+    carry = run_steps(sampler, denoiser, sampler.init(x), schedule, num_steps, 0, num_steps, keys)
+    return sampler.finish(carry)
 
 
 SAMPLERS = {
-    "euler": Sampler(euler_schedule, sample_euler, stochastic=False),
-    "euler_ancestral": Sampler(euler_ancestral_schedule, sample_euler_ancestral, stochastic=True),
-    "dpmpp_2m": Sampler(dpmpp_2m_schedule, sample_dpmpp_2m, stochastic=False),
-    "dpmpp_2m_karras": Sampler(dpmpp_2m_karras_schedule, sample_dpmpp_2m, stochastic=False),
-    "ddim": Sampler(ddim_schedule, sample_ddim, stochastic=False),
+    "euler": Sampler(euler_schedule, euler_step),
+    "euler_ancestral": Sampler(euler_ancestral_schedule, euler_ancestral_step, stochastic=True),
+    "dpmpp_2m": Sampler(dpmpp_2m_schedule, dpmpp_2m_step, init=_dpmpp_2m_init, finish=_dpmpp_2m_finish),
+    "dpmpp_2m_karras": Sampler(
+        dpmpp_2m_karras_schedule, dpmpp_2m_step, init=_dpmpp_2m_init, finish=_dpmpp_2m_finish
+    ),
+    "ddim": Sampler(ddim_schedule, ddim_step),
 }

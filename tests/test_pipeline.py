@@ -116,6 +116,19 @@ def test_compiled_program_has_no_cross_device_communication(pipe):
         assert collective not in hlo
 
 
+def test_progress_reports_every_step_and_changes_no_pixel(pipe):
+    kwargs = dict(steps=5, height=HEIGHT, width=WIDTH)
+    args = (["a cat"] * 4, ["dog"] * 4, [3] * 4, list(range(4)), [6.0] * 4)
+    whole = pipe.run(*args, **kwargs)
+    reported = []
+    staged = pipe.run(*args, **kwargs, on_step=reported.append)
+    assert reported == [1, 2, 3, 4, 5]
+    np.testing.assert_array_equal(staged.images, whole.images)
+    every_two = []
+    pipe.run(*args, **kwargs, on_step=every_two.append, steps_per_report=2)
+    assert every_two == [2, 4, 5]
+
+
 def test_truncated_prompt_warns(pipe):
     with pytest.warns(PromptTruncatedWarning, match="truncated"):
         pipe.generate("x " * 100, steps=1, height=HEIGHT, width=WIDTH, num_images=4)

@@ -53,7 +53,7 @@ def diffusers_sample(scheduler, noise: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def compiled_sampler(name: str, prediction_type: str):
-    return jax.jit(functools.partial(SAMPLERS[name].sample, toy_denoiser(prediction_type)))
+    return jax.jit(functools.partial(sampling.sample, SAMPLERS[name], toy_denoiser(prediction_type)))
 
 
 def run(name, values, num_steps, noise, keys=None):
@@ -102,7 +102,7 @@ def test_num_steps_is_traced():
     def sample(x, schedule, num_steps):
         nonlocal traces
         traces += 1
-        return sampling.sample_euler(denoiser, x, schedule, num_steps)
+        return sampling.sample(SAMPLERS["euler"], denoiser, x, schedule, num_steps)
 
     noise = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
     for num_steps in (7, 25):
@@ -123,9 +123,25 @@ def test_padding_is_not_read():
     sigmas[8:], timesteps[7:] = np.nan, np.nan
     garbage = padded.replace(sigmas=jnp.asarray(sigmas), timesteps=jnp.asarray(timesteps))
     denoiser = toy_denoiser("epsilon")
-    results = [sampling.sample_euler(denoiser, x, s, 7) for s in (exact, padded, garbage)]
+    results = [sampling.sample(SAMPLERS["euler"], denoiser, x, s, 7) for s in (exact, padded, garbage)]
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], results[2])
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+def test_running_the_loop_in_chunks_gives_the_same_latents(name):
+    """The app runs the loop a few steps at a time to report progress; that must change nothing."""
+    sampler = SAMPLERS[name]
+    config = config_from_dict(SchedulerConfig, SDXL_SCHEDULER_CONFIG)
+    schedule = sampler.schedule(config, 7, MAX_STEPS)
+    keys = jax.random.split(jax.random.key(0), SHAPE[0])
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)) * schedule.init_noise_sigma
+    denoiser = toy_denoiser("epsilon")
+    whole = sampling.sample(sampler, denoiser, x, schedule, 7, keys)
+    carry = sampler.init(x)
+    for start, stop in ((0, 3), (3, 4), (4, 7)):
+        carry = sampling.run_steps(sampler, denoiser, carry, schedule, 7, start, stop, keys)
+    np.testing.assert_allclose(sampler.finish(carry), whole, rtol=1e-6, atol=1e-6)
 
 
 def test_denoised_from_model_output():
