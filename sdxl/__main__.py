@@ -12,6 +12,7 @@ def _generate(args: argparse.Namespace) -> None:
     from .compilation import enable_compilation_cache
     from .images import grid, parameters_text, save_png, to_pil
     from .pipeline import Pipeline
+    from .sampling import SAMPLER_NAMES
 
     enable_compilation_cache(args.cache_dir)
     start = time.perf_counter()
@@ -21,8 +22,11 @@ def _generate(args: argparse.Namespace) -> None:
     height = args.height or pipe.spec.native_size
     width = args.width or pipe.spec.native_size
     num_images = args.num_images or pipe.num_devices
-    pipe.validate(height=height, width=width, num_steps=args.steps, seed=args.seed, guidance_scale=args.guidance)
-    compile_seconds = pipe.warmup(height, width, num_images)
+    pipe.validate(
+        height=height, width=width, num_steps=args.steps, seed=args.seed, guidance_scale=args.guidance,
+        sampler=args.sampler,
+    )
+    compile_seconds = pipe.warmup(height, width, num_images, args.sampler)
     print(f"compiled for {width}x{height}, batch {num_images}, in {compile_seconds:.1f} s")
     result = pipe.run(
         [args.prompt] * num_images,
@@ -33,6 +37,7 @@ def _generate(args: argparse.Namespace) -> None:
         steps=args.steps,
         height=height,
         width=width,
+        sampler=args.sampler,
     )
     result.raise_if_not_finite()
     for prompt in result.truncated_prompts:
@@ -44,7 +49,7 @@ def _generate(args: argparse.Namespace) -> None:
     images = to_pil(result.images)
     for i, image in enumerate(images):
         text = parameters_text(
-            prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, sampler="Euler",
+            prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, sampler=SAMPLER_NAMES[args.sampler],
             guidance_scale=args.guidance, seed=args.seed, index=i, width=width, height=height, model=args.model,
         )
         print(save_png(image, out / f"{args.seed}-{i}.png", text))
@@ -53,6 +58,8 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .sampling import SAMPLERS
+
     parser = argparse.ArgumentParser(prog="python -m sdxl", description="Stable Diffusion XL in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -63,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--steps", type=int, default=25)
     gen.add_argument("--guidance", type=float, default=5.0)
+    gen.add_argument("--sampler", default="euler", choices=list(SAMPLERS))
     gen.add_argument("--height", type=int, help="default: the model's native size")
     gen.add_argument("--width", type=int, help="default: the model's native size")
     gen.add_argument("--num-images", type=int, help="default: one per device")

@@ -187,6 +187,13 @@ def sample(sampler: Sampler, denoiser: Denoiser, x: jax.Array, schedule: Schedul
     return sampler.finish(carry)
 
 
+SAMPLER_NAMES = {  # for people: the names A1111-style UIs and the PNG "parameters" chunk use
+    "euler": "Euler",
+    "euler_ancestral": "Euler a",
+    "dpmpp_2m": "DPM++ 2M",
+    "dpmpp_2m_karras": "DPM++ 2M Karras",
+    "ddim": "DDIM",
+}
 SAMPLERS = {
     "euler": Sampler(euler_schedule, euler_step),
     "euler_ancestral": Sampler(euler_ancestral_schedule, euler_ancestral_step, stochastic=True),

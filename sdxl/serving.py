@@ -1,0 +1,305 @@
+"""Serving a pipeline to many users: one device queue that batches concurrent requests.
+
+The devices run one compiled call at a time. Requests that arrive while they are busy wait in a
+bounded queue; when the devices free up, the oldest request is taken together with every other
+waiting request of the same image size and step count that still fits, and they are rendered in
+one call. So N users who click at once wait about as long as one, not N times as long.
+
+A failure is confined to the requests it concerns: input is validated before it is queued, a
+NaN image fails only the request it belongs to, and the worker thread survives any exception.
+"""
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import numpy as np
+
+from .checkpoint import HubUnavailableError
+from .pipeline import MAX_SEED, Generation, Pipeline
+from .sampling import SAMPLERS
+from .styles import STYLES
+
+log = logging.getLogger(__name__)
+
+# SDXL's training buckets (width, height); other models get them scaled to their native size.
+SDXL_SIZES = ((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344))
+
+
+class QueueFullError(RuntimeError):
+    """The queue holds its maximum number of requests."""
+
+
+def size_presets(pipe: Pipeline) -> list[tuple[int, int]]:
+    """The model's native aspect-ratio presets as (width, height), native square first."""
+    scale = pipe.spec.native_size / 1024
+    f = pipe.spec.latent_factor
+    presets = [(max(f, round(w * scale / f) * f), max(f, round(h * scale / f) * f)) for w, h in SDXL_SIZES]
+    return list(dict.fromkeys(presets))
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One user's images: per-image prompts, seeds and guidance, one size and step count."""
+
+    prompts: tuple[str, ...]
+    negative_prompts: tuple[str, ...]
+    seeds: tuple[int, ...]
+    image_index: tuple[int, ...]
+    guidance_scales: tuple[float, ...]
+    steps: int
+    height: int
+    width: int
+    sampler: str = "euler"
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share a compiled call."""
+        return (self.height, self.width, self.steps, self.sampler)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """A request's share of a batch."""
+
+    images: np.ndarray  # [n, H, W, 3] uint8
+    finite: np.ndarray  # [n] bool
+    devices: list[str]  # the device that rendered each image
+    truncated_prompts: list[str]
+    seconds: float  # the batch's time, compilation included
+    batch_images: int  # images in the whole batch (this request's and others')
+    compiled: bool  # whether the batch had to compile first (a new size, batch size or sampler)
+
+
+@dataclasses.dataclass(eq=False)
+class Ticket:
+    """A queued request: its future result and where it stands."""
+
+    request: Request
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    step: int = 0  # denoising steps done, while running
+    compiling: bool = False
+
+
+class DeviceQueue:
+    """Owns the devices: a worker thread renders queued requests, batching those that fit together."""
+
+    def __init__(self, pipe: Pipeline, *, max_batch_images: int, max_queued: int):
+        self.pipe = pipe
+        self.max_batch_images = max_batch_images
+        self.max_queued = max_queued
+        self._waiting: list[Ticket] = []
+        self._running: list[Ticket] = []
+        self._changed = threading.Condition()
+        threading.Thread(target=self._serve, name="device-queue", daemon=True).start()
+
+    def submit(self, request: Request) -> Ticket:
+        """Queues a (validated) request. Raises QueueFullError when the queue is at capacity."""
+        if len(request) > self.max_batch_images:
+            raise ValueError(f"at most {self.max_batch_images} images per request, got {len(request)}")
+        ticket = Ticket(request)
+        with self._changed:
+            if len(self._waiting) >= self.max_queued:
+                raise QueueFullError(f"the queue is full ({self.max_queued} requests waiting); try again shortly")
+            self._waiting.append(ticket)
+            self._changed.notify_all()
+        return ticket
+
+    def position(self, ticket: Ticket) -> int:
+        """How many queued requests are ahead of this one (0: next, or running)."""
+        with self._changed:
+            return self._waiting.index(ticket) if ticket in self._waiting else 0
+
+    def _take_batch(self) -> list[Ticket]:
+        """The oldest waiting request plus later ones with its batch key, up to the image budget."""
+        first = self._waiting[0]
+        batch, size = [], 0
+        for ticket in list(self._waiting):
+            if ticket.request.batch_key == first.request.batch_key and size + len(ticket.request) <= self.max_batch_images:
+                batch.append(ticket)
+                size += len(ticket.request)
+                self._waiting.remove(ticket)
+        return batch
+
+    def _serve(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._waiting)
+                batch = self._take_batch()
+                self._running = batch
+            try:
+                self._render(batch)
+            except Exception as e:  # never let one bad batch stop the queue
+                log.exception("batch failed")
+                for ticket in batch:
+                    if not ticket.future.done():
+                        ticket.future.set_exception(e)
+            finally:
+                with self._changed:
+                    self._running = []
+
+    def _render(self, batch: list[Ticket]) -> None:
+        requests = [t.request for t in batch]
+        height, width, steps, sampler = requests[0].batch_key
+        total = sum(len(r) for r in requests)
+        compiling = not self.pipe.is_compiled(height, width, total, sampler)
+        for ticket in batch:
+            ticket.compiling = compiling
+        result: Generation = self.pipe.run(
+            [p for r in requests for p in r.prompts],
+            [p for r in requests for p in r.negative_prompts],
+            [s for r in requests for s in r.seeds],
+            [i for r in requests for i in r.image_index],
+            [g for r in requests for g in r.guidance_scales],
+            steps=steps,
+            height=height,
+            width=width,
+            sampler=sampler,
+            on_step=lambda done: [setattr(ticket, "step", done) for ticket in batch],
+        )
+        devices = self.pipe.devices_of(total)
+        start = 0
+        for ticket in batch:
+            request = ticket.request
+            end = start + len(request)
+            prompts = set(request.prompts) | set(request.negative_prompts)
+            ticket.future.set_result(
+                Outcome(
+                    images=result.images[start:end],
+                    finite=result.finite[start:end],
+                    devices=devices[start:end],
+                    truncated_prompts=[p for p in result.truncated_prompts if p in prompts],
+                    seconds=result.seconds,
+                    batch_images=total,
+                    compiled=compiling,
+                )
+            )
+            start = end
+
+    def wait(self, ticket: Ticket, on_update=None, poll_seconds: float = 0.1) -> Outcome:
+        """Blocks until the ticket's result is ready, calling `on_update(ticket)` while it waits."""
+        while True:
+            try:
+                return ticket.future.result(timeout=poll_seconds)
+            except concurrent.futures.TimeoutError:
+                if on_update is not None:
+                    on_update(ticket)
+
+
+DEFAULT_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
+GUIDANCE_RANGE = (0.0, 20.0)
+
+
+def load_pipeline(model: str, **kwargs) -> tuple[Pipeline, str | None]:
+    """Loads `model`; a Hub model that can't be fetched falls back to the built-in tiny model.
+
+    Returns the pipeline and, after a fallback, a notice saying why and how to get real weights.
+    """
+    try:
+        return Pipeline.from_pretrained(model, **kwargs), None
+    except HubUnavailableError as e:
+        notice = (
+            f"{e}. Showing the built-in tiny model instead (random weights, noise-like images). "
+            f"For real images, download the weights once with network access: "
+            f"`huggingface-cli download {model}` (or run without HF_HUB_OFFLINE=1), then restart."
+        )
+        log.warning(notice)
+        return Pipeline.from_pretrained("tiny", **kwargs), notice
+
+
+def _integer(value, label: str, low: int, high: int) -> int:
+    """`value` as an int in [low, high]; integral floats (as JSON clients send) are accepted."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not number.is_integer() or not low <= number <= high:
+        raise ValueError(f"{label} must be an integer from {low} to {high}, got {value!r}")
+    return int(number)
+
+
+class TextToImage:
+    """The demo's requests: turns what a user typed into validated device-queue requests."""
+
+    def __init__(self, pipe: Pipeline, *, max_images_per_core: int = 4, max_queued: int = 32, notice: str | None = None):
+        self.pipe = pipe
+        self.notice = notice
+        self.max_images_per_core = max_images_per_core
+        self.sizes = size_presets(pipe)
+        self.queue = DeviceQueue(pipe, max_batch_images=pipe.num_devices * max_images_per_core, max_queued=max_queued)
+
+    @property
+    def max_images(self) -> int:
+        return self.pipe.num_devices * self.max_images_per_core
+
+    def _common(self, style: str, seed, guidance_scale, steps, width, height, sampler) -> dict:
+        if style not in STYLES:
+            raise ValueError(f"unknown style {style!r}; choose one of: {', '.join(STYLES)}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; choose one of: {', '.join(SAMPLERS)}")
+        size = (_integer(width, "width", 1, 8192), _integer(height, "height", 1, 8192))
+        if size not in self.sizes:
+            presets = ", ".join(f"{w}x{h}" for w, h in self.sizes)
+            raise ValueError(f"size {size[0]}x{size[1]} is not one of this model's sizes: {presets}")
+        try:
+            guidance = float(guidance_scale)
+        except (TypeError, ValueError):
+            guidance = float("nan")
+        if not GUIDANCE_RANGE[0] <= guidance <= GUIDANCE_RANGE[1]:
+            raise ValueError(f"guidance scale must be from {GUIDANCE_RANGE[0]:g} to {GUIDANCE_RANGE[1]:g}, got {guidance_scale!r}")
+        return dict(
+            seed=_integer(seed, "seed", 0, MAX_SEED),
+            guidance=guidance,
+            steps=_integer(steps, "steps", 1, self.pipe.max_steps),
+            width=size[0],
+            height=size[1],
+            sampler=sampler,
+        )
+
+    @staticmethod
+    def _styled(prompt: str, negative_prompt: str, style: str) -> tuple[str, str]:
+        if not prompt or not prompt.strip():
+            raise ValueError("please enter a prompt (an empty prompt would give unguided, random images)")
+        return STYLES[style].apply(prompt, negative_prompt or "")
+
+    def _request(self, prompts, negatives, seeds, index, common) -> Request:
+        n = len(prompts)
+        return Request(
+            tuple(prompts), tuple(negatives), tuple(seeds), tuple(index), (common["guidance"],) * n,
+            steps=common["steps"], height=common["height"], width=common["width"], sampler=common["sampler"],
+        )
+
+    def images(
+        self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core=1, sampler="euler"
+    ) -> Request:
+        """One prompt, `images_per_core` images on every core: images (seed, 0), (seed, 1), ..."""
+        common = self._common(style, seed, guidance_scale, steps, width, height, sampler)
+        n = self.pipe.num_devices * _integer(images_per_core, "images per core", 1, self.max_images_per_core)
+        text, negative = self._styled(prompt, negative_prompt, style)
+        return self._request([text] * n, [negative] * n, [common["seed"]] * n, range(n), common)
+
+    def compare_prompts(
+        self, prompts: list[str], negative_prompt, style, seed, guidance_scale, steps, width, height, sampler="euler"
+    ) -> Request:
+        """Several prompts from the same starting noise (seed, image 0), side by side."""
+        common = self._common(style, seed, guidance_scale, steps, width, height, sampler)
+        prompts = [p for p in prompts if p.strip()]
+        if not 1 <= len(prompts) <= self.max_images:
+            raise ValueError(f"enter from 1 to {self.max_images} prompts, one per line (got {len(prompts)})")
+        styled = [self._styled(p, negative_prompt, style) for p in prompts]
+        n = len(styled)
+        return self._request([p for p, _ in styled], [q for _, q in styled], [common["seed"]] * n, [0] * n, common)
+
+    def compare_seeds(
+        self, prompt, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height, sampler="euler"
+    ) -> Request:
+        """One prompt from `num_seeds` consecutive seeds, side by side."""
+        common = self._common(style, seed, guidance_scale, steps, width, height, sampler)
+        n = _integer(num_seeds, "number of seeds", 1, self.max_images)
+        if common["seed"] + n - 1 > MAX_SEED:
+            raise ValueError(f"seeds {common['seed']}..{common['seed'] + n - 1} go past {MAX_SEED}")
+        text, negative = self._styled(prompt, negative_prompt, style)
+        return self._request([text] * n, [negative] * n, range(common["seed"], common["seed"] + n), [0] * n, common)
