@@ -10,43 +10,16 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from sdxl import clip
-from sdxl.config import config_from_dict, config_from_file
+from sdxl.checkpoint import BUILTIN_CONFIGS
+from sdxl.config import config_from_dict, config_from_file, read_json
 from sdxl.weights import load_params
 
 VOCAB = 1000
 LENGTH = 77
 
-# The SDXL base text encoders' config.json (the fields we read).
-SDXL_TEXT_ENCODER = {
-    "architectures": ["CLIPTextModel"],
-    "vocab_size": 49408,
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "projection_dim": 768,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "max_position_embeddings": 77,
-    "hidden_act": "quick_gelu",
-    "layer_norm_eps": 1e-05,
-    "bos_token_id": 0,
-    "eos_token_id": 2,
-    "pad_token_id": 1,
-}
-SDXL_TEXT_ENCODER_2 = {
-    "architectures": ["CLIPTextModelWithProjection"],
-    "vocab_size": 49408,
-    "hidden_size": 1280,
-    "intermediate_size": 5120,
-    "projection_dim": 1280,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 20,
-    "max_position_embeddings": 77,
-    "hidden_act": "gelu",
-    "layer_norm_eps": 1e-05,
-    "bos_token_id": 0,
-    "eos_token_id": 2,
-    "pad_token_id": 1,
-}
+SDXL_BASE = BUILTIN_CONFIGS / "sdxl-base-1.0"
+SDXL_TEXT_ENCODER = read_json(SDXL_BASE / "text_encoder" / "config.json")
+SDXL_TEXT_ENCODER_2 = read_json(SDXL_BASE / "text_encoder_2" / "config.json")
 
 
 def save_reference(path, *, hidden_act, eos_token_id, with_projection):

@@ -9,7 +9,8 @@ import torch
 from diffusers import AutoencoderKL as TorchAutoencoderKL
 from safetensors.numpy import load_file, save_file
 
-from sdxl.config import config_from_dict, config_from_file
+from sdxl.checkpoint import BUILTIN_CONFIGS
+from sdxl.config import config_from_dict, config_from_file, read_json
 from sdxl.vae import AutoencoderKL, VAEConfig, abstract_params, rename_key
 from sdxl.weights import CheckpointError, load_params
 
@@ -119,20 +120,7 @@ def test_legacy_attention_names_load(reference):
 
 
 def test_sdxl_parameter_count():
-    sdxl_vae = {
-        "act_fn": "silu",
-        "block_out_channels": [128, 256, 512, 512],
-        "down_block_types": ["DownEncoderBlock2D"] * 4,
-        "in_channels": 3,
-        "latent_channels": 4,
-        "layers_per_block": 2,
-        "norm_num_groups": 32,
-        "out_channels": 3,
-        "sample_size": 1024,
-        "scaling_factor": 0.13025,
-        "up_block_types": ["UpDecoderBlock2D"] * 4,
-        "force_upcast": True,
-    }
+    sdxl_vae = read_json(BUILTIN_CONFIGS / "sdxl-base-1.0" / "vae" / "config.json")
     config = config_from_dict(VAEConfig, sdxl_vae)
     assert config.downscale_factor == 8
     count = sum(leaf.size for leaf in jax.tree.leaves(abstract_params(config)))
