@@ -135,7 +135,8 @@ def create_demo(demo: Demo) -> gr.Blocks:
                 compare_run = gr.Button("Compare", variant="primary")
         with gr.Accordion("Advanced", open=False):
             with gr.Row():
-                seed = gr.Number(label="Seed", value=0, precision=0, minimum=0, maximum=MAX_SEED)
+                # precision=None: Gradio would round a fractional seed (1.5 -> 2) before our check sees it.
+                seed = gr.Number(label="Seed", value=0, precision=None, minimum=0, maximum=MAX_SEED)
                 randomize = gr.Checkbox(label="Randomize seed", value=True)
             guidance = gr.Slider(*GUIDANCE_RANGE, value=DEFAULT_GUIDANCE, step=0.5, label="Guidance scale")
             steps = gr.Slider(1, pipe.max_steps, value=DEFAULT_STEPS, step=1, label="Steps")
@@ -143,8 +144,8 @@ def create_demo(demo: Demo) -> gr.Blocks:
             per_core = gr.Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
             sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()], value="euler",
                                   label="Sampler", info="each sampler compiles once, then stays cached")
-            width = gr.Number(value=native[0], precision=0, visible=False)
-            height = gr.Number(value=native[1], precision=0, visible=False)
+            width = gr.Number(value=native[0], precision=None, visible=False)
+            height = gr.Number(value=native[1], precision=None, visible=False)
         gallery = gr.Gallery(label="Images", columns=min(4, service.max_images), format="png", elem_id="gallery")
         status = gr.Markdown(elem_id="status")
 

@@ -1,0 +1,319 @@
+"""The Gradio demo end to end: `python app.py` in a subprocess, driven by gradio_client and a browser.
+
+Everything runs on 127.0.0.1 with 4 forced CPU devices and the Hub switched off, so the default SDXL
+model falls back to the built-in tiny one (native 128x128, presets 128x128, 144x112, 112x144, 160x96,
+96x160; 4 images per request, one per device).
+"""
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+from gradio_client.utils import Status, StatusUpdate
+from PIL import Image
+from safetensors.numpy import load_file, save_file
+
+from sdxl.tiny import write_checkpoint
+
+# gradio_client reads these in this process: no telemetry calls to the Hub from the tests.
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+STARTUP_TIMEOUT = 300  # seconds: load + compile + warm-up on a slow 2-core machine
+CALL_TIMEOUT = 180  # seconds for one request, compilation of a new size included
+COMPARE_SEEDS = "One prompt, consecutive seeds"  # app.COMPARE_SEEDS; not imported, the app is a subprocess
+FAST = dict(prompt="a lighthouse at dusk", steps=3)  # steps are a runtime input: no recompilation
+
+_servers: list["Server"] = []  # every server this module started, for the failure log
+
+
+@dataclasses.dataclass
+class Server:
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(tmp: Path, cache_dir: Path, *args: str):
+    """Runs `python app.py ARGS` on a free port until the block ends; yields once the page answers."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SDXL_", "GRADIO_SERVER_"))}
+    env.update(
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        JAX_PLATFORMS="cpu",
+        HF_HUB_OFFLINE="1",
+        HF_HUB_CACHE=str(tmp / "hf-cache"),  # empty: the default model is surely not there, even if it is in ~/.cache
+        GRADIO_TEMP_DIR=str(tmp / "gradio"),
+        GRADIO_ANALYTICS_ENABLED="False",
+        PYTHONUNBUFFERED="1",
+    )
+    command = [sys.executable, str(REPO / "app.py"), "--host", "127.0.0.1", "--port", str(port),
+               "--cache-dir", str(cache_dir), *args]
+    log = tmp / "server.log"
+    with open(log, "wb") as sink:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    server = Server(process, f"http://127.0.0.1:{port}/", log)
+    _servers.append(server)
+    try:
+        _wait_until_ready(server)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_until_ready(server: Server) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"app.py exited with status {server.process.returncode}:\n{server.output()}")
+        try:
+            with urllib.request.urlopen(server.url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"app.py did not answer on {server.url} within {STARTUP_TIMEOUT} s:\n{server.output()}")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """One compilation cache for every server of this module: the NaN server reuses the main one's programs."""
+    return tmp_path_factory.mktemp("xla-cache")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, cache_dir):
+    """The demo as started by default: no --model, so the SDXL repo id falls back to tiny offline."""
+    with serve(tmp_path_factory.mktemp("app"), cache_dir) as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def _server_log_on_failure(request):
+    """Prints the servers' output after a failed test (pytest shows it with the failure)."""
+    failed_before = request.session.testsfailed  # counts the call phase before teardown runs
+    yield
+    if request.session.testsfailed > failed_before:
+        for running in _servers:
+            print(f"\n----- output of {running.url} ({running.log}) -----\n{running.output()[-20000:]}")
+
+
+@pytest.fixture(scope="module")
+def downloads(tmp_path_factory) -> str:
+    """Where gradio_client saves the images it receives (its default is a shared /tmp/gradio)."""
+    return str(tmp_path_factory.mktemp("downloads"))
+
+
+@pytest.fixture(scope="module")
+def client(server, downloads) -> Client:
+    return Client(server.url, verbose=False, download_files=downloads)
+
+
+def _generate(client: Client, **kwargs) -> tuple[list[dict], str]:
+    return client.submit(**(FAST | kwargs), api_name="/generate").result(timeout=CALL_TIMEOUT)
+
+
+def _pixels(gallery: list[dict]) -> list[np.ndarray]:
+    return [np.asarray(Image.open(item["image"]).convert("RGB")) for item in gallery]
+
+
+def _assert_serving(client: Client) -> None:
+    gallery, status = _generate(client, seed=1)
+    assert len(gallery) == 4 and "4 images" in status, status
+
+
+def test_startup_line_and_fallback_notice(server):
+    output = server.output()
+    startup = r"^startup: load [\d.]+ s, compile [\d.]+ s, warm-up [\d.]+ s, total [\d.]+ s$"
+    assert re.search(startup, output, re.M), output
+    assert "Running on local URL" in output
+    with urllib.request.urlopen(server.url + "config", timeout=10) as response:
+        config = response.read().decode()
+    notice = "Showing the built-in tiny model instead"
+    assert notice in config and '"elem_id":"model-notice"' in config
+    assert "HF_HUB_OFFLINE=1" in config and "stabilityai/stable-diffusion-xl-base-1.0" in config
+    with urllib.request.urlopen(server.url, timeout=10) as response:
+        assert notice in response.read().decode()
+
+
+def test_generate_preset_size_with_png_parameters(client):
+    prompt = "a red fox sleeping in fresh snow"
+    gallery, status = _generate(client, prompt=prompt, seed=1234, width=144, height=112)
+    assert len(gallery) == 4
+    assert status.startswith("4 images in "), status
+    for i, item in enumerate(gallery):
+        image = Image.open(item["image"])
+        assert image.format == "PNG" and image.size == (144, 112)
+        parameters = image.info["parameters"]
+        assert parameters.startswith(prompt + "\n"), parameters
+        assert f"Seed: 1234, Image index: {i}, Size: 144x112, Model: tiny" in parameters, parameters
+        assert item["caption"].startswith(f"seed 1234 · image {i} · "), item["caption"]
+    pixels = _pixels(gallery)
+    assert all(p.std() > 0 for p in pixels)
+    assert len({p.tobytes() for p in pixels}) == 4, "the 4 images of a request must differ (index in the noise)"
+
+
+def test_same_seed_same_images_other_seed_different(client):
+    first = _pixels(_generate(client, seed=7)[0])
+    again = _pixels(_generate(client, seed=7)[0])
+    other = _pixels(_generate(client, seed=8)[0])
+    for a, b, c in zip(first, again, other, strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert np.abs(a.astype(int) - c.astype(int)).mean() > 1, "another seed must give other images"
+
+
+def test_compare_consecutive_seeds(client):
+    gallery, status = client.submit(
+        mode=COMPARE_SEEDS, prompts="a castle floating above the clouds", seed=41, num_seeds=3, steps=3,
+        api_name="/compare",
+    ).result(timeout=CALL_TIMEOUT)
+    assert status.startswith("3 images in "), status
+    assert [item["caption"].split(" · ")[:2] for item in gallery] == [
+        ["seed 41", "image 0"], ["seed 42", "image 0"], ["seed 43", "image 0"]]
+    for seed, item in zip((41, 42, 43), gallery):
+        assert f"Seed: {seed}, Image index: 0," in Image.open(item["image"]).info["parameters"]
+    assert len({p.tobytes() for p in _pixels(gallery)}) == 3
+
+
+def _bad(endpoint: str, message: str, **kwargs):
+    label = ",".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "mode")
+    return pytest.param(endpoint, kwargs, message, id=f"{endpoint.strip('/')}:{label}")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "kwargs", "message"),
+    [
+        _bad("/generate", "please enter a prompt", prompt=""),
+        _bad("/generate", "please enter a prompt", prompt="   "),
+        _bad("/generate", "Value -1 is less than minimum value 0", seed=-1),
+        _bad("/generate", "Value 4294967296 is greater than maximum value 4294967295", seed=2**32),
+        _bad("/generate", "seed must be an integer from 0 to 4294967295, got 1.5", seed=1.5),
+        _bad("/generate", "Value 0 is less than minimum value 1", steps=0),
+        _bad("/generate", "Value 101 is greater than maximum value 100", steps=101),
+        _bad("/generate", "steps must be an integer from 1 to 100, got 2.5", steps=2.5),
+        _bad("/generate", "Value 25 is greater than maximum value 20", guidance_scale=25),
+        _bad("/generate", "size 100x100 is not one of this model's sizes: 128x128, 144x112", width=100, height=100),
+        _bad("/generate", "Watercolour is not in the list of choices", style="Watercolour"),
+        _bad("/generate", "lms is not in the list of choices", sampler="lms"),
+        _bad("/generate", "Value 5 is greater than maximum value 4", images_per_core=5),
+        _bad("/compare", "seeds 4294967295..4294967296 go past 4294967295",
+             mode=COMPARE_SEEDS, prompts="a fox", seed=2**32 - 1, num_seeds=2),
+        _bad("/compare", "enter from 1 to 16 prompts, one per line (got 0)", prompts="\n \n"),
+    ],
+)
+def test_bad_input_is_an_error_and_the_server_keeps_serving(client, endpoint, kwargs, message):
+    defaults = dict(steps=3) | (FAST if endpoint == "/generate" else {})
+    with pytest.raises(AppError) as error:
+        client.submit(**(defaults | kwargs), api_name=endpoint).result(timeout=CALL_TIMEOUT)
+    assert message in str(error.value)
+    _assert_serving(client)
+
+
+def test_long_prompt_is_truncated_with_a_warning(client):
+    """gradio_client has no warnings API: a gr.Warning arrives as a Status.LOG update on the job's async iterator."""
+    job = client.submit(**(FAST | dict(prompt="word " * 100, seed=3)), api_name="/generate")
+    gallery, status = job.result(timeout=CALL_TIMEOUT)
+    assert len(gallery) == 4 and "4 images" in status, status
+
+    async def updates():
+        return [update async for update in job]
+
+    logs = [u.log for u in asyncio.run(updates()) if isinstance(u, StatusUpdate) and u.code == Status.LOG]
+    assert [level for _, level in logs] == ["warning"], logs
+    assert logs[0][0].startswith("Prompt truncated to 77 tokens: 'word word"), logs
+
+
+def test_concurrent_clients(server, downloads):
+    """8 users at once: batched on the device queue, each gets its own 4 images, nothing fails."""
+    seeds = range(100, 108)
+    with concurrent.futures.ThreadPoolExecutor(len(seeds)) as pool:
+        users = list(pool.map(lambda _: Client(server.url, verbose=False, download_files=downloads), seeds))
+    # Submitted within milliseconds: while the first request renders, the others queue up and batch.
+    jobs = [user.submit(**(FAST | dict(seed=seed)), api_name="/generate") for user, seed in zip(users, seeds)]
+    deadline = time.monotonic() + 300
+    results = [job.result(timeout=max(1.0, deadline - time.monotonic())) for job in jobs]
+    assert any("batched with other requests" in status for _, status in results), [s for _, s in results]
+    digests = set()
+    for seed, (gallery, status) in zip(seeds, results):
+        assert len(gallery) == 4 and status.startswith("4 images in "), status
+        assert all(item["caption"].startswith(f"seed {seed} · ") for item in gallery)
+        digests.add(hashlib.sha256(b"".join(p.tobytes() for p in _pixels(gallery))).hexdigest())
+    assert len(digests) == len(seeds), "every user's images must be their own"
+
+
+def test_nan_output_is_an_error_and_the_queue_keeps_going(tmp_path, cache_dir, downloads):
+    model = write_checkpoint(tmp_path / "nan-vae")
+    vae = model / "vae" / "diffusion_pytorch_model.safetensors"
+    save_file({name: np.full_like(value, np.nan) for name, value in load_file(vae).items()}, vae)
+    with serve(tmp_path / "app", cache_dir, "--model", str(model)) as running:
+        nan_client = Client(running.url, verbose=False, download_files=downloads)
+        for seed in (0, 1):  # the second call shows the queue is not stuck after the first failure
+            with pytest.raises(AppError, match="NaN/inf"):
+                nan_client.submit(**(FAST | dict(seed=seed)), api_name="/generate").result(timeout=CALL_TIMEOUT)
+
+
+def test_browser_generate(server, tmp_path):
+    if not CHROMIUM.exists():
+        reason = f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium) for the browser test"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    from playwright.sync_api import expect, sync_playwright
+
+    artifacts = REPO / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        # Playwright takes the fresh profile folder (--user-data-dir) as launch_persistent_context's argument.
+        browser = p.chromium.launch_persistent_context(
+            tmp_path / "chromium-profile",
+            executable_path=CHROMIUM,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+            viewport={"width": 1280, "height": 1000},
+        )
+        try:
+            page = browser.new_page()
+            page.goto(server.url, wait_until="networkidle")
+            expect(page.locator("#model-notice")).to_contain_text("Showing the built-in tiny model instead")
+            page.locator("#prompt textarea").fill("a lighthouse on a cliff at dusk")
+            page.locator("#generate").click()
+            expect(page.locator("#gallery img")).to_have_count(4, timeout=CALL_TIMEOUT * 1000)
+            expect(page.locator("#status")).to_contain_text("4 images", timeout=30_000)
+            page.screenshot(path=str(artifacts / "app.png"), full_page=True)
+        finally:
+            browser.close()
+    assert Image.open(artifacts / "app.png").size[0] == 1280
