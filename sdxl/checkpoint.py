@@ -96,12 +96,16 @@ def download(repo_id: str, *, prefer_variant: str | None = "fp16") -> Path:
 
 
 def resolve(name_or_path: str | os.PathLike, *, prefer_variant: str | None = "fp16") -> Path:
-    """The local folder of a checkpoint given as a folder, a built-in name, or a Hub repo id."""
+    """The local folder of a checkpoint given as a folder, a built-in name, or a Hub repo id.
+
+    Built-in names are the random tiny models ("tiny", "tiny-sd1"), written on first use, and the
+    configs-only folders in `BUILTIN_CONFIGS`.
+    """
     from . import tiny
 
     name = str(name_or_path)
-    if name == "tiny":
-        return tiny.ensure_checkpoint()
+    if name in tiny.MODELS:
+        return tiny.ensure_checkpoint(name)
     if (BUILTIN_CONFIGS / name).is_dir():
         return BUILTIN_CONFIGS / name
     path = Path(name).expanduser()

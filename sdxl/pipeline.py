@@ -42,7 +42,12 @@ class NonFiniteImageError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """Everything static about a checkpoint: the configs that shape the compiled program."""
+    """Everything static about a checkpoint: the configs that shape the compiled program.
+
+    The model family follows from the configs. SDXL: two text encoders, whose penultimate hidden
+    states are the context, plus the pooled text and size ids as extra conditioning. SD 1.x/2.x: one
+    text encoder, whose last hidden state is the context, and no extra conditioning.
+    """
 
     unet: unet.UNetConfig
     vae: vae.VAEConfig
@@ -75,6 +80,16 @@ class ModelSpec:
 
     @classmethod
     def from_folder(cls, folder: Path) -> "ModelSpec":
+        """Reads the configs of a diffusers pipeline folder.
+
+        Only the text encoders, UNet, VAE and scheduler are read. Other entries of model_index.json
+        are ignored, whether they name a component or are null: SD 1.x's `safety_checker` and
+        `feature_extractor` (no safety checker runs: images come out as from a diffusers pipeline
+        built with safety_checker=None), `requires_safety_checker`, `image_encoder`.
+
+        Raises:
+          CheckpointError: model_index.json or a config is missing, or no text encoder is named.
+        """
         index = checkpoint.read_model_index(folder)
         names = [n for n in ("text_encoder", "text_encoder_2") if index.get(n) and index[n][0] is not None]
         if not names:
@@ -138,6 +153,21 @@ def encode_text(spec: ModelSpec, params: dict, ids: jax.Array, dtype) -> tuple[j
     return jnp.concatenate(states, axis=-1), (pooled if spec.is_sdxl else None)
 
 
+def per_image_keys(seeds: jax.Array, image_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The PRNG keys of each image, from its (seed, index) alone.
+
+    Args:
+      seeds, image_index: [B] uint32.
+
+    Returns:
+      ([B] keys for the starting noise, [B] keys for the noise a stochastic sampler adds).
+    """
+    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(seeds, image_index)
+    noise_keys = jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys)
+    sampler_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys)
+    return noise_keys, sampler_keys
+
+
 def _interleave(negative: jax.Array, positive: jax.Array) -> jax.Array:
     """[B, ...] x2 -> [2B, ...] as (neg_0, pos_0, neg_1, pos_1, ...).
 
@@ -184,15 +214,14 @@ class GenerateProgram:
             cond["text_embeds"] = pooled * keep[:, None].astype(pooled.dtype)
             cond["time_ids"] = jnp.broadcast_to(time_ids, (2 * batch, 6))
 
-        image_keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(seeds, image_index)
+        noise_keys, sampler_keys = per_image_keys(seeds, image_index)
         if noise is None:
             f = spec.vae.downscale_factor
             shape = (self.height // f, self.width // f, spec.unet.in_channels)
-            noise = jax.vmap(lambda key: jax.random.normal(jax.random.fold_in(key, 0), shape))(image_keys)
+            noise = jax.vmap(lambda key: jax.random.normal(key, shape))(noise_keys)
         method = SAMPLERS[self.sampler]
         carry = method.init(noise.astype(jnp.float32) * schedule.init_noise_sigma)
-        keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(image_keys) if method.stochastic else None
-        return cond, carry, keys
+        return cond, carry, (sampler_keys if method.stochastic else None)
 
     def denoise(self, params, cond, carry, keys, guidance_scale, schedule, num_steps, start, stop):
         """Sampler steps start..stop-1 with the guided UNet as the denoiser."""
@@ -287,9 +316,11 @@ class Pipeline:
         max_steps: int = 100,
         devices: Sequence[jax.Device] | None = None,
     ) -> "Pipeline":
-        """Loads a diffusers-format checkpoint (folder, Hub repo id, or "tiny").
+        """Loads a diffusers-format SDXL or SD 1.x/2.x checkpoint.
 
         Args:
+          path_or_repo_id: a folder, a Hub repo id, or a built-in name ("tiny", "tiny-sd1": random
+            tiny models in the SDXL and SD 1.x layouts).
           dtype: parameter and activation dtype. Defaults to bfloat16 on accelerators and float32 on
             CPU. Schedulers and sampler state are float32 regardless.
           max_steps: the largest step count a call may ask for (the schedule's padded length).
@@ -529,9 +560,9 @@ class Pipeline:
 
         Args:
           prompt, negative_prompt: a string (used for every image) or a list (one per image). An
-            empty negative prompt means "none": SDXL then uses zero conditioning, as diffusers does
-            when no negative prompt is given.
-          height, width: default to the model's native resolution (1024 for SDXL).
+            empty negative prompt means "none", and is treated as diffusers treats a missing one:
+            SDXL (force_zeros_for_empty_prompt) uses zero conditioning, SD 1.x/2.x encodes "".
+          height, width: default to the model's native resolution (1024 for SDXL, 512 for SD 1.x).
           num_images: defaults to the prompt list's length, else one image per device.
           sampler: a name in `sampling.SAMPLERS` ("euler", "euler_ancestral", "dpmpp_2m",
             "dpmpp_2m_karras", "ddim"). Each sampler compiles once.

@@ -1,9 +1,19 @@
-"""The built-in `tiny` model: a small random SDXL-layout checkpoint, written on first use.
+"""The built-in tiny models: small random checkpoints in the SDXL and SD 1.x layouts, written on first use.
 
-It has the real diffusers layout (model_index.json, unet/, vae/, text_encoder*/, tokenizer*/,
+Each has the real diffusers layout (model_index.json, unet/, vae/, text_encoder*/, tokenizer*/,
 scheduler/, safetensors weights) and is loaded through the same `from_pretrained` path as a
-downloaded checkpoint, so the demo, the CLI and the tests run end to end with no download. Its
-images are noise-like patterns: the weights are random.
+downloaded checkpoint, so the demo, the CLI and the tests run end to end with no download:
+
+- "tiny": SDXL's layout. Two text encoders (the second with a projection and plain gelu), their
+  penultimate states as context, the pooled text and size ids as extra conditioning, linear
+  attention projections, and SDXL's scheduler config.
+- "tiny-sd1": SD 1.x's layout. One quick_gelu encoder whose last state is the context, no extra
+  conditioning, convolutional attention projections, one head count for every level, and
+  stable-diffusion-v1-5's (PNDM) scheduler config. Like a checkpoint saved without its safety
+  checker, its model_index.json lists `safety_checker` and `feature_extractor` as null.
+
+Both are 128 pixels native and share the tiny VAE. Their images are noise-like patterns: the weights
+are random.
 """
 
 import json
@@ -14,14 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import cache_root
+from .checkpoint import BUILTIN_CONFIGS
+from .config import cache_root, read_json
 from .weights import flatten, save_params, unflatten
 
 # Bump when the configs or the weight recipe change, so stale caches are not reused.
-VERSION = 1
+VERSION = 2
 NATIVE_SIZE = 128
 
-_TEXT_ENCODER = {
+_TEXT_ENCODER = {  # CLIP ViT-L's text encoder in miniature: SD 1.x's only encoder, SDXL's first
     "architectures": ["CLIPTextModel"],
     "hidden_size": 32,
     "intermediate_size": 64,
@@ -36,37 +47,10 @@ _TEXT_ENCODER = {
     "pad_token_id": 513,
 }
 _TEXT_ENCODER_2 = {**_TEXT_ENCODER, "architectures": ["CLIPTextModelWithProjection"], "hidden_act": "gelu"}
-CONFIGS = {
-    "model_index.json": {
-        "_class_name": "StableDiffusionXLPipeline",
-        "force_zeros_for_empty_prompt": True,
-        "scheduler": ["diffusers", "EulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "CLIPTextModel"],
-        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-        "tokenizer": ["transformers", "CLIPTokenizer"],
-        "tokenizer_2": ["transformers", "CLIPTokenizer"],
-        "unet": ["diffusers", "UNet2DConditionModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-    },
-    "unet/config.json": {
-        "_class_name": "UNet2DConditionModel",
-        "sample_size": NATIVE_SIZE // 8,
-        "in_channels": 4,
-        "out_channels": 4,
-        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
-        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
-        "block_out_channels": [32, 64],
-        "layers_per_block": 1,
-        "norm_num_groups": 8,
-        "cross_attention_dim": 64,
-        "attention_head_dim": [2, 4],
-        "transformer_layers_per_block": [1, 2],
-        "use_linear_projection": True,
-        "addition_embed_type": "text_time",
-        "addition_time_embed_dim": 8,
-        "projection_class_embeddings_input_dim": 32 + 6 * 8,
-    },
-    "vae/config.json": {
+
+
+def _vae(scaling_factor: float) -> dict:
+    return {
         "_class_name": "AutoencoderKL",
         "in_channels": 3,
         "out_channels": 3,
@@ -77,23 +61,89 @@ CONFIGS = {
         "latent_channels": 4,
         "norm_num_groups": 4,
         "sample_size": NATIVE_SIZE,
-        "scaling_factor": 0.13025,
+        "scaling_factor": scaling_factor,
+    }
+
+
+_UNET = {
+    "_class_name": "UNet2DConditionModel",
+    "sample_size": NATIVE_SIZE // 8,
+    "in_channels": 4,
+    "out_channels": 4,
+    "block_out_channels": [32, 64],
+    "layers_per_block": 1,
+    "norm_num_groups": 8,
+}
+_COMPONENTS = {
+    "unet": ["diffusers", "UNet2DConditionModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+}
+
+SDXL_CONFIGS = {
+    "model_index.json": {
+        **_COMPONENTS,
+        "_class_name": "StableDiffusionXLPipeline",
+        "force_zeros_for_empty_prompt": True,
+        "scheduler": ["diffusers", "EulerDiscreteScheduler"],
+        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+        "tokenizer_2": ["transformers", "CLIPTokenizer"],
     },
+    "unet/config.json": {
+        **_UNET,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+        "cross_attention_dim": 2 * _TEXT_ENCODER["hidden_size"],
+        "attention_head_dim": [2, 4],
+        "transformer_layers_per_block": [1, 2],
+        "use_linear_projection": True,
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": 8,
+        "projection_class_embeddings_input_dim": _TEXT_ENCODER_2["projection_dim"] + 6 * 8,
+    },
+    "vae/config.json": _vae(scaling_factor=0.13025),
     "text_encoder/config.json": _TEXT_ENCODER,
     "text_encoder_2/config.json": _TEXT_ENCODER_2,
+    "scheduler/scheduler_config.json": read_json(BUILTIN_CONFIGS / "sdxl-base-1.0/scheduler/scheduler_config.json"),
+}
+
+SD1_CONFIGS = {
+    "model_index.json": {
+        **_COMPONENTS,
+        "_class_name": "StableDiffusionPipeline",
+        "scheduler": ["diffusers", "PNDMScheduler"],
+        "safety_checker": [None, None],
+        "feature_extractor": [None, None],
+        "requires_safety_checker": False,
+    },
+    "unet/config.json": {
+        **_UNET,
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+        "cross_attention_dim": _TEXT_ENCODER["hidden_size"],
+        "attention_head_dim": 4,
+        "use_linear_projection": False,
+    },
+    "vae/config.json": _vae(scaling_factor=0.18215),
+    "text_encoder/config.json": _TEXT_ENCODER,
+    # stable-diffusion-v1-5's, as published: a PNDM config that names no timestep spacing.
     "scheduler/scheduler_config.json": {
-        "_class_name": "EulerDiscreteScheduler",
-        "num_train_timesteps": 1000,
-        "beta_start": 0.00085,
+        "_class_name": "PNDMScheduler",
+        "_diffusers_version": "0.6.0",
         "beta_end": 0.012,
         "beta_schedule": "scaled_linear",
-        "prediction_type": "epsilon",
-        "timestep_spacing": "leading",
+        "beta_start": 0.00085,
+        "num_train_timesteps": 1000,
+        "set_alpha_to_one": False,
+        "skip_prk_steps": True,
         "steps_offset": 1,
-        "interpolation_type": "linear",
-        "use_karras_sigmas": False,
+        "trained_betas": None,
+        "clip_sample": False,
     },
 }
+
+MODELS = {"tiny": SDXL_CONFIGS, "tiny-sd1": SD1_CONFIGS}
 _WEIGHT_FILES = {
     "unet": "diffusion_pytorch_model.safetensors",
     "vae": "diffusion_pytorch_model.safetensors",
@@ -123,8 +173,17 @@ def random_params(abstract_params: dict, seed: int) -> dict:
     return unflatten({path: value.astype(np.float32) for path, value in flat.items()})
 
 
-def write_checkpoint(folder: Path, configs: dict = CONFIGS, seed: int = 0) -> Path:
-    """Writes a random checkpoint with the given configs in the diffusers layout."""
+def write_checkpoint(folder: Path, configs: dict = SDXL_CONFIGS, seed: int = 0) -> Path:
+    """Writes a random checkpoint in the diffusers layout.
+
+    Args:
+      configs: {relative path: JSON dict} for model_index.json and every component's config, e.g.
+        `SDXL_CONFIGS` or `SD1_CONFIGS`. The model family follows from them.
+      seed: seeds the weights.
+
+    Returns:
+      `folder`.
+    """
     from .pipeline import ModelSpec
     from .tokenizer import write_byte_level_tokenizer
 
@@ -140,15 +199,15 @@ def write_checkpoint(folder: Path, configs: dict = CONFIGS, seed: int = 0) -> Pa
     return folder
 
 
-def ensure_checkpoint() -> Path:
-    """The tiny checkpoint's folder, written (atomically) on first use."""
-    folder = cache_root() / f"tiny-v{VERSION}"
+def ensure_checkpoint(name: str = "tiny") -> Path:
+    """The folder of the built-in model `name` (a key of `MODELS`), written (atomically) on first use."""
+    folder = cache_root() / f"{name}-v{VERSION}"
     if (folder / "model_index.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix="tiny-", dir=folder.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder.parent))
     try:
-        write_checkpoint(staging)
+        write_checkpoint(staging, MODELS[name])
         os.replace(staging, folder)
     except OSError:
         if not (folder / "model_index.json").is_file():  # not just another process winning the race

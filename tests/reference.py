@@ -1,13 +1,18 @@
 """Reference (PyTorch diffusers/transformers) pipelines built from our tiny configs, for parity tests."""
 
+import json
 from pathlib import Path
 
+import diffusers
+import numpy as np
 import torch
-from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from sdxl import tiny
 from sdxl.tokenizer import write_byte_level_tokenizer
+
+SCHEDULER_JSON = "scheduler/scheduler_config.json"
 
 
 def randomize_(module: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
@@ -32,26 +37,70 @@ def _without_class(config: dict) -> dict:
     return {k: v for k, v in config.items() if not k.startswith("_") and k != "architectures"}
 
 
-def sdxl_pipeline(folder: Path, configs: dict = tiny.CONFIGS, seed: int = 0) -> StableDiffusionXLPipeline:
-    """A random diffusers SDXL pipeline with `configs`, saved (safetensors) to `folder`."""
+def _text_encoder(config: dict) -> CLIPTextModel | CLIPTextModelWithProjection:
+    cls = CLIPTextModelWithProjection if config["architectures"] == ["CLIPTextModelWithProjection"] else CLIPTextModel
+    return cls(CLIPTextConfig(**_without_class(config)))
+
+
+def _components(folder: Path, configs: dict) -> dict:
+    """The components both pipeline classes share, as `configs` describe them."""
     tokenizer_dir = folder / "_tokenizer_source"
     write_byte_level_tokenizer(tokenizer_dir)
-    tokenizer = CLIPTokenizer.from_pretrained(tokenizer_dir)
-    pipe = StableDiffusionXLPipeline(
-        vae=AutoencoderKL(**_without_class(configs["vae/config.json"])),
-        text_encoder=CLIPTextModel(CLIPTextConfig(**_without_class(configs["text_encoder/config.json"]))),
-        text_encoder_2=CLIPTextModelWithProjection(
-            CLIPTextConfig(**_without_class(configs["text_encoder_2/config.json"]))
-        ),
-        tokenizer=tokenizer,
-        tokenizer_2=tokenizer,
-        unet=UNet2DConditionModel(**_without_class(configs["unet/config.json"])),
-        scheduler=EulerDiscreteScheduler(**_without_class(configs["scheduler/scheduler_config.json"])),
-        force_zeros_for_empty_prompt=True,
-        add_watermarker=False,
-    )
-    for i, name in enumerate(["unet", "vae", "text_encoder", "text_encoder_2"]):
+    scheduler = configs[SCHEDULER_JSON]
+    return {
+        "vae": AutoencoderKL(**_without_class(configs["vae/config.json"])),
+        "unet": UNet2DConditionModel(**_without_class(configs["unet/config.json"])),
+        "text_encoder": _text_encoder(configs["text_encoder/config.json"]),
+        "tokenizer": CLIPTokenizer.from_pretrained(tokenizer_dir),
+        # As diffusers loads a checkpoint's scheduler: the class the JSON names, from the JSON.
+        "scheduler": getattr(diffusers, scheduler["_class_name"]).from_config(scheduler),
+    }
+
+
+def _randomize_and_save(pipe: diffusers.DiffusionPipeline, folder: Path, configs: dict, seed: int) -> None:
+    names = [n for n in ("unet", "vae", "text_encoder", "text_encoder_2") if getattr(pipe, n, None) is not None]
+    for i, name in enumerate(names):
         randomize_(getattr(pipe, name), seed + i)
     pipe.set_progress_bar_config(disable=True)
     pipe.save_pretrained(folder, safe_serialization=True)
+    # diffusers writes every field of its scheduler class, defaults included (for SD 1.5's PNDM
+    # config, timestep_spacing "leading"); keep the JSON as the checkpoint ships it instead.
+    (folder / SCHEDULER_JSON).write_text(json.dumps(configs[SCHEDULER_JSON], indent=2))
+
+
+def sdxl_pipeline(folder: Path, configs: dict = tiny.SDXL_CONFIGS, seed: int = 0) -> StableDiffusionXLPipeline:
+    """A random diffusers SDXL pipeline with `configs`, saved (safetensors) to `folder`."""
+    components = _components(folder, configs)
+    pipe = StableDiffusionXLPipeline(
+        **components,
+        text_encoder_2=_text_encoder(configs["text_encoder_2/config.json"]),
+        tokenizer_2=components["tokenizer"],
+        force_zeros_for_empty_prompt=True,
+        add_watermarker=False,
+    )
+    _randomize_and_save(pipe, folder, configs, seed)
     return pipe
+
+
+def sd_pipeline(folder: Path, configs: dict = tiny.SD1_CONFIGS, seed: int = 0) -> StableDiffusionPipeline:
+    """A random diffusers SD 1.x/2.x pipeline with `configs`, saved (safetensors) to `folder`.
+
+    It has no safety checker: its model_index.json lists `safety_checker` and `feature_extractor`
+    as null, as diffusers saves such a pipeline.
+    """
+    pipe = StableDiffusionPipeline(
+        **_components(folder, configs), safety_checker=None, feature_extractor=None, requires_safety_checker=False
+    )
+    _randomize_and_save(pipe, folder, configs, seed)
+    return pipe
+
+
+def diffusers_images(pipe: diffusers.DiffusionPipeline, scheduler=None, **call_kwargs) -> np.ndarray:
+    """[N, H, W, 3] float32 images in [0, 1] from a diffusers pipeline, with `scheduler` swapped in for this call."""
+    original = pipe.scheduler
+    pipe.scheduler = scheduler or original
+    try:
+        with torch.no_grad():
+            return pipe(**call_kwargs, output_type="np").images
+    finally:
+        pipe.scheduler = original

@@ -2,10 +2,17 @@ import jax
 import numpy as np
 import pytest
 import torch
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+)
+from diffusers.schedulers import scheduling_euler_ancestral_discrete
 
-from reference import sdxl_pipeline
+from reference import diffusers_images, sdxl_pipeline
 from sdxl.compilation import CompileCounter
-from sdxl.pipeline import Pipeline, PromptTruncatedWarning
+from sdxl.pipeline import Pipeline, PromptTruncatedWarning, per_image_keys
+from sdxl.sampling import step_noise
 
 HEIGHT, WIDTH = 64, 96  # non-square, and a multiple of the tiny model's latent factor (16)
 PROMPTS = ["a red cube on a table", "a blue sphere floating over grass"]
@@ -27,18 +34,18 @@ def _latents(n, seed=0):
     return np.random.default_rng(seed).standard_normal((n, 4, HEIGHT // 8, WIDTH // 8)).astype(np.float32)
 
 
-def _diffusers_images(ref, prompts, negatives, latents, steps, guidance):
-    with torch.no_grad():
-        return ref(
-            prompt=prompts,
-            negative_prompt=negatives,
-            height=HEIGHT,
-            width=WIDTH,
-            num_inference_steps=steps,
-            guidance_scale=guidance,
-            latents=torch.from_numpy(latents),
-            output_type="np",
-        ).images
+def _diffusers_images(ref, prompts, negatives, latents, steps, guidance, scheduler=None):
+    return diffusers_images(
+        ref,
+        scheduler,
+        prompt=prompts,
+        negative_prompt=negatives,
+        height=HEIGHT,
+        width=WIDTH,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        latents=torch.from_numpy(latents),
+    )
 
 
 def test_images_match_diffusers(reference, pipe):
@@ -53,6 +60,59 @@ def test_images_match_diffusers(reference, pipe):
     assert got.shape == (2, HEIGHT, WIDTH, 3)
     assert expected.std() > 0.05 and np.abs(expected[0] - expected[1]).mean() > 1e-3
     assert diff <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "sampler, scheduler_cls, options",
+    [
+        ("dpmpp_2m", DPMSolverMultistepScheduler, {}),
+        ("dpmpp_2m_karras", DPMSolverMultistepScheduler, {"use_karras_sigmas": True}),
+        ("ddim", DDIMScheduler, {}),  # eta = 0, the pipeline's default
+    ],
+)
+def test_deterministic_samplers_match_diffusers(reference, pipe, sampler, scheduler_cls, options):
+    _, ref = reference
+    latents = _latents(2, seed=4)
+    scheduler = scheduler_cls.from_config(ref.scheduler.config, **options)
+    # 4 steps: DPM++ 2M takes first, second, second and (lower_order_final) first order steps.
+    expected = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=4, guidance=5.0, scheduler=scheduler)
+    got = pipe.generate(
+        PROMPTS, NEGATIVES, steps=4, guidance_scale=5.0, height=HEIGHT, width=WIDTH, latents=latents,
+        sampler=sampler, output_type="np",
+    )
+    diff = np.abs(got - expected).max()
+    print(f"{sampler} max abs diff vs diffusers {type(scheduler).__name__}: {diff:.2e}")
+    assert expected.std() > 0.05
+    euler = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=4, guidance=5.0)
+    # DDIM is Euler's method in other variables, so it differs only by its last step and starting noise.
+    assert np.abs(euler - expected).max() > 1e-3, "the sampler must make a difference for the test to mean something"
+    assert diff <= 1e-4
+
+
+def test_euler_ancestral_matches_diffusers_given_the_same_noise(reference, pipe, monkeypatch):
+    _, ref = reference
+    seed, steps, latents = 5, 3, _latents(2, seed=5)
+    # The keys the pipeline's sampler draws its step noise from, for images 0 and 1 of `seed`.
+    _, keys = per_image_keys(np.full(2, seed, np.uint32), np.arange(2, dtype=np.uint32))
+    steps_taken = 0
+
+    def same_noise(shape, **kwargs):  # diffusers' draw for one step, [B, C, h, w]
+        nonlocal steps_taken
+        noise = step_noise(keys, steps_taken, (shape[2], shape[3], shape[1]))  # [B, h, w, C]
+        steps_taken += 1
+        return torch.from_numpy(np.asarray(noise).transpose(0, 3, 1, 2).copy())
+
+    monkeypatch.setattr(scheduling_euler_ancestral_discrete, "randn_tensor", same_noise)
+    scheduler = EulerAncestralDiscreteScheduler.from_config(ref.scheduler.config)
+    expected = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=steps, guidance=5.0, scheduler=scheduler)
+    assert steps_taken == steps
+    kwargs = dict(steps=steps, guidance_scale=5.0, height=HEIGHT, width=WIDTH, latents=latents, output_type="np")
+    got = pipe.generate(PROMPTS, NEGATIVES, seed=seed, sampler="euler_ancestral", **kwargs)
+    diff = np.abs(got - expected).max()
+    print(f"euler_ancestral max abs diff vs diffusers, same noise: {diff:.2e}")
+    assert diff <= 1e-4
+    other_seed = pipe.generate(PROMPTS, NEGATIVES, seed=seed + 1, sampler="euler_ancestral", **kwargs)
+    assert np.abs(other_seed - got).max() > 1e-2, "the step noise must come from the seed"
 
 
 def test_empty_negative_prompt_is_zero_conditioning_like_diffusers(reference, pipe):

@@ -1,0 +1,196 @@
+"""SD 1.x/2.x checkpoints: random diffusers StableDiffusionPipelines, saved, loaded by ours, and run on both sides."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler, StableDiffusionPipeline
+from PIL import Image
+from safetensors.numpy import load_file, save_file
+
+from reference import diffusers_images, sd_pipeline
+from sdxl import tiny
+from sdxl.checkpoint import resolve
+from sdxl.pipeline import Pipeline
+
+ROOT = Path(__file__).parents[1]
+HEIGHT, WIDTH = 96, 64  # portrait, where tests/test_pipeline.py's SDXL size is landscape
+PROMPTS = ["a red cube on a table", "a blue sphere floating over grass"]
+NEGATIVES = ["blurry", "low quality, watermark"]
+
+# stable-diffusion-2-1's layout in miniature: a gelu (OpenCLIP) encoder, linear attention
+# projections, a head count per level, upcast attention, and its v-prediction DDIM scheduler config.
+SD2_CONFIGS = {
+    **tiny.SD1_CONFIGS,
+    "text_encoder/config.json": {**tiny.SD1_CONFIGS["text_encoder/config.json"], "hidden_act": "gelu"},
+    "unet/config.json": {
+        **tiny.SD1_CONFIGS["unet/config.json"],
+        "use_linear_projection": True,
+        "attention_head_dim": [2, 4],
+        "upcast_attention": True,
+    },
+    "scheduler/scheduler_config.json": {
+        "_class_name": "DDIMScheduler",
+        "_diffusers_version": "0.8.0",
+        "beta_end": 0.012,
+        "beta_schedule": "scaled_linear",
+        "beta_start": 0.00085,
+        "clip_sample": False,
+        "num_train_timesteps": 1000,
+        "prediction_type": "v_prediction",
+        "set_alpha_to_one": False,
+        "skip_prk_steps": True,
+        "steps_offset": 1,
+        "trained_betas": None,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sd1-reference")
+    return folder, sd_pipeline(folder)
+
+
+@pytest.fixture(scope="module")
+def pipe(reference):
+    return Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
+
+
+def _latents(n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, 4, HEIGHT // 8, WIDTH // 8)).astype(np.float32)
+
+
+def _diffusers(ref, scheduler, latents, steps, **kwargs):
+    return diffusers_images(
+        ref, scheduler, prompt=PROMPTS, latents=torch.from_numpy(latents), num_inference_steps=steps,
+        guidance_scale=5.0, height=HEIGHT, width=WIDTH, **kwargs,
+    )
+
+
+def _ours(pipe, negatives, latents, steps, sampler="euler"):
+    return pipe.generate(
+        PROMPTS, negatives, steps=steps, guidance_scale=5.0, height=HEIGHT, width=WIDTH, latents=latents,
+        sampler=sampler, output_type="np",
+    )
+
+
+def _max_diff(label, got, expected):
+    assert got.shape == expected.shape == (2, HEIGHT, WIDTH, 3)
+    assert expected.std() > 0.05 and np.abs(expected[0] - expected[1]).mean() > 1e-3
+    diff = np.abs(got - expected).max()
+    print(f"{label}: max abs diff vs diffusers {diff:.2e}")
+    return diff
+
+
+def test_a_saved_sd1_pipeline_is_read_as_sd1(reference, pipe):
+    folder, _ = reference
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["safety_checker"] == [None, None] and "force_zeros_for_empty_prompt" not in index
+    assert not pipe.spec.is_sdxl and pipe.spec.text_encoder_names == ("text_encoder",)
+    assert not pipe.spec.force_zeros_for_empty_prompt
+    assert set(pipe.params) == {"unet", "vae", "text_encoder"}
+    assert pipe.spec.native_size == 128 and pipe.spec.scheduler.timestep_spacing is None
+
+
+def test_images_match_diffusers_with_euler(reference, pipe):
+    """The usual `EulerDiscreteScheduler.from_config(pipe.scheduler.config)` swap on SD 1.5's PNDM config."""
+    _, ref = reference
+    latents = _latents(2)
+    euler = EulerDiscreteScheduler.from_config(ref.scheduler.config)
+    # The PNDM JSON names no spacing: diffusers then takes Euler's default, not PNDM's "leading".
+    assert euler.config.timestep_spacing == "linspace"
+    expected = _diffusers(ref, euler, latents, 4, negative_prompt=NEGATIVES)
+    assert _max_diff("SD1 euler", _ours(pipe, NEGATIVES, latents, 4), expected) <= 1e-4
+    leading = EulerDiscreteScheduler.from_config(ref.scheduler.config, timestep_spacing="leading")
+    with_leading = _diffusers(ref, leading, latents, 4, negative_prompt=NEGATIVES)
+    assert np.abs(with_leading - expected).max() > 1e-2, "the spacing must matter for the comparison to settle it"
+
+
+def test_empty_negative_prompt_encodes_the_empty_text_like_diffusers(reference, pipe):
+    """diffusers' StableDiffusionPipeline encodes "" for a missing negative prompt (SDXL's zeroes it)."""
+    _, ref = reference
+    latents = _latents(2, seed=1)
+    euler = EulerDiscreteScheduler.from_config(ref.scheduler.config)
+    expected = _diffusers(ref, euler, latents, 4, negative_prompt=None)
+    assert _max_diff("SD1 empty negative prompt", _ours(pipe, "", latents, 4), expected) <= 1e-4
+    zeroed = _diffusers(ref, euler, latents, 4, negative_prompt_embeds=torch.zeros(2, 77, 32))
+    assert np.abs(zeroed - expected).max() > 1e-2, "zero conditioning must differ for the test to mean something"
+
+
+def test_dpmpp_2m_matches_diffusers(reference, pipe):
+    _, ref = reference
+    latents = _latents(2, seed=2)
+    expected = _diffusers(ref, DPMSolverMultistepScheduler.from_config(ref.scheduler.config), latents, 4,
+                          negative_prompt=NEGATIVES)
+    assert _max_diff("SD1 dpmpp_2m", _ours(pipe, NEGATIVES, latents, 4, "dpmpp_2m"), expected) <= 1e-4
+
+
+def test_sd2_layout_with_v_prediction_and_ddim_matches_diffusers(tmp_path):
+    """SD 2.x ships a DDIM config; diffusers runs it as is, eta = 0."""
+    ref = sd_pipeline(tmp_path, SD2_CONFIGS, seed=10)
+    pipe = Pipeline.from_pretrained(tmp_path, dtype="float32", max_steps=8)
+    assert pipe.spec.scheduler.prediction_type == "v_prediction" and type(ref.scheduler).__name__ == "DDIMScheduler"
+    latents = _latents(2, seed=3)
+    expected = _diffusers(ref, None, latents, 3, negative_prompt=NEGATIVES)
+    assert _max_diff("SD2-layout v-prediction ddim", _ours(pipe, NEGATIVES, latents, 3, "ddim"), expected) <= 1e-4
+
+
+def test_safety_checker_and_feature_extractor_are_ignored(reference, pipe, tmp_path):
+    """A checkpoint as published (SD 1.5 names a safety checker and ships its weights) loads all the same."""
+    folder = shutil.copytree(reference[0], tmp_path / "checkpoint")
+    index = json.loads((folder / "model_index.json").read_text())
+    index |= {
+        "safety_checker": ["stable_diffusion", "StableDiffusionSafetyChecker"],
+        "feature_extractor": ["transformers", "CLIPImageProcessor"],
+        "requires_safety_checker": True,
+    }
+    (folder / "model_index.json").write_text(json.dumps(index))
+    (folder / "safety_checker").mkdir()
+    checker_config = {"architectures": ["StableDiffusionSafetyChecker"]}
+    (folder / "safety_checker" / "config.json").write_text(json.dumps(checker_config))
+    save_file({"concept_embeds": np.zeros((17, 8), np.float32)}, folder / "safety_checker" / "model.safetensors")
+    (folder / "feature_extractor").mkdir()
+    (folder / "feature_extractor" / "preprocessor_config.json").write_text(json.dumps({"crop_size": 224}))
+    loaded = Pipeline.from_pretrained(folder, dtype="float32", max_steps=8)
+    assert loaded.spec == pipe.spec
+    assert set(loaded.params) == {"unet", "vae", "text_encoder"}
+
+
+def test_tiny_sd1_is_an_sd1_checkpoint_that_diffusers_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = resolve("tiny-sd1")
+    assert folder.is_relative_to(tmp_path)
+    spec = Pipeline.from_pretrained("tiny-sd1", dtype="float32").spec
+    assert not spec.is_sdxl and len(spec.text_encoders) == 1 and not spec.unet.use_linear_projection
+    assert spec.native_size == 128 and spec.scheduler.timestep_spacing is None
+    diffusers_pipe = StableDiffusionPipeline.from_pretrained(folder)
+    assert diffusers_pipe.safety_checker is None and type(diffusers_pipe.scheduler).__name__ == "PNDMScheduler"
+    for name in ("unet", "vae", "text_encoder"):
+        # transformers 5 names the text encoder's keys without the `text_model.` prefix we store.
+        state = getattr(diffusers_pipe, name).state_dict()
+        loaded = {k.removeprefix("text_model."): v.numpy() for k, v in state.items()}
+        stored_file = next((folder / name).glob("*.safetensors"))
+        stored = {k.removeprefix("text_model."): v for k, v in load_file(stored_file).items()}
+        assert loaded.keys() == stored.keys()
+        assert all(np.array_equal(loaded[k], stored[k]) for k in stored), name
+
+
+def test_cli_generates_with_tiny_sd1(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "sdxl", "generate", "--model", "tiny-sd1", "--prompt", "a lighthouse",
+         "--negative-prompt", "fog", "--steps", "2", "--num-images", "1", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path / "cache")},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "loaded tiny-sd1" in result.stdout and "generated 1 images" in result.stdout
+    image = Image.open(tmp_path / "out" / "0-0.png")
+    assert image.size == (128, 128)
+    assert np.asarray(image).std() > 1
