@@ -60,11 +60,14 @@ def weight_files(folder: Path, *, prefer_variant: str | None = "fp16") -> list[P
     return variant_files or plain_files or files
 
 
+# The components whose weights a pipeline loads (a safety checker, say, is never run).
+WEIGHT_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae")
+
+
 def _hub_weight_patterns(repo_files: list[str], prefer_variant: str | None) -> list[str]:
     """Per component folder: the variant's safetensors when the repo has them, else the plain ones."""
-    folders = sorted({f.split("/")[0] for f in repo_files if f.count("/") == 1 and f.endswith(".safetensors")})
     patterns = []
-    for folder in folders:
+    for folder in WEIGHT_COMPONENTS:
         names = [Path(f) for f in repo_files if f.startswith(folder + "/") and f.endswith(".safetensors")]
         if prefer_variant and any(_is_variant(n, prefer_variant) for n in names):
             patterns.append(f"{folder}/*.{prefer_variant}*.safetensors")

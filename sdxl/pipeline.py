@@ -5,8 +5,12 @@ The whole generation runs inside a single `jax.jit` program: text encoding, the 
 are replicated and the image batch is sharded over a 1-D mesh of all devices, so each device
 renders its share of the images with no communication.
 
-Only the batch size and the image size are static. Prompts, seeds, guidance scales and the number
-of steps are array inputs, so changing them reuses the compiled program.
+Only the batch size, the image size and the sampler are static. Prompts, seeds, guidance scales and
+the number of steps are array inputs, so changing them reuses the compiled program.
+
+When the caller wants progress reports, the same stages compile as separate programs and the loop
+runs as a chain of calls (see `Pipeline.run`): host callbacks inside the loop would keep JAX from
+writing the program to the persistent compilation cache on multi-device machines.
 """
 
 import dataclasses
@@ -115,22 +119,23 @@ class ModelSpec:
         return params
 
 
+# Per component: how a stored key maps to the module's name, and the stored buffers to skip.
+_KEY_RULES = {
+    "unet": (lambda key: key, ()),
+    "vae": (vae.rename_key, ()),
+    "text_encoder": (clip.rename_key, clip.IGNORED_KEYS),
+    "text_encoder_2": (clip.rename_key, clip.IGNORED_KEYS),
+}
+
+
 def load_checkpoint_params(folder: Path, spec: ModelSpec, dtype, put) -> dict:
     """Loads every component's safetensors into a parameter tree, checking every key and shape."""
     prefer_variant = None if np.dtype(dtype) == np.float32 else "fp16"
-    abstract = spec.abstract_params()
-    renames = {"vae": vae.rename_key, "unet": lambda k: k}
     params = {}
-    for name, tree in abstract.items():
-        is_text = name.startswith("text_encoder")
-        params[name] = load_params(
-            checkpoint.weight_files(folder / name, prefer_variant=prefer_variant),
-            tree,
-            dtype=dtype,
-            rename=clip.rename_key if is_text else renames[name],
-            ignore=clip.IGNORED_KEYS if is_text else (),
-            put=put,
-        )
+    for name, tree in spec.abstract_params().items():
+        rename, ignore = _KEY_RULES[name]
+        files = checkpoint.weight_files(folder / name, prefer_variant=prefer_variant)
+        params[name] = load_params(files, tree, dtype=dtype, rename=rename, ignore=ignore, put=put)
     return params
 
 

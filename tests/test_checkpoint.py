@@ -18,7 +18,7 @@ SDXL_REPO_FILES = [
     "unet/config.json", "unet/diffusion_pytorch_model.fp16.safetensors", "unet/diffusion_pytorch_model.safetensors",
     "unet/diffusion_flax_model.msgpack", "unet/model.onnx",
     "vae/config.json", "vae/diffusion_pytorch_model.fp16.safetensors", "vae/diffusion_pytorch_model.safetensors",
-    "vae_1_0/diffusion_pytorch_model.fp16.safetensors",
+    "vae_1_0/diffusion_pytorch_model.fp16.safetensors", "safety_checker/model.safetensors",
 ]
 
 
@@ -38,12 +38,13 @@ def test_hub_download_picks_one_variant_per_component_and_never_pickles():
     fp16 = checkpoint._hub_weight_patterns(SDXL_REPO_FILES, "fp16")
     assert fp16 == [
         "text_encoder/*.fp16*.safetensors", "text_encoder_2/*.fp16*.safetensors", "unet/*.fp16*.safetensors",
-        "vae/*.fp16*.safetensors", "vae_1_0/*.fp16*.safetensors",
+        "vae/*.fp16*.safetensors",
     ]
     full = checkpoint._hub_weight_patterns(SDXL_REPO_FILES, None)
     assert "unet/diffusion_pytorch_model.safetensors" in full
     assert not any("fp16" in p or p.endswith((".bin", ".msgpack", ".onnx")) for p in full)
-    assert "sd_xl_base_1.0.safetensors" not in fp16 + full  # single-file checkpoints are not downloaded
+    # Neither single-file checkpoints nor components the pipeline never loads are downloaded.
+    assert not any(p.startswith(("sd_xl", "vae_1_0", "safety_checker")) for p in fp16 + full)
 
 
 def test_offline_hub_model_missing_from_the_cache_is_reported(monkeypatch, tmp_path):
