@@ -616,7 +616,7 @@ class Pipeline:
         )
         result.raise_if_not_finite()
         for p in result.truncated_prompts:
-            warnings.warn(PromptTruncatedWarning(f"prompt truncated to {self.spec.max_tokens} tokens: {p!r}"))
+            warnings.warn(PromptTruncatedWarning(f"prompt truncated to {self.spec.max_tokens} tokens: {p!r}"), stacklevel=2)
         if output_type == "np":
             return result.images
         from PIL import Image

@@ -1,9 +1,9 @@
-import shutil
-
 import numpy as np
+import pytest
 from transformers import CLIPTokenizer
 
 from sdxl.tokenizer import load_tokenizer, tokenize, write_byte_level_tokenizer
+from sdxl.weights import CheckpointError
 
 
 def test_byte_level_tokenizer_pads_to_length_and_flags_truncation(tmp_path):
@@ -29,9 +29,5 @@ def test_tokenizer_json_only_folder_gives_the_same_ids(tmp_path):
 
 
 def test_folder_without_tokenizer_files_is_explained(tmp_path):
-    import pytest
-
-    from sdxl.weights import CheckpointError
-
     with pytest.raises(CheckpointError, match="no tokenizer files"):
         load_tokenizer(tmp_path)
