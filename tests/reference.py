@@ -104,3 +104,8 @@ def diffusers_images(pipe: diffusers.DiffusionPipeline, scheduler=None, **call_k
             return pipe(**call_kwargs, output_type="np").images
     finally:
         pipe.scheduler = original
+
+
+def random_latents(n: int, height: int, width: int, seed: int = 0) -> np.ndarray:
+    """Standard normal starting latents in diffusers' layout [n, 4, height / 8, width / 8]."""
+    return np.random.default_rng(seed).standard_normal((n, 4, height // 8, width // 8)).astype(np.float32)

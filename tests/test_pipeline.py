@@ -9,7 +9,7 @@ from diffusers import (
 )
 from diffusers.schedulers import scheduling_euler_ancestral_discrete
 
-from reference import diffusers_images, sdxl_pipeline
+from reference import diffusers_images, random_latents, sdxl_pipeline
 from sdxl.compilation import CompileCounter
 from sdxl.pipeline import Pipeline, PromptTruncatedWarning, per_image_keys
 from sdxl.sampling import step_noise
@@ -31,7 +31,7 @@ def pipe(reference):
 
 
 def _latents(n, seed=0):
-    return np.random.default_rng(seed).standard_normal((n, 4, HEIGHT // 8, WIDTH // 8)).astype(np.float32)
+    return random_latents(n, HEIGHT, WIDTH, seed)
 
 
 def _diffusers_images(ref, prompts, negatives, latents, steps, guidance, scheduler=None):

@@ -14,26 +14,14 @@ from diffusers import (
     EulerDiscreteScheduler,
 )
 
-from sdxl import schedulers
+from sdxl import schedulers, tiny
 from sdxl.config import config_from_dict, config_from_file, read_json
 from sdxl.schedulers import SchedulerConfig
 
 SDXL_SCHEDULER_JSON = Path(__file__).parent.parent / "sdxl/configs/sdxl-base-1.0/scheduler/scheduler_config.json"
 SDXL_SCHEDULER_CONFIG = read_json(SDXL_SCHEDULER_JSON)
 # stable-diffusion-v1-5's scheduler/scheduler_config.json: a PNDM config without timestep_spacing.
-SD15_SCHEDULER_CONFIG = {
-    "_class_name": "PNDMScheduler",
-    "_diffusers_version": "0.6.0",
-    "beta_end": 0.012,
-    "beta_schedule": "scaled_linear",
-    "beta_start": 0.00085,
-    "num_train_timesteps": 1000,
-    "set_alpha_to_one": False,
-    "skip_prk_steps": True,
-    "steps_offset": 1,
-    "trained_betas": None,
-    "clip_sample": False,
-}
+SD15_SCHEDULER_CONFIG = tiny.SD1_CONFIGS["scheduler/scheduler_config.json"]
 VARIANTS = {
     "as shipped": {},
     "leading": {"timestep_spacing": "leading"},

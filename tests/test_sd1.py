@@ -14,7 +14,7 @@ from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler, Stabl
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
-from reference import diffusers_images, sd_pipeline
+from reference import diffusers_images, random_latents, sd_pipeline
 from sdxl import tiny
 from sdxl.checkpoint import resolve
 from sdxl.pipeline import Pipeline
@@ -64,7 +64,7 @@ def pipe(reference):
 
 
 def _latents(n, seed=0):
-    return np.random.default_rng(seed).standard_normal((n, 4, HEIGHT // 8, WIDTH // 8)).astype(np.float32)
+    return random_latents(n, HEIGHT, WIDTH, seed)
 
 
 def _diffusers(ref, scheduler, latents, steps, **kwargs):
