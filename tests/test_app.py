@@ -286,6 +286,16 @@ def test_nan_output_is_an_error_and_the_queue_keeps_going(tmp_path, cache_dir, d
                 nan_client.submit(**(FAST | dict(seed=seed)), api_name="/generate").result(timeout=CALL_TIMEOUT)
 
 
+def test_sd1_layout_model_serves_its_own_presets(tmp_path, cache_dir, downloads):
+    with serve(tmp_path / "app", cache_dir, "--model", "tiny-sd1") as running:
+        sd1_client = Client(running.url, verbose=False, download_files=downloads)
+        job = sd1_client.submit(**(FAST | dict(prompt="a lighthouse", width=144, height=112)), api_name="/generate")
+        gallery, status = job.result(timeout=CALL_TIMEOUT)
+    assert status.startswith("4 images in")
+    assert [Image.open(item["image"]).size for item in gallery] == [(144, 112)] * 4
+    assert all("Model: tiny-sd1" in Image.open(item["image"]).text["parameters"] for item in gallery)
+
+
 def test_browser_generate(server, tmp_path):
     if not CHROMIUM.exists():
         reason = f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium) for the browser test"
