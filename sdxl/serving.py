@@ -92,7 +92,6 @@ class DeviceQueue:
         self.max_batch_images = max_batch_images
         self.max_queued = max_queued
         self._waiting: list[Ticket] = []
-        self._running: list[Ticket] = []
         self._changed = threading.Condition()
         threading.Thread(target=self._serve, name="device-queue", daemon=True).start()
 
@@ -129,7 +128,6 @@ class DeviceQueue:
             with self._changed:
                 self._changed.wait_for(lambda: self._waiting)
                 batch = self._take_batch()
-                self._running = batch
             try:
                 self._render(batch)
             except Exception as e:  # never let one bad batch stop the queue
@@ -137,9 +135,6 @@ class DeviceQueue:
                 for ticket in batch:
                     if not ticket.future.done():
                         ticket.future.set_exception(e)
-            finally:
-                with self._changed:
-                    self._running = []
 
     def _render(self, batch: list[Ticket]) -> None:
         requests = [t.request for t in batch]
@@ -148,6 +143,11 @@ class DeviceQueue:
         compiling = not self.pipe.is_compiled(height, width, total, sampler)
         for ticket in batch:
             ticket.compiling = compiling
+
+        def on_step(done: int) -> None:
+            for ticket in batch:
+                ticket.step = done
+
         result: Generation = self.pipe.run(
             [p for r in requests for p in r.prompts],
             [p for r in requests for p in r.negative_prompts],
@@ -158,7 +158,7 @@ class DeviceQueue:
             height=height,
             width=width,
             sampler=sampler,
-            on_step=lambda done: [setattr(ticket, "step", done) for ticket in batch],
+            on_step=on_step,
         )
         devices = self.pipe.devices_of(total)
         start = 0
