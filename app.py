@@ -51,7 +51,8 @@ class Demo:
             if ticket.step:
                 progress((ticket.step, request.steps), desc="Denoising", unit="steps")
             elif ticket.compiling:
-                progress(0, desc=f"Compiling for {_size_label(request.width, request.height)} (first use of this size)")
+                size = _size_label(request.width, request.height)
+                progress(0, desc=f"Compiling for {size} (first use of this size, batch or sampler; cached after)")
             else:
                 ahead = self.service.queue.position(ticket)
                 progress(0, desc=f"Waiting in queue: {ahead} request(s) ahead" if ahead else "Starting")
@@ -172,7 +173,7 @@ def create_demo(demo: Demo) -> gr.Blocks:
 def main() -> None:
     env = os.environ.get
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=env("SDXL_MODEL", DEFAULT_MODEL), help="Hub repo id, folder, or 'tiny'")
+    parser.add_argument("--model", default=env("SDXL_MODEL", DEFAULT_MODEL), help="Hub repo id, folder, 'tiny' or 'tiny-sd1'")
     parser.add_argument("--host", default=env("SDXL_HOST"), help="default: 127.0.0.1 (Gradio's own default)")
     parser.add_argument("--port", type=int, default=int(env("SDXL_PORT", "7860")))
     parser.add_argument("--cache-dir", default=env("SDXL_CACHE_DIR"), help="persistent compilation cache")
@@ -191,7 +192,8 @@ def main() -> None:
     width, height = service.sizes[0]
     compile_seconds = pipe.warmup(height, width, progress=True)
     warm_start = time.perf_counter()
-    service.queue.wait(service.queue.submit(service.images("warm-up", "", NO_STYLE, 0, DEFAULT_GUIDANCE, 2, width, height)))
+    warm_up = service.images("warm-up", "", NO_STYLE, 0, DEFAULT_GUIDANCE, 2, width, height)
+    service.queue.wait(service.queue.submit(warm_up))
     ready = time.perf_counter()
     print(f"model {model_name} ({pipe.dtype.name}) on {pipe.device_description}; compilation cache {cache}")
     print(f"startup: load {loaded - start:.1f} s, compile {compile_seconds:.1f} s, "
