@@ -1,4 +1,4 @@
-"""Command line: `python -m sdxl generate ...`."""
+"""Command line: `python -m sdxl generate ...`, `python -m sdxl bench ...`, `python -m sdxl write-checkpoint ...`."""
 
 import argparse
 import sys
@@ -78,6 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--out", default="out", help="output folder (default: %(default)s)")
     gen.add_argument("--cache-dir", help="persistent compilation cache folder")
     gen.set_defaults(run=_generate)
+
+    from . import bench
+
+    bench_parser = commands.add_parser("bench", help="measure generation speed, optionally beside diffusers")
+    bench.add_bench_arguments(bench_parser)
+    bench_parser.set_defaults(run=bench.bench_command)
+    write = commands.add_parser("write-checkpoint", help="write a random checkpoint (e.g. full-size SDXL) to benchmark")
+    bench.add_write_checkpoint_arguments(write)
+    write.set_defaults(run=bench.write_checkpoint_command)
 
     args = parser.parse_args(argv)
     from .pipeline import NonFiniteImageError

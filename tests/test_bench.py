@@ -1,0 +1,201 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from safetensors import safe_open
+
+from sdxl import bench, unet
+from sdxl.config import config_from_dict
+from sdxl.pipeline import Pipeline
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
+    out, markdown = tmp_path / "bench.json", tmp_path / "BENCHMARKS.md"
+    args = [
+        "--model",
+        "tiny",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--steps",
+        "1",
+        "--batch",
+        "1",
+        "--devices",
+        "1",
+        "--runs",
+        "1",
+        "--compare",
+        "diffusers",
+        "--json",
+        str(out),
+        "--markdown",
+        str(markdown),
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "sdxl", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    r = json.loads(out.read_text())
+    required = [
+        "images_per_s",
+        "s_per_image",
+        "compile_s",
+        "warm_compile_s",
+        "recompiles",
+        "tflops",
+        "mfu",
+        "device",
+        "n_devices",
+        "ref_images_per_s",
+        "ratio",
+        "load_s",
+        "raw_read_s",
+        "first_image_s",
+        "first_image_warm_s",
+        "load_peak_rss_bytes",
+        "param_bytes_bf16",
+        "peak_rss_bytes",
+        "peak_device_memory_bytes",
+        "progress_overhead",
+    ]
+    assert not [key for key in required if key not in r]
+    assert (r["model"], r["device"], r["n_devices"], r["batch"]) == ("tiny", "cpu", 1, 1)
+    assert r["images_per_s"] > 0 and np.isclose(r["s_per_image"] * r["images_per_s"], 1)
+    assert np.isclose(r["ratio"], r["images_per_s"] / r["ref_images_per_s"])
+    assert r["mfu"] is None and r["tflops"] > 0  # no known peak for a CPU
+    assert r["recompiles"] == 0 and r["sweep_runs"] >= 4
+    assert 0 < r["warm_compile_s"] < r["compile_s"]
+    assert r["load_s"] > 0 and r["raw_read_s"] > 0 and r["weight_bytes"] > r["param_bytes_bf16"]  # tiny is float32
+    assert "ratio (ours / diffusers)" in result.stdout
+    header, _, row = markdown.read_text().splitlines()[-3:]
+    assert header.startswith("| Date |") and "| tiny float32 |" in row and row.count("|") == header.count("|")
+
+
+def _taps(size: int, stride: int) -> int:
+    """Kernel taps of a 3-wide, 1-padded conv that land inside the input, summed over the outputs.
+
+    XLA counts a convolution's multiply-adds without those that hit the zero padding.
+    """
+    outputs = (size + 2 - 3) // stride + 1
+    return sum(0 <= o * stride - 1 + k < size for o in range(outputs) for k in range(3))
+
+
+def _analytic_unet_flops(config: unet.UNetConfig, height: int, width: int, context_length: int) -> float:
+    """FLOPs (2 per multiply-add) of the convolutions, dense layers and attention matmuls of one
+    UNet evaluation on one latent, counted from the architecture; elementwise work is left out."""
+    flops = 0
+    time_dim = 4 * config.block_out_channels[0]
+
+    def conv3x3(h, w, c_in, c_out, stride=1):
+        nonlocal flops
+        flops += 2 * _taps(h, stride) * _taps(w, stride) * c_in * c_out
+
+    def dense(tokens, c_in, c_out):
+        nonlocal flops
+        flops += 2 * tokens * c_in * c_out
+
+    def resnet(h, w, c_in, c_out):
+        conv3x3(h, w, c_in, c_out)
+        dense(1, time_dim, c_out)
+        conv3x3(h, w, c_out, c_out)
+        if c_in != c_out:
+            dense(h * w, c_in, c_out)  # 1x1 shortcut
+
+    def transformer(h, w, c, layers):
+        nonlocal flops
+        t = h * w
+        dense(t, c, c)  # proj_in
+        for _ in range(layers):
+            dense(t, c, 3 * c)  # self-attention q, k, v
+            flops += 2 * 2 * t * t * c  # scores and weighted values
+            dense(t, c, c)
+            dense(t, c, c)  # cross-attention q
+            dense(context_length, config.cross_attention_dim, 2 * c)  # k, v
+            flops += 2 * 2 * t * context_length * c
+            dense(t, c, c)
+            dense(t, c, 8 * c)  # GEGLU
+            dense(t, 4 * c, c)
+        dense(t, c, c)  # proj_out
+
+    channels = config.block_out_channels
+    levels = len(channels)
+    dense(1, channels[0], time_dim)
+    dense(1, time_dim, time_dim)
+    dense(1, config.projection_class_embeddings_input_dim, time_dim)
+    dense(1, time_dim, time_dim)
+    sizes = [(height // 2**level, width // 2**level) for level in range(levels)]
+    conv3x3(*sizes[0], config.in_channels, channels[0])
+    skips, c = [channels[0]], channels[0]
+    for level, block in enumerate(config.down_block_types):
+        for _ in range(config.layers_per_block):
+            resnet(*sizes[level], c, channels[level])
+            c = channels[level]
+            if block.startswith("CrossAttn"):
+                transformer(*sizes[level], c, config.transformer_layers[level])
+            skips.append(c)
+        if level < levels - 1:
+            conv3x3(*sizes[level], c, c, stride=2)
+            skips.append(c)
+    resnet(*sizes[-1], c, c)
+    transformer(*sizes[-1], c, config.transformer_layers[-1])
+    resnet(*sizes[-1], c, c)
+    for i, block in enumerate(config.up_block_types):
+        level = levels - 1 - i
+        for _ in range(config.layers_per_block + 1):
+            resnet(*sizes[level], c + skips.pop(), channels[level])
+            c = channels[level]
+            if block.startswith("CrossAttn"):
+                transformer(*sizes[level], c, config.transformer_layers[level])
+        if level > 0:
+            conv3x3(*sizes[level - 1], c, c)
+    conv3x3(*sizes[0], c, config.out_channels)
+    return flops
+
+
+def test_unet_flop_count_matches_an_independent_count():
+    config = config_from_dict(unet.UNetConfig, bench.MEDIUM_CONFIGS["unet/config.json"])
+    counted = bench.unet_flops(config, batch=2, latent_height=32, latent_width=24, context_length=77)
+    expected = 2 * _analytic_unet_flops(config, 32, 24, 77)
+    print(
+        f"UNet FLOPs at 2x32x24: cost analysis {counted / 1e9:.3f} G, analytic {expected / 1e9:.3f} G, "
+        f"ratio {counted / expected:.4f}"
+    )
+    assert 1 <= counted / expected < 1.05  # XLA also counts the elementwise work
+
+
+def test_compile_counter_sees_a_new_size_but_not_new_prompts_seeds_guidance_or_steps():
+    pipe = Pipeline.from_pretrained("tiny", max_steps=4, devices=jax.devices()[:1])
+    assert bench.count_compilations(pipe, [bench.batch_request(1, 16, 16, 1)]) >= 1
+    assert bench.count_compilations(pipe, bench.sweep_requests(1, 16, 16, 1)) == 0
+    assert bench.count_compilations(pipe, [bench.batch_request(1, 32, 16, 1)]) >= 1
+
+
+def test_write_checkpoint_streams_a_loadable_float16_checkpoint(tmp_path):
+    bench.write_random_checkpoint(tmp_path, bench.builtin_configs("tiny"), dtype="float16", seed=3)
+    path = tmp_path / "unet" / "diffusion_pytorch_model.safetensors"
+    with safe_open(str(path), "np") as f:  # the reference parser accepts the layout
+        kernel = f.get_tensor("conv_in.weight")
+        assert kernel.dtype == np.float16 and kernel.shape == (32, 4, 3, 3)  # PyTorch's OIHW
+        assert abs(kernel.std() * np.sqrt(4 * 3 * 3) - 1) < 0.25  # fan-in scaled, as tiny.random_params
+    pipe = Pipeline.from_pretrained(str(tmp_path), dtype="bfloat16", devices=jax.devices()[:1])
+    assert pipe.params["unet"]["conv_in"]["kernel"].shape == (3, 3, 4, 32)
+
+
+def test_peak_table_matches_device_kinds():
+    assert bench.peak_tflops("NVIDIA H100 80GB HBM3") == 989
+    assert bench.peak_tflops("NVIDIA H100 PCIe") == 756
+    assert bench.peak_tflops("TPU v5 lite") == 197
+    assert bench.peak_tflops("TPU v5") == 459
+    assert bench.peak_tflops("cpu") is None
