@@ -49,7 +49,7 @@ import numpy as np
 
 from . import checkpoint, tiny, unet
 from .compilation import CompileCounter, enable_compilation_cache
-from .config import cache_root, read_json
+from .config import read_json
 from .weights import SAFETENSORS_DTYPES, checkpoint_key, flatten, torch_axes, unflatten
 
 PROMPT = "a photograph of an astronaut riding a horse on the moon, detailed, sharp focus"
@@ -234,24 +234,6 @@ def _write_random_safetensors(path: Path, abstract_params: dict, dtype: np.dtype
             f.write(np.ascontiguousarray(value.transpose(torch_axes(param_path, value.ndim)), dtype).tobytes())
 
 
-def _cached(name: str, write: Callable[[Path], None]) -> Path:
-    """A checkpoint folder in the project cache, written (atomically) on first use."""
-    folder = cache_root() / name
-    if (folder / "model_index.json").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder.parent))
-    try:
-        write(staging)
-        os.replace(staging, folder)
-    except OSError:
-        if not (folder / "model_index.json").is_file():  # not just another process winning the race
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
-
-
 def resolve_model(name: str, scratch: Path) -> Path:
     """The checkpoint folder `bench --model name` measures.
 
@@ -259,7 +241,7 @@ def resolve_model(name: str, scratch: Path) -> Path:
     the caller deletes; anything else is resolved as `Pipeline.from_pretrained` resolves it.
     """
     if name == "medium":
-        return _cached(f"medium-v{MEDIUM_VERSION}", lambda folder: tiny.write_checkpoint(folder, MEDIUM_CONFIGS))
+        return tiny.ensure_cached(f"medium-v{MEDIUM_VERSION}", MEDIUM_CONFIGS)
     if name == "sdxl-base":
         return write_random_checkpoint(scratch / "sdxl-base", builtin_configs("sdxl-base-1.0"))
     return checkpoint.resolve(name)

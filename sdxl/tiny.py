@@ -200,14 +200,19 @@ def write_checkpoint(folder: Path, configs: dict = SDXL_CONFIGS, seed: int = 0) 
 
 
 def ensure_checkpoint(name: str = "tiny") -> Path:
-    """The folder of the built-in model `name` (a key of `MODELS`), written (atomically) on first use."""
-    folder = cache_root() / f"{name}-v{VERSION}"
+    """The folder of the built-in model `name` (a key of `MODELS`), written on first use."""
+    return ensure_cached(f"{name}-v{VERSION}", MODELS[name])
+
+
+def ensure_cached(folder_name: str, configs: dict) -> Path:
+    """A random checkpoint with `configs` in the project cache, written (atomically) on first use."""
+    folder = cache_root() / folder_name
     if (folder / "model_index.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f"{folder_name}-", dir=folder.parent))
     try:
-        write_checkpoint(staging, MODELS[name])
+        write_checkpoint(staging, configs)
         os.replace(staging, folder)
     except OSError:
         if not (folder / "model_index.json").is_file():  # not just another process winning the race
