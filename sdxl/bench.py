@@ -35,7 +35,6 @@ import os
 import platform
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,7 @@ import numpy as np
 from . import checkpoint, tiny, unet
 from .compilation import CompileCounter, enable_compilation_cache
 from .config import read_json
-from .weights import SAFETENSORS_DTYPES, checkpoint_key, flatten, torch_axes, unflatten
+from .weights import flatten
 
 PROMPT = "a photograph of an astronaut riding a horse on the moon, detailed, sharp focus"
 NEGATIVE_PROMPT = "blurry, low quality"
@@ -178,62 +177,6 @@ def builtin_configs(name: str) -> dict:
     return configs
 
 
-def write_random_checkpoint(folder: Path, configs: dict, *, dtype="float16", seed: int = 0) -> Path:
-    """Writes a random checkpoint in the diffusers layout, streaming one tensor at a time.
-
-    The weights follow `tiny.random_params`' recipe, drawn tensor by tensor, so the host never
-    holds more than one tensor: a full-size SDXL checkpoint (2.6B UNet parameters) writes in a few
-    GB of memory.
-
-    Args:
-      configs: {relative path: JSON dict} for model_index.json and every component's config.
-      dtype: the stored dtype ("float16", "bfloat16" or "float32").
-      seed: seeds the weights.
-
-    Returns:
-      `folder`.
-    """
-    from .pipeline import ModelSpec
-    from .tokenizer import write_byte_level_tokenizer
-
-    folder = Path(folder)
-    for name, config in configs.items():
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_text(json.dumps(config, indent=2))
-    spec = ModelSpec.from_folder(folder)
-    index = checkpoint.read_model_index(folder)
-    for i, (component, abstract) in enumerate(sorted(spec.abstract_params().items())):
-        library = index[component][0]
-        filename = "model.safetensors" if library == "transformers" else "diffusion_pytorch_model.safetensors"
-        _write_random_safetensors(folder / component / filename, abstract, np.dtype(jnp.dtype(dtype)), seed * 100 + i)
-    for encoder in spec.text_encoder_names:
-        write_byte_level_tokenizer(folder / encoder.replace("text_encoder", "tokenizer"), spec.max_tokens)
-    return folder
-
-
-def _write_random_safetensors(path: Path, abstract_params: dict, dtype: np.dtype, seed: int) -> None:
-    """A safetensors file of random tensors in PyTorch layout, written as they are drawn."""
-    params = sorted((checkpoint_key(p), p, leaf.shape) for p, leaf in flatten(abstract_params).items())
-    header, offset = {}, 0
-    stored_dtype = {v: k for k, v in SAFETENSORS_DTYPES.items()}[dtype]
-    for key, param_path, shape in params:
-        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-        stored_shape = [shape[a] for a in torch_axes(param_path, len(shape))]
-        header[key] = {"dtype": stored_dtype, "shape": stored_shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data section to 8 bytes
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
-        for j, (_, param_path, shape) in enumerate(params):
-            # One tensor at a time through tiny's recipe, with a seed of its own.
-            one_leaf = unflatten({param_path: jax.ShapeDtypeStruct(shape, jnp.float32)})
-            value = flatten(tiny.random_params(one_leaf, seed * 1_000_000 + j))[param_path]
-            f.write(np.ascontiguousarray(value.transpose(torch_axes(param_path, value.ndim)), dtype).tobytes())
-
-
 def resolve_model(name: str, scratch: Path) -> Path:
     """The checkpoint folder `bench --model name` measures.
 
@@ -243,7 +186,7 @@ def resolve_model(name: str, scratch: Path) -> Path:
     if name == "medium":
         return tiny.ensure_cached(f"medium-v{MEDIUM_VERSION}", MEDIUM_CONFIGS)
     if name == "sdxl-base":
-        return write_random_checkpoint(scratch / "sdxl-base", builtin_configs("sdxl-base-1.0"))
+        return tiny.write_checkpoint(scratch / "sdxl-base", builtin_configs("sdxl-base-1.0"), dtype="float16")
     return checkpoint.resolve(name)
 
 
@@ -827,7 +770,7 @@ def write_checkpoint_command(args: argparse.Namespace) -> None:
     if out.exists():
         raise ValueError(f"{out} already exists")
     start = time.perf_counter()
-    write_random_checkpoint(out, builtin_configs(args.config), dtype=args.dtype, seed=args.seed)
+    tiny.write_checkpoint(out, builtin_configs(args.config), dtype=args.dtype, seed=args.seed)
     size = sum(f.stat().st_size for f in out.rglob("*.safetensors"))
     print(f"wrote {out} ({size / 2**30:.2f} GiB of {args.dtype} weights) in {time.perf_counter() - start:.0f} s")
 

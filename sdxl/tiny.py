@@ -16,20 +16,22 @@ Both are 128 pixels native and share the tiny VAE. Their images are noise-like p
 are random.
 """
 
+import functools
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from .checkpoint import BUILTIN_CONFIGS
 from .config import cache_root, read_json
-from .weights import flatten, save_params, unflatten
+from .weights import write_params
 
 # Bump when the configs or the weight recipe change, so stale caches are not reused.
-VERSION = 2
+VERSION = 3
 NATIVE_SIZE = 128
 
 _TEXT_ENCODER = {  # CLIP ViT-L's text encoder in miniature: SD 1.x's only encoder, SDXL's first
@@ -144,41 +146,32 @@ SD1_CONFIGS = {
 }
 
 MODELS = {"tiny": SDXL_CONFIGS, "tiny-sd1": SD1_CONFIGS}
-_WEIGHT_FILES = {
-    "unet": "diffusion_pytorch_model.safetensors",
-    "vae": "diffusion_pytorch_model.safetensors",
-    "text_encoder": "model.safetensors",
-    "text_encoder_2": "model.safetensors",
-}
 
 
-def random_params(abstract_params: dict, seed: int) -> dict:
-    """Random weights for a parameter tree: fan-in scaled kernels, small biases, unit-ish norm scales.
+def random_tensor(rng: np.random.Generator, path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """Random values for one parameter: fan-in scaled kernels, small biases, unit-ish norm scales.
 
     Biases and norm scales are random too, so a loader that mixed them up would be caught.
     """
-    rng = np.random.default_rng(seed)
-    flat = {}
-    for path, leaf in sorted(flatten(abstract_params).items()):
-        shape = tuple(leaf.shape)
-        if path[-1] == "kernel":
-            fan_in = int(np.prod(shape[:-1]))
-            flat[path] = rng.standard_normal(shape) / np.sqrt(fan_in)
-        elif path[-1] == "embedding":
-            flat[path] = rng.standard_normal(shape) * 0.5
-        elif path[-1] == "scale":
-            flat[path] = 1 + 0.1 * rng.standard_normal(shape)
-        else:
-            flat[path] = 0.1 * rng.standard_normal(shape)
-    return unflatten({path: value.astype(np.float32) for path, value in flat.items()})
+    if path[-1] == "kernel":
+        return rng.standard_normal(shape, np.float32) / np.sqrt(np.prod(shape[:-1]), dtype=np.float32)
+    if path[-1] == "embedding":
+        return rng.standard_normal(shape, np.float32) * 0.5
+    if path[-1] == "scale":
+        return 1 + 0.1 * rng.standard_normal(shape, np.float32)
+    return 0.1 * rng.standard_normal(shape, np.float32)
 
 
-def write_checkpoint(folder: Path, configs: dict = SDXL_CONFIGS, seed: int = 0) -> Path:
-    """Writes a random checkpoint in the diffusers layout.
+def write_checkpoint(folder: Path, configs: dict = SDXL_CONFIGS, *, dtype="float32", seed: int = 0) -> Path:
+    """Writes a random checkpoint in the diffusers layout, one tensor at a time.
+
+    The host never holds more than one tensor, so this also writes full-size checkpoints (SDXL's
+    2.6B-parameter UNet) for benchmarks.
 
     Args:
       configs: {relative path: JSON dict} for model_index.json and every component's config, e.g.
         `SDXL_CONFIGS` or `SD1_CONFIGS`. The model family follows from them.
+      dtype: the stored dtype ("float32", "float16" or "bfloat16").
       seed: seeds the weights.
 
     Returns:
@@ -193,7 +186,11 @@ def write_checkpoint(folder: Path, configs: dict = SDXL_CONFIGS, seed: int = 0) 
         (folder / name).write_text(json.dumps(config, indent=2))
     spec = ModelSpec.from_folder(folder)
     for i, (component, abstract) in enumerate(sorted(spec.abstract_params().items())):
-        save_params(random_params(abstract, seed + i), folder / component / _WEIGHT_FILES[component])
+        # diffusers names its models' files one way, transformers another.
+        library = configs["model_index.json"][component][0]
+        filename = "model.safetensors" if library == "transformers" else "diffusion_pytorch_model.safetensors"
+        draw = functools.partial(random_tensor, np.random.default_rng([seed, i]))
+        write_params(folder / component / filename, abstract, jnp.dtype(dtype), draw)
     for encoder in spec.text_encoder_names:
         write_byte_level_tokenizer(folder / encoder.replace("text_encoder", "tokenizer"), spec.max_tokens)
     return folder

@@ -10,7 +10,6 @@ shape is checked in both directions, and all mismatches are reported at once.
 """
 
 import json
-import os
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -195,14 +194,33 @@ def load_params(
     return unflatten(flat)
 
 
-def save_params(params: dict, path: Path, *, rename: Callable[[str], str] = lambda key: key, dtype=None) -> None:
-    """Writes a parameter tree as a PyTorch-layout safetensors file (the inverse of `load_params`)."""
-    from safetensors.numpy import save_file
+def write_params(
+    path: Path, abstract_params: dict, dtype, tensor: Callable[[tuple[str, ...], tuple[int, ...]], np.ndarray]
+) -> None:
+    """Writes a PyTorch-layout safetensors file for a parameter tree, one tensor at a time (the
+    inverse of `load_params`), so the host never holds more than one tensor.
 
-    tensors = {}
-    for leaf_path, array in flatten(params).items():
-        array = np.asarray(array)
-        array = array.transpose(torch_axes(leaf_path, array.ndim))
-        tensors[rename(checkpoint_key(leaf_path))] = np.ascontiguousarray(array, dtype=dtype or array.dtype)
-    os.makedirs(Path(path).parent, exist_ok=True)
-    save_file(tensors, str(path))
+    Args:
+      abstract_params: the tree's shapes (Flax layout).
+      dtype: the stored dtype.
+      tensor: `tensor(path, shape)` gives one parameter's values in Flax layout; it is called in
+        sorted key order.
+    """
+    entries = sorted((checkpoint_key(p), p, tuple(leaf.shape)) for p, leaf in flatten(abstract_params).items())
+    dtype = np.dtype(dtype)
+    stored_dtype = {v: k for k, v in SAFETENSORS_DTYPES.items()}[dtype]
+    header, offset = {}, 0
+    for key, param_path, shape in entries:
+        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        stored_shape = [shape[a] for a in torch_axes(param_path, len(shape))]
+        header[key] = {"dtype": stored_dtype, "shape": stored_shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data section to 8 bytes
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for _, param_path, shape in entries:
+            value = tensor(param_path, shape)
+            f.write(np.ascontiguousarray(value.transpose(torch_axes(param_path, value.ndim)), dtype).tobytes())

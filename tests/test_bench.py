@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from sdxl import bench, unet
+from sdxl import bench, tiny, unet
 from sdxl.config import config_from_dict
 from sdxl.pipeline import Pipeline
 
@@ -143,12 +143,12 @@ def test_compile_counter_sees_a_new_size_but_not_new_prompts_seeds_guidance_or_s
 
 
 def test_write_checkpoint_streams_a_loadable_float16_checkpoint(tmp_path):
-    bench.write_random_checkpoint(tmp_path, bench.builtin_configs("tiny"), dtype="float16", seed=3)
+    tiny.write_checkpoint(tmp_path, bench.builtin_configs("tiny"), dtype="float16", seed=3)
     path = tmp_path / "unet" / "diffusion_pytorch_model.safetensors"
     with safe_open(str(path), "np") as f:  # the reference parser accepts the layout
         kernel = f.get_tensor("conv_in.weight")
         assert kernel.dtype == np.float16 and kernel.shape == (32, 4, 3, 3)  # PyTorch's OIHW
-        assert abs(kernel.std() * np.sqrt(4 * 3 * 3) - 1) < 0.25  # fan-in scaled, as tiny.random_params
+        assert abs(kernel.std() * np.sqrt(4 * 3 * 3) - 1) < 0.25  # fan-in scaled, as tiny.random_tensor
     pipe = Pipeline.from_pretrained(str(tmp_path), dtype="bfloat16", devices=jax.devices()[:1])
     assert pipe.params["unet"]["conv_in"]["kernel"].shape == (3, 3, 4, 32)
 
