@@ -207,10 +207,39 @@ def timestep_embedding(timesteps: jax.Array, dim: int, flip_sin_to_cos: bool, fr
     return jnp.pad(jnp.concatenate(waves, axis=-1), ((0, 0), (0, dim % 2)))
 
 
-def group_norm(num_groups: int, epsilon: float, dtype, name: str) -> nn.GroupNorm:
-    # Two-pass variance, as torch computes it: the residual stream (and the VAE decoder's
-    # activations) reach the hundreds, where E[x^2] - E[x]^2 loses precision.
-    return nn.GroupNorm(num_groups=num_groups, epsilon=epsilon, use_fast_variance=False, dtype=dtype, name=name)
+class GroupNorm(nn.Module):
+    """torch's GroupNorm over NHWC maps, statistics in float32 with the two-pass variance.
+
+    Two-pass, as torch computes it: the residual stream (and the VAE decoder's activations) reach
+    the hundreds, where E[x^2] - E[x]^2 loses precision. Each channel is summed over (H, W) first
+    and the channels of a group after: XLA:CPU reduces [B, H, W, C] over (H, W) about 9x faster than
+    Flax's [B, H, W, G, C/G] over (H, W, C/G), which made GroupNorm a tenth of a CPU generation.
+    """
+
+    num_groups: int
+    epsilon: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        channels = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (channels,), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (channels,), jnp.float32)
+        spatial = tuple(range(1, x.ndim - 1))
+        count = math.prod(x.shape[a] for a in spatial) * (channels // self.num_groups)
+
+        def per_channel_group_mean(values):  # [B, ..., C] -> [B, 1, ..., 1, C]
+            sums = values.sum(spatial).reshape(x.shape[0], self.num_groups, -1).sum(-1) / count
+            return jnp.repeat(sums, channels // self.num_groups, axis=-1).reshape(x.shape[:1] + (1,) * len(spatial) + (channels,))
+
+        x = x.astype(jnp.float32)
+        centered = x - per_channel_group_mean(x)
+        inv_std = jax.lax.rsqrt(per_channel_group_mean(jnp.square(centered)) + self.epsilon)
+        return (centered * (inv_std * scale.astype(jnp.float32)) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+def group_norm(num_groups: int, epsilon: float, dtype, name: str) -> GroupNorm:
+    return GroupNorm(num_groups=num_groups, epsilon=epsilon, dtype=dtype, name=name)
 
 
 def conv3x3(features: int, dtype, name: str, strides: int = 1, padding=1) -> nn.Conv:
