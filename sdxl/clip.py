@@ -12,6 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .layers import Linear
+
 ARCHITECTURES = ("CLIPTextModel", "CLIPTextModelWithProjection")
 
 # A buffer (always arange(max_position_embeddings)) that checkpoints from older transformers versions store.
@@ -127,13 +129,13 @@ class CLIPAttention(nn.Module):
         cfg = self.config
         heads = cfg.num_attention_heads
         head_shape = (*x.shape[:-1], heads, cfg.hidden_size // heads)  # [B, T, heads, head_dim]
-        q = nn.Dense(cfg.hidden_size, dtype=self.dtype, name="q_proj")(x).reshape(head_shape)
-        k = nn.Dense(cfg.hidden_size, dtype=self.dtype, name="k_proj")(x).reshape(head_shape)
-        v = nn.Dense(cfg.hidden_size, dtype=self.dtype, name="v_proj")(x).reshape(head_shape)
+        q = Linear(cfg.hidden_size, dtype=self.dtype, name="q_proj")(x).reshape(head_shape)
+        k = Linear(cfg.hidden_size, dtype=self.dtype, name="k_proj")(x).reshape(head_shape)
+        v = Linear(cfg.hidden_size, dtype=self.dtype, name="v_proj")(x).reshape(head_shape)
         # Causal only: SD pipelines pass no attention mask, so padding tokens are attended to.
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         out = out.reshape(x.shape)  # [B, T, C]
-        return nn.Dense(cfg.hidden_size, dtype=self.dtype, name="out_proj")(out)
+        return Linear(cfg.hidden_size, dtype=self.dtype, name="out_proj")(out)
 
 
 class CLIPMLP(nn.Module):
@@ -143,9 +145,9 @@ class CLIPMLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
-        x = nn.Dense(cfg.intermediate_size, dtype=self.dtype, name="fc1")(x)
+        x = Linear(cfg.intermediate_size, dtype=self.dtype, name="fc1")(x)
         x = ACTIVATIONS[cfg.hidden_act](x)
-        return nn.Dense(cfg.hidden_size, dtype=self.dtype, name="fc2")(x)
+        return Linear(cfg.hidden_size, dtype=self.dtype, name="fc2")(x)
 
 
 class CLIPEncoderLayer(nn.Module):
@@ -215,7 +217,7 @@ class CLIPTextModel(nn.Module):
         hidden_states, last_hidden_state, pooled = CLIPTextTransformer(cfg, self.dtype, name="text_model")(input_ids)
         text_embeds = None
         if cfg.with_projection:
-            text_embeds = nn.Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")(pooled)
+            text_embeds = Linear(cfg.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")(pooled)
         return CLIPTextOutput(hidden_states, last_hidden_state, pooled, text_embeds)
 
 

@@ -31,7 +31,7 @@ from .config import cache_root, read_json
 from .weights import write_params
 
 # Bump when the configs or the weight recipe change, so stale caches are not reused.
-VERSION = 3
+VERSION = 4
 NATIVE_SIZE = 128
 
 _TEXT_ENCODER = {  # CLIP ViT-L's text encoder in miniature: SD 1.x's only encoder, SDXL's first
@@ -153,8 +153,10 @@ def random_tensor(rng: np.random.Generator, path: tuple[str, ...], shape: tuple[
 
     Biases and norm scales are random too, so a loader that mixed them up would be caught.
     """
-    if path[-1] == "kernel":
+    if path[-1] == "kernel":  # conv, HWIO
         return rng.standard_normal(shape, np.float32) / np.sqrt(np.prod(shape[:-1]), dtype=np.float32)
+    if path[-1] == "weight":  # linear, [out, in]
+        return rng.standard_normal(shape, np.float32) / np.sqrt(shape[1], dtype=np.float32)
     if path[-1] == "embedding":
         return rng.standard_normal(shape, np.float32) * 0.5
     if path[-1] == "scale":

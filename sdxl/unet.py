@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .layers import GroupNorm, Linear
+
 DOWN_BLOCK_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
 UP_BLOCK_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
 # The GroupNorm in front of every spatial transformer has this epsilon, whatever norm_eps says.
@@ -207,37 +209,6 @@ def timestep_embedding(timesteps: jax.Array, dim: int, flip_sin_to_cos: bool, fr
     return jnp.pad(jnp.concatenate(waves, axis=-1), ((0, 0), (0, dim % 2)))
 
 
-class GroupNorm(nn.Module):
-    """torch's GroupNorm over NHWC maps, statistics in float32 with the two-pass variance.
-
-    Two-pass, as torch computes it: the residual stream (and the VAE decoder's activations) reach
-    the hundreds, where E[x^2] - E[x]^2 loses precision. Each channel is summed over (H, W) first
-    and the channels of a group after: XLA:CPU reduces [B, H, W, C] over (H, W) about 9x faster than
-    Flax's [B, H, W, G, C/G] over (H, W, C/G), which made GroupNorm a tenth of a CPU generation.
-    """
-
-    num_groups: int
-    epsilon: float
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        channels = x.shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (channels,), jnp.float32)
-        bias = self.param("bias", nn.initializers.zeros, (channels,), jnp.float32)
-        spatial = tuple(range(1, x.ndim - 1))
-        count = math.prod(x.shape[a] for a in spatial) * (channels // self.num_groups)
-
-        def per_channel_group_mean(values):  # [B, ..., C] -> [B, 1, ..., 1, C]
-            sums = values.sum(spatial).reshape(x.shape[0], self.num_groups, -1).sum(-1) / count
-            return jnp.repeat(sums, channels // self.num_groups, axis=-1).reshape(x.shape[:1] + (1,) * len(spatial) + (channels,))
-
-        x = x.astype(jnp.float32)
-        centered = x - per_channel_group_mean(x)
-        inv_std = jax.lax.rsqrt(per_channel_group_mean(jnp.square(centered)) + self.epsilon)
-        return (centered * (inv_std * scale.astype(jnp.float32)) + bias.astype(jnp.float32)).astype(self.dtype)
-
-
 def group_norm(num_groups: int, epsilon: float, dtype, name: str) -> GroupNorm:
     return GroupNorm(num_groups=num_groups, epsilon=epsilon, dtype=dtype, name=name)
 
@@ -265,8 +236,8 @@ class TimestepEmbedding(nn.Module):
 
     @nn.compact
     def __call__(self, x):  # [B, D] -> [B, features]
-        x = nn.silu(nn.Dense(self.features, dtype=self.dtype, name="linear_1")(x))
-        return nn.Dense(self.features, dtype=self.dtype, name="linear_2")(x)
+        x = nn.silu(Linear(self.features, dtype=self.dtype, name="linear_1")(x))
+        return Linear(self.features, dtype=self.dtype, name="linear_2")(x)
 
 
 class ResnetBlock2D(nn.Module):
@@ -287,7 +258,7 @@ class ResnetBlock2D(nn.Module):
         h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm1")(x))
         h = conv3x3(self.out_channels, self.dtype, "conv1")(h)
         if temb is not None:
-            temb = nn.Dense(self.out_channels, dtype=self.dtype, name="time_emb_proj")(nn.silu(temb))
+            temb = Linear(self.out_channels, dtype=self.dtype, name="time_emb_proj")(nn.silu(temb))
             h = h + temb[:, None, None, :]
         h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm2")(h))
         h = conv3x3(self.out_channels, self.dtype, "conv2")(h)
@@ -313,11 +284,11 @@ class Attention(nn.Module):
         head_dim = channels // self.num_heads
 
         def project(name, inputs):  # -> [B, T or S, heads, head_dim]
-            y = nn.Dense(channels, use_bias=self.qkv_bias, dtype=self.dtype, name=name)(inputs)
+            y = Linear(channels, use_bias=self.qkv_bias, dtype=self.dtype, name=name)(inputs)
             return y.reshape(batch, -1, self.num_heads, head_dim)
 
         out = jax.nn.dot_product_attention(project("to_q", x), project("to_k", context), project("to_v", context))
-        return nn.Dense(channels, dtype=self.dtype, name="to_out.0")(out.reshape(batch, length, channels))
+        return Linear(channels, dtype=self.dtype, name="to_out.0")(out.reshape(batch, length, channels))
 
 
 class GEGLU(nn.Module):
@@ -328,7 +299,7 @@ class GEGLU(nn.Module):
 
     @nn.compact
     def __call__(self, x):  # [B, T, C] -> [B, T, features]
-        hidden, gate = jnp.split(nn.Dense(2 * self.features, dtype=self.dtype, name="proj")(x), 2, axis=-1)
+        hidden, gate = jnp.split(Linear(2 * self.features, dtype=self.dtype, name="proj")(x), 2, axis=-1)
         return hidden * nn.gelu(gate, approximate=False)
 
 
@@ -340,7 +311,7 @@ class FeedForward(nn.Module):
         channels = x.shape[-1]
         # `net.1` is a dropout layer, which holds no weights.
         x = GEGLU(4 * channels, self.dtype, name="net.0")(x)
-        return nn.Dense(channels, dtype=self.dtype, name="net.2")(x)
+        return Linear(channels, dtype=self.dtype, name="net.2")(x)
 
 
 class BasicTransformerBlock(nn.Module):
@@ -375,7 +346,7 @@ class Transformer2DModel(nn.Module):
         # A 1x1 conv and a linear layer compute the same map on NHWC data; the checkpoint stores
         # one or the other depending on use_linear_projection.
         if self.spec.use_linear_projection:
-            projection = lambda name: nn.Dense(channels, dtype=self.dtype, name=name)  # noqa: E731
+            projection = lambda name: Linear(channels, dtype=self.dtype, name=name)  # noqa: E731
         else:
             projection = lambda name: nn.Conv(channels, (1, 1), dtype=self.dtype, name=name)  # noqa: E731
         h = projection("proj_in")(h).reshape(batch, height * width, channels)  # [B, T, C]

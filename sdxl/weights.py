@@ -10,8 +10,11 @@ shape is checked in both directions, and all mismatches are reported at once.
 """
 
 import json
+import os
 import struct
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import ml_dtypes
@@ -36,7 +39,7 @@ class CheckpointError(ValueError):
 
 
 class SafetensorsFile:
-    """A memory-mapped safetensors file: tensors are read lazily, as zero-copy numpy views.
+    """A safetensors file whose tensors are read one at a time, on demand.
 
     We parse the (simple, documented) format ourselves instead of using `safetensors.safe_open` so
     that bf16 tensors come back as numpy arrays (via ml_dtypes) and truncated files are caught
@@ -76,7 +79,6 @@ class SafetensorsFile:
             if end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
                 raise CheckpointError(f"{self.path}: corrupt: tensor {key} size does not match its shape")
             self._entries[key] = (dtype, shape, 8 + header_len + begin)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if data_len else None
 
     def keys(self) -> Iterable[str]:
         return self._entries.keys()
@@ -84,10 +86,38 @@ class SafetensorsFile:
     def shape(self, key: str) -> tuple[int, ...]:
         return self._entries[key][1]
 
-    def tensor(self, key: str) -> np.ndarray:
+    def dtype(self, key: str) -> np.dtype:
+        return self._entries[key][0]
+
+    def offset(self, key: str) -> int:
+        return self._entries[key][2]
+
+    def tensor(self, key: str, buffer: bytearray | None = None) -> np.ndarray:
+        """Reads one tensor, into a fresh array or, as a view that the next read overwrites, into
+        `buffer` (grown to fit).
+
+        A positioned read, not a memory map: mapped pages count as resident until unmapped, and
+        each costs a page fault, which made mapping slower than copying.
+        """
         dtype, shape, offset = self._entries[key]
-        count = int(np.prod(shape, dtype=np.int64))
-        return np.frombuffer(self._map, dtype=dtype, count=count, offset=offset).reshape(shape)
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if buffer is None:
+            array = np.empty(shape, dtype)
+            view = memoryview(array.reshape(-1).view(np.uint8))  # bf16 has no buffer-protocol format
+        else:
+            if len(buffer) < nbytes:
+                buffer.extend(bytes(nbytes - len(buffer)))
+            view = memoryview(buffer)[:nbytes]
+            array = np.frombuffer(view, dtype).reshape(shape)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(offset)
+            done = 0
+            while done < nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise CheckpointError(f"{self.path}: truncated while reading tensor {key}")
+                done += n
+        return array
 
 
 def flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
@@ -117,10 +147,11 @@ def checkpoint_key(path: tuple[str, ...]) -> str:
 
 
 def flax_axes(path: tuple[str, ...], ndim: int) -> tuple[int, ...]:
-    """The permutation from PyTorch to Flax layout: Linear (out, in) -> (in, out); Conv OIHW -> HWIO."""
-    if path[-1] != "kernel":
-        return tuple(range(ndim))
-    return (1, 0) if ndim == 2 else (2, 3, 1, 0)
+    """The permutation from PyTorch to Flax layout: conv kernels OIHW -> HWIO (`nn.Conv`'s `kernel`).
+
+    Every other parameter, linear weights (`sdxl.layers.Linear`) included, keeps the stored layout.
+    """
+    return (2, 3, 1, 0) if path[-1] == "kernel" else tuple(range(ndim))
 
 
 def torch_axes(path: tuple[str, ...], ndim: int) -> tuple[int, ...]:
@@ -134,7 +165,7 @@ def load_params(
     dtype,
     rename: Callable[[str], str] = lambda key: key,
     ignore: Iterable[str] = (),
-    put: Callable[[np.ndarray], object] = np.asarray,
+    put: Callable[[np.ndarray], object] = lambda array: array,
 ) -> dict:
     """Loads safetensors `files` into a parameter tree shaped like `abstract_params`.
 
@@ -145,8 +176,9 @@ def load_params(
       dtype: the dtype every parameter is cast to.
       rename: maps a key as stored to the module's key (legacy names, optional prefixes).
       ignore: stored keys that are buffers, not parameters.
-      put: places one converted tensor (e.g. `jax.device_put` with a sharding). Tensors are
-        converted and placed one at a time, so the host never holds a second copy of the model.
+      put: places one converted tensor (e.g. `jax.device_put` with a sharding). It is called
+        from several threads. Tensors are read and converted into fresh arrays a few at a time,
+        in file order, so the host never holds a second copy of the model.
 
     Raises:
       CheckpointError: listing every missing, unexpected and mis-shaped key.
@@ -185,13 +217,29 @@ def load_params(
         lines += [f"  wrong shape: {m}" for m in misshaped]
         raise CheckpointError("\n".join(lines))
 
-    flat = {}
-    for name, path in expected.items():
+    dtype = np.dtype(dtype)
+    read_buffers = threading.local()
+
+    def convert(name: str) -> object:
         file, key = stored[name]
-        tensor = file.tensor(key)
-        tensor = tensor.transpose(flax_axes(path, tensor.ndim))
-        flat[path] = put(np.ascontiguousarray(tensor, dtype=dtype))
-    return unflatten(flat)
+        axes = flax_axes(expected[name], len(file.shape(key)))
+        if file.dtype(key) == dtype and axes == tuple(range(len(axes))):
+            return put(file.tensor(key))
+        # Casts and conv-kernel transposes run in numpy's C loops, which release the GIL: a
+        # thread per core reads and converts in parallel, each through its own reused buffer.
+        if not hasattr(read_buffers, "buffer"):
+            read_buffers.buffer = bytearray()
+        stored_tensor = file.tensor(key, read_buffers.buffer)
+        return put(np.array(stored_tensor.transpose(axes), dtype=dtype, order="C"))
+
+    def file_position(name: str) -> tuple[str, int]:
+        file, key = stored[name]
+        return str(file.path), file.offset(key)
+
+    in_file_order = sorted(expected, key=file_position)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        placed = pool.map(convert, in_file_order)
+        return unflatten({expected[name]: array for name, array in zip(in_file_order, placed)})
 
 
 def write_params(

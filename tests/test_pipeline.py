@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -10,8 +12,9 @@ from diffusers import (
 from diffusers.schedulers import scheduling_euler_ancestral_discrete
 
 from reference import diffusers_images, random_latents, sdxl_pipeline
+from sdxl import tiny, unet
 from sdxl.compilation import CompileCounter
-from sdxl.pipeline import Pipeline, PromptTruncatedWarning, per_image_keys
+from sdxl.pipeline import ModelSpec, Pipeline, PromptTruncatedWarning, per_image_keys
 from sdxl.sampling import step_noise
 
 HEIGHT, WIDTH = 64, 96  # non-square, and a multiple of the tiny model's latent factor (16)
@@ -223,3 +226,20 @@ def test_bfloat16_is_finite_and_close_to_float32(reference, pipe):
     print(f"bf16 vs fp32 mean abs diff: {error:.3e}")
     assert np.isfinite(low).all()
     assert error < 0.02
+
+
+def test_parameter_shapes_are_cached_per_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = ModelSpec.from_folder(tiny.ensure_checkpoint("tiny"))
+    traced = spec.abstract_params()
+    assert len(list((tmp_path / "sdxl-jax" / "shapes").glob("*.json"))) == 4  # one per component
+
+    def no_tracing(config):
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(unet, "abstract_params", no_tracing)
+    cached = spec.abstract_params()
+    assert jax.tree.map(lambda leaf: leaf.shape, cached) == jax.tree.map(lambda leaf: leaf.shape, traced)
+    wider = dataclasses.replace(spec, unet=dataclasses.replace(spec.unet, cross_attention_dim=48))
+    with pytest.raises(AssertionError, match="traced again"):  # another config is another entry
+        wider.abstract_params()

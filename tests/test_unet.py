@@ -181,9 +181,9 @@ def test_sdxl_base_parameter_count():
     shapes = abstract_params(config)
     count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes))
     assert count == 2_567_463_684
-    assert shapes["down_blocks.2"]["attentions.1"]["transformer_blocks.9"]["attn2"]["to_k"]["kernel"].shape == (
-        2048,
+    assert shapes["down_blocks.2"]["attentions.1"]["transformer_blocks.9"]["attn2"]["to_k"]["weight"].shape == (
         1280,
+        2048,
     )
 
 

@@ -33,8 +33,8 @@ def test_pristine_checkpoint_loads_with_exact_values(folder):
     stored = load_file(folder / UNET)
     kernel = np.asarray(pipe.params["unet"]["conv_in"]["kernel"])
     np.testing.assert_array_equal(kernel, stored["conv_in.weight"].transpose(2, 3, 1, 0))
-    dense = np.asarray(pipe.params["unet"]["time_embedding"]["linear_1"]["kernel"])
-    np.testing.assert_array_equal(dense, stored["time_embedding.linear_1.weight"].T)
+    linear = np.asarray(pipe.params["unet"]["time_embedding"]["linear_1"]["weight"])
+    np.testing.assert_array_equal(linear, stored["time_embedding.linear_1.weight"])  # PyTorch's [out, in], as stored
 
 
 def test_missing_key_is_named(folder):
