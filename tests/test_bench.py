@@ -28,8 +28,9 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
     assert result.returncode == 0, result.stderr
     r = json.loads(out.read_text())
     required = """images_per_s s_per_image compile_s warm_compile_s recompiles tflops mfu device n_devices
-        ref_images_per_s ratio load_s raw_read_s first_image_s first_image_warm_s load_peak_rss_bytes
-        param_bytes_bf16 peak_rss_bytes peak_device_memory_bytes progress_overhead""".split()
+        ref_images_per_s ratio load_s raw_read_s load_cold_s raw_read_cold_s load_over_raw_read_cold
+        first_image_s first_image_warm_s load_peak_rss_bytes param_bytes_bf16 peak_rss_bytes
+        peak_device_memory_bytes progress_overhead""".split()
     assert not [key for key in required if key not in r]
     assert (r["model"], r["device"], r["n_devices"], r["batch"]) == ("tiny", "cpu", 1, 1)
     assert r["images_per_s"] > 0 and np.isclose(r["s_per_image"] * r["images_per_s"], 1)
@@ -41,6 +42,33 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
     assert "ratio (ours / diffusers)" in result.stdout
     header, _, row = markdown.read_text().splitlines()[-3:]
     assert header.startswith("| Date |") and "| tiny float32 |" in row and row.count("|") == header.count("|")
+
+
+def test_load_only_measures_warm_and_cold_loads_into_its_own_table(tmp_path):
+    markdown = tmp_path / "BENCHMARKS.md"
+    markdown.write_text(bench.MARKDOWN_HEADER + "| an earlier row |\n\nText after the table.\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "sdxl", "bench", "--model", "tiny", "--load-only", "--devices", "1"]
+        + ["--json", str(tmp_path / "load.json"), "--markdown", str(markdown)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    r = json.loads((tmp_path / "load.json").read_text())
+    for suffix in ("", "_cold"):
+        assert r[f"load{suffix}_s"] > 0 and r[f"raw_read{suffix}_s"] > 0
+        assert np.isclose(r[f"load_over_raw_read{suffix}"], r[f"load{suffix}_s"] / r[f"raw_read{suffix}_s"])
+    assert "images_per_s" not in r and "from the disk" in result.stdout
+    text = markdown.read_text()
+    assert text.startswith(bench.MARKDOWN_HEADER + "| an earlier row |\n")  # the speed table is untouched
+    load_table = text[text.index(bench.LOAD_MARKDOWN_HEADER) :].splitlines()
+    assert "| tiny into float32 |" in load_table[2] and load_table[2].count("|") == load_table[0].count("|")
+
+    bench.append_markdown(markdown, bench.LOAD_MARKDOWN_HEADER, "| second |\n")
+    rows = markdown.read_text().split(bench.LOAD_MARKDOWN_HEADER)[1].splitlines()
+    assert rows[1] == "| second |"  # appended to the end of its table, not after the text
 
 
 def _taps(size: int, stride: int) -> int:
