@@ -74,7 +74,7 @@ PEAK_BF16_TFLOPS = (
 )
 
 # Bump when MEDIUM_CONFIGS change, so a stale cached checkpoint is not reused.
-MEDIUM_VERSION = 1
+MEDIUM_VERSION = 2
 MEDIUM_SIZE = 256
 _MEDIUM_TEXT_ENCODER = {  # CLIP ViT-L's text encoder scaled down; 64-wide heads as in SDXL
     "architectures": ["CLIPTextModel"],
