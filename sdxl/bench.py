@@ -73,7 +73,7 @@ PEAK_BF16_TFLOPS = (
     ("A100", 312.0),
 )
 
-# Bump when MEDIUM_CONFIGS change, so a stale cached checkpoint is not reused.
+# Bump when MEDIUM_CONFIGS or tiny.random_tensor change, so a stale cached checkpoint is not reused.
 MEDIUM_VERSION = 2
 MEDIUM_SIZE = 256
 _MEDIUM_TEXT_ENCODER = {  # CLIP ViT-L's text encoder scaled down; 64-wide heads as in SDXL
