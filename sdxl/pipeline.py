@@ -122,8 +122,13 @@ class ModelSpec:
         return params
 
 
-# The parameter shapes follow from a config and these files.
-_MODEL_SOURCES = ("layers.py", "clip.py", "unet.py", "vae.py")
+@functools.cache
+def _model_sources_digest() -> bytes:
+    """The parameter shapes follow from a config and these files."""
+    digest = hashlib.sha256()
+    for name in ("layers.py", "clip.py", "unet.py", "vae.py"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.digest()
 
 
 def _shapes(abstract_params: Callable, config) -> dict:
@@ -132,10 +137,8 @@ def _shapes(abstract_params: Callable, config) -> dict:
     Tracing the modules' `init` for SDXL's 2,641 parameter shapes takes 7-9 s on a CPU host, which
     was a quarter of a full-size load.
     """
-    digest = hashlib.sha256(repr(config).encode())
-    for name in _MODEL_SOURCES:
-        digest.update((Path(__file__).parent / name).read_bytes())
-    path = cache_root() / "shapes" / f"{digest.hexdigest()[:32]}.json"
+    key = hashlib.sha256(_model_sources_digest() + repr(config).encode()).hexdigest()[:32]
+    path = cache_root() / "shapes" / f"{key}.json"
     try:
         stored = json.loads(path.read_text())
         return unflatten({tuple(k.split("/")): jax.ShapeDtypeStruct(tuple(v), jnp.float32) for k, v in stored.items()})
