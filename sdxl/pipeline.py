@@ -437,7 +437,9 @@ class Pipeline:
                 _, carry, _ = self._compiled_stage("prepare", program, batch, with_noise).out_info
                 args = (carry,)
             fn = jax.jit(getattr(program, stage), out_shardings=self._sharded)
-            self._executables[key] = fn.lower(self.params, *args).compile()
+            # The mesh in context lets kernels XLA cannot partition (splash attention) split the batch.
+            with jax.set_mesh(self.mesh):
+                self._executables[key] = fn.lower(self.params, *args).compile()
         return self._executables[key]
 
     def _abstract_inputs(self, sampler: str, height: int, width: int, batch: int, with_noise: bool) -> tuple:

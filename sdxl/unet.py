@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .attention import dot_product_attention
 from .layers import GroupNorm, Linear
 
 DOWN_BLOCK_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
@@ -287,7 +288,7 @@ class Attention(nn.Module):
             y = Linear(channels, use_bias=self.qkv_bias, dtype=self.dtype, name=name)(inputs)
             return y.reshape(batch, -1, self.num_heads, head_dim)
 
-        out = jax.nn.dot_product_attention(project("to_q", x), project("to_k", context), project("to_v", context))
+        out = dot_product_attention(project("to_q", x), project("to_k", context), project("to_v", context))
         return Linear(channels, dtype=self.dtype, name="to_out.0")(out.reshape(batch, length, channels))
 
 

@@ -173,10 +173,21 @@ def test_prompt_seed_guidance_and_steps_do_not_recompile(pipe):
     assert compiles.count >= 1, "the counter must see a new image size compile"
 
 
-def test_compiled_program_has_no_cross_device_communication(pipe):
+@pytest.mark.parametrize("attention", ["xla", "splash"])
+def test_compiled_program_has_no_cross_device_communication(reference, monkeypatch, attention):
+    monkeypatch.setenv("SDXL_ATTENTION", attention)
+    pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
     hlo = pipe.compiled(HEIGHT, WIDTH, 4).as_text()
     for collective in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
         assert collective not in hlo
+
+
+def test_splash_attention_renders_the_same_images_on_four_devices(reference, pipe, monkeypatch):
+    kwargs = dict(seed=3, steps=2, height=HEIGHT, width=WIDTH, output_type="np")
+    expected = pipe.generate("a cat", **kwargs)
+    monkeypatch.setenv("SDXL_ATTENTION", "splash")
+    splash = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
+    np.testing.assert_allclose(splash.generate("a cat", **kwargs), expected, atol=1e-5)
 
 
 def test_progress_reports_every_step_and_changes_no_pixel(pipe):

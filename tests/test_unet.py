@@ -144,6 +144,15 @@ def test_sdxl_style_matches_diffusers(sdxl_style):
     assert diff <= 1e-4
 
 
+def test_splash_attention_matches_diffusers(sdxl_style, monkeypatch):
+    """The TPU kernel (in Pallas' interpreter here) in place of XLA's attention, in every layer."""
+    path, values, expected = sdxl_style
+    monkeypatch.setenv("SDXL_ATTENTION", "splash")
+    config, params = load_jax(path, np.float32)
+    out = jax_forward(config, params, values)
+    assert np.abs(out - expected).max() <= 1e-4
+
+
 def test_sd1_style_odd_latent_matches_diffusers(tmp_path, rng):
     model = save_reference(SD1_STYLE, tmp_path, seed=1)
     # 18x22 -> 9x11 -> 4x5 on the way down, so the up blocks resize to the skips' sizes, not 2x.

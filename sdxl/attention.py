@@ -1,0 +1,97 @@
+"""Scaled dot-product attention with the best kernel each backend has.
+
+- TPU: Pallas' splash attention, a flash-attention kernel: the [T, S] logits stay in VMEM, tile by
+  tile, instead of going to HBM. SDXL's 64x64 level at 1024x1024 attends over 4096 tokens, whose
+  float32 logits are 640 MiB per image and layer.
+- GPU in bfloat16 or float16: cuDNN's flash attention, through `jax.nn.dot_product_attention`.
+- Everything else (CPU; float32 on a GPU, which cuDNN's kernel does not take): XLA's attention.
+
+`SDXL_ATTENTION=xla|splash|cudnn` overrides the choice when a model is traced; `xla` is the
+fallback should a kernel misbehave on some accelerator. Off a TPU, `splash` runs the same kernel in
+Pallas' interpreter: far too slow to serve, but it is how the tests check the splash path on a CPU.
+Neither accelerator kernel has run on an accelerator in this project's tests (none was available).
+"""
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+IMPLEMENTATIONS = ("xla", "splash", "cudnn")
+# Splash tiles the query and key sequences in blocks of a multiple of the TPU's 128 lanes.
+SPLASH_LANES = 128
+SPLASH_MAX_BLOCK = 512
+
+
+def implementation(dtype, head_dim: int) -> str:
+    """The kernel for this backend, or the one SDXL_ATTENTION names; XLA where it can't take the shape."""
+    chosen = os.environ.get("SDXL_ATTENTION", "").strip().lower()
+    if chosen not in IMPLEMENTATIONS + ("",):
+        raise ValueError(f"SDXL_ATTENTION must be one of {', '.join(IMPLEMENTATIONS)}, got {chosen!r}")
+    if not chosen:
+        backend = jax.default_backend()
+        chosen = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "cudnn"}.get(backend, "xla")
+    # cuDNN's flash attention takes 16-bit inputs and heads up to 128 wide: not the VAE's 512-wide head.
+    cudnn_takes = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
+    if chosen == "cudnn" and not cudnn_takes:
+        return "xla"
+    return chosen
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(D)) v, unmasked.  [B, T, H, D], [B, S, H, D] x2 -> [B, T, H, D]."""
+    kernel = implementation(q.dtype, q.shape[-1])
+    if kernel == "splash":
+        return _data_parallel(_splash_attention, q, k, v)
+    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn" if kernel == "cudnn" else "xla")
+
+
+def _data_parallel(attention, *arrays):
+    """Runs `attention` on each device's share of the batch.
+
+    XLA cannot partition a Pallas kernel: given the batch sharded, it would gather it onto every
+    device. So under a mesh (`jax.set_mesh`) the kernel runs in a `shard_map` over the batch, split
+    across all the mesh's axes as the pipeline splits it.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or arrays[0].shape[0] % mesh.size:
+        return attention(*arrays)
+    spec = PartitionSpec(mesh.axis_names)
+    return jax.shard_map(attention, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(*arrays)
+
+
+def _padded_length(length: int) -> tuple[int, int]:
+    """(padded length, block): the smallest block-multiple >= length, blocks of 128 to 512."""
+    block = min(SPLASH_MAX_BLOCK, -(-length // SPLASH_LANES) * SPLASH_LANES)
+    return -(-length // block) * block, block
+
+
+def _splash_attention(q, k, v):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    _, q_length, heads, head_dim = q.shape
+    kv_length = k.shape[1]
+    q_padded, block_q = _padded_length(q_length)
+    kv_padded, block_kv = _padded_length(kv_length)
+    mask = splash.MultiHeadMask([splash.FullMask((q_padded, kv_padded))] * heads)
+    blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv)
+    kernel = splash.make_splash_mha_single_device(
+        mask, block_sizes=blocks, interpret=jax.default_backend() != "tpu"
+    )
+    # Padding keys get segment 1 and real queries segment 0, so no real query attends to padding.
+    segments = splash.SegmentIds(
+        q=jnp.asarray(np.arange(q_padded) >= q_length, jnp.int32),
+        kv=jnp.asarray(np.arange(kv_padded) >= kv_length, jnp.int32),
+    )
+
+    def heads_major(x, length):  # [B, L, H, D] -> [B, H, padded L, D]
+        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    q = heads_major(q * jnp.asarray(1 / math.sqrt(head_dim), q.dtype), q_padded)  # splash does not scale
+    out = jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=segments))(
+        q, heads_major(k, kv_padded), heads_major(v, kv_padded)
+    )
+    return out.transpose(0, 2, 1, 3)[:, :q_length]

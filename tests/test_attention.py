@@ -1,0 +1,86 @@
+"""The attention dispatch, and the splash kernel run in Pallas' interpreter against XLA's attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sdxl import attention
+
+
+def _qkv(batch, q_length, kv_length, heads, head_dim, dtype=jnp.float32):
+    q, k, v = jax.random.split(jax.random.key(0), 3)
+    return (
+        jax.random.normal(q, (batch, q_length, heads, head_dim), dtype),
+        jax.random.normal(k, (batch, kv_length, heads, head_dim), dtype),
+        jax.random.normal(v, (batch, kv_length, heads, head_dim), dtype),
+    )
+
+
+@pytest.mark.parametrize(
+    "q_length, kv_length, heads, head_dim",
+    [
+        (200, 200, 2, 64),  # self-attention, not a multiple of the 128-wide blocks
+        (640, 640, 1, 128),  # more than one 512-block of queries
+        (96, 77, 4, 32),  # cross-attention over CLIP's 77 tokens
+    ],
+)
+def test_splash_matches_xla_attention(monkeypatch, q_length, kv_length, heads, head_dim):
+    q, k, v = _qkv(2, q_length, kv_length, heads, head_dim)
+    expected = jax.nn.dot_product_attention(q, k, v)
+    monkeypatch.setenv("SDXL_ATTENTION", "splash")
+    got = jax.jit(attention.dot_product_attention)(q, k, v)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, atol=2e-6)
+
+
+def test_splash_in_bfloat16_is_close_to_float32(monkeypatch):
+    q, k, v = _qkv(1, 256, 77, 2, 64)
+    expected = jax.nn.dot_product_attention(q, k, v)
+    monkeypatch.setenv("SDXL_ATTENTION", "splash")
+    got = attention.dot_product_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    assert got.dtype == jnp.bfloat16
+    assert float(jnp.abs(got.astype(jnp.float32) - expected).max()) < 0.05
+
+
+def test_splash_splits_the_batch_over_the_mesh_without_communication(monkeypatch):
+    assert len(jax.devices()) == 4
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    sharded = NamedSharding(mesh, PartitionSpec("batch"))
+    q, k, v = (jax.device_put(x, sharded) for x in _qkv(8, 130, 77, 2, 64))
+    expected = jax.nn.dot_product_attention(q, k, v)
+    monkeypatch.setenv("SDXL_ATTENTION", "splash")
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(attention.dot_product_attention, out_shardings=sharded).lower(q, k, v).compile()
+    hlo = compiled.as_text()
+    for collective in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
+        assert collective not in hlo
+    got = compiled(q, k, v)
+    assert got.sharding.is_equivalent_to(sharded, got.ndim)
+    np.testing.assert_allclose(got, expected, atol=2e-6)
+
+
+def test_cpu_uses_xla_and_the_environment_overrides(monkeypatch):
+    monkeypatch.delenv("SDXL_ATTENTION", raising=False)
+    assert jax.default_backend() == "cpu"
+    assert attention.implementation(jnp.bfloat16, 64) == "xla"
+    monkeypatch.setenv("SDXL_ATTENTION", "splash")
+    assert attention.implementation(jnp.float32, 512) == "splash"
+    monkeypatch.setenv("SDXL_ATTENTION", "cudnn")
+    assert attention.implementation(jnp.bfloat16, 64) == "cudnn"
+    # Shapes cuDNN's kernel does not take fall back to XLA: float32, and the VAE's 512-wide head.
+    assert attention.implementation(jnp.float32, 64) == "xla"
+    assert attention.implementation(jnp.bfloat16, 512) == "xla"
+    monkeypatch.setenv("SDXL_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="SDXL_ATTENTION must be one of xla, splash, cudnn"):
+        attention.implementation(jnp.float32, 64)
+
+
+def test_accelerators_default_to_their_flash_kernels(monkeypatch):
+    monkeypatch.delenv("SDXL_ATTENTION", raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert attention.implementation(jnp.bfloat16, 64) == "splash"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert attention.implementation(jnp.bfloat16, 64) == "cudnn"
+    assert attention.implementation(jnp.float32, 64) == "xla"
