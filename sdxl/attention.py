@@ -12,6 +12,7 @@ Pallas' interpreter: far too slow to serve, but it is how the tests check the sp
 Neither accelerator kernel has run on an accelerator in this project's tests (none was available).
 """
 
+import logging
 import math
 import os
 
@@ -19,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
+
+log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("xla", "splash", "cudnn")
 # Splash tiles the query and key sequences in blocks of a multiple of the TPU's 128 lanes.
@@ -46,7 +49,12 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
     kernel = implementation(q.dtype, q.shape[-1])
     if kernel == "splash":
         return _data_parallel(_splash_attention, q, k, v)
-    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn" if kernel == "cudnn" else "xla")
+    if kernel == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+        except (NotImplementedError, RuntimeError) as error:  # an old cuDNN, or a GPU it does not support
+            log.warning("cuDNN attention unavailable (%s); using XLA's", error)
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla")
 
 
 def _data_parallel(attention, *arrays):

@@ -84,3 +84,11 @@ def test_accelerators_default_to_their_flash_kernels(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert attention.implementation(jnp.bfloat16, 64) == "cudnn"
     assert attention.implementation(jnp.float32, 64) == "xla"
+
+
+def test_cudnn_falls_back_to_xla_where_cudnn_is_missing(monkeypatch):
+    """On this CPU the cuDNN call fails as it does on a GPU without a usable cuDNN."""
+    q, k, v = _qkv(1, 16, 16, 2, 64, jnp.bfloat16)
+    monkeypatch.setenv("SDXL_ATTENTION", "cudnn")
+    got = attention.dot_product_attention(q, k, v)
+    np.testing.assert_array_equal(got, jax.nn.dot_product_attention(q, k, v, implementation="xla"))
