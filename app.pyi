@@ -1,0 +1,233 @@
+"""Gradio demo: Stable Diffusion XL in JAX, one image per accelerator core.
+
+python app.py [--model M] [--host H] [--port P] [--cache-dir D] [--share]
+
+Every option also reads an environment variable (SDXL_MODEL, SDXL_HOST, ...), for Spaces.
+"""
+
+import argparse
+import os
+import random
+import time
+
+import gradio as gr
+from PIL import Image
+
+from sdxl import enable_compilation_cache
+from sdxl.images import parameters_text
+from sdxl.pipeline import MAX_SEED
+from sdxl.sampling import SAMPLER_NAMES
+from sdxl.serving import DEFAULT_MODEL, GUIDANCE_RANGE, QueueFullError, Request, TextToImage, load_pipeline
+from sdxl.styles import NO_STYLE, STYLES
+
+EXAMPLES = [
+    ["a lighthouse on a cliff at dusk, waves crashing, warm light in the windows", "Cinematic"],
+    ["a red fox sleeping in fresh snow, morning light", "Photographic"],
+    ["a tiny robot watering a bonsai tree", "3D model"],
+    ["a castle floating above the clouds", "Fantasy art"],
+]
+DEFAULT_STEPS = 25
+DEFAULT_GUIDANCE = 5.0
+
+
+class _TextReachesValidation:
+    """Gradio compares a number field's value with its bounds before the handler runs; text sent
+    through the API makes that comparison raise a TypeError, which reaches the client only as a
+    generic error. Text goes on to the service's validation instead, whose message names the field."""
+
+    def preprocess(self, payload):
+        return payload if isinstance(payload, str) else super().preprocess(payload)
+
+from gradio.events import Dependency
+
+class Number(_TextReachesValidation, gr.Number):
+    pass
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
+    from gradio.blocks import Block
+    if TYPE_CHECKING:
+        from gradio.components import Timer
+        from gradio.components.base import Component
+
+
+class Slider(_TextReachesValidation, gr.Slider):
+    pass
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
+    from gradio.blocks import Block
+    if TYPE_CHECKING:
+        from gradio.components import Timer
+        from gradio.components.base import Component
+
+
+def _size_label(width: int, height: int) -> str:
+    return f"{width}×{height}"
+
+
+class Demo:
+    """The event handlers: submit a request to the device queue, show progress, return the gallery."""
+
+    def __init__(self, service: TextToImage, model_name: str):
+        self.service = service
+        self.model_name = model_name
+
+    def _render(self, request: Request, progress: gr.Progress) -> tuple[list, str]:
+        try:
+            ticket = self.service.queue.submit(request)
+        except QueueFullError as e:
+            raise gr.Error(str(e)) from e
+
+        def show(ticket):
+            if ticket.step:
+                progress((ticket.step, request.steps), desc="Denoising", unit="steps")
+            elif ticket.compiling:
+                size = _size_label(request.width, request.height)
+                progress(0, desc=f"Compiling for {size} (first use of this size, batch or sampler; cached after)")
+            else:
+                ahead = self.service.queue.position(ticket)
+                progress(0, desc=f"Waiting in queue: {ahead} request(s) ahead" if ahead else "Starting")
+
+        outcome = self.service.queue.wait(ticket, show)
+        if not outcome.finite.all():
+            raise gr.Error("The model produced NaN/inf values instead of an image (numerical overflow). "
+                           "Try another seed or fewer steps; the server is fine.")
+        for prompt in outcome.truncated_prompts:
+            gr.Warning(f"Prompt truncated to {self.service.pipe.spec.max_tokens} tokens: {prompt[:80]!r}…")
+        gallery = []
+        for i, (image, device) in enumerate(zip(outcome.images, outcome.devices)):
+            picture = Image.fromarray(image)
+            picture.info["parameters"] = parameters_text(
+                prompt=request.prompts[i], negative_prompt=request.negative_prompts[i], steps=request.steps,
+                sampler=SAMPLER_NAMES[request.sampler], guidance_scale=request.guidance_scales[i], seed=request.seeds[i],
+                index=request.image_index[i], width=request.width, height=request.height, model=self.model_name,
+            )
+            gallery.append((picture, f"seed {request.seeds[i]} · image {request.image_index[i]} · {device}"))
+        notes = []
+        if outcome.batch_images > len(request):
+            notes.append(f"batched with other requests: {outcome.batch_images} images")
+        if outcome.compiled:
+            notes.append("includes compiling for this size, batch and sampler; next time it is cached")
+        status = f"{len(request)} images in {outcome.seconds:.1f} s on {self.service.pipe.device_description}"
+        if notes:
+            status += f" ({'; '.join(notes)})"
+        return gallery, status
+
+    def _handle(self, make_request, progress):
+        try:
+            request = make_request()
+        except ValueError as e:
+            raise gr.Error(str(e)) from e
+        return self._render(request, progress)
+
+    def generate(self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core,
+                 sampler, progress=gr.Progress()):
+        return self._handle(lambda: self.service.images(
+            prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core, sampler),
+            progress)
+
+    def compare(self, mode, prompts, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
+                sampler, progress=gr.Progress()):
+        if mode == COMPARE_PROMPTS:
+            make = lambda: self.service.compare_prompts(  # noqa: E731
+                (prompts or "").splitlines(), negative_prompt, style, seed, guidance_scale, steps, width, height,
+                sampler)
+        else:
+            make = lambda: self.service.compare_seeds(  # noqa: E731
+                (prompts or "").strip(), negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
+                sampler)
+        return self._handle(make, progress)
+
+
+COMPARE_PROMPTS = "One prompt per line, same seed"
+COMPARE_SEEDS = "One prompt, consecutive seeds"
+
+
+def create_demo(demo: Demo) -> gr.Blocks:
+    service = demo.service
+    pipe = service.pipe
+    native = service.sizes[0]
+    with gr.Blocks(title="SDXL on JAX") as blocks:
+        gr.Markdown(f"# SDXL on JAX\n`{demo.model_name}` on {pipe.device_description}: one image per core.")
+        if service.notice:
+            gr.Markdown(f"**Note:** {service.notice}", elem_id="model-notice")
+        with gr.Tabs():
+            with gr.Tab("Generate"):
+                prompt = gr.Textbox("", label="Prompt", placeholder="Describe an image", lines=2, elem_id="prompt")
+                negative = gr.Textbox("", label="Negative prompt", placeholder="What to avoid (optional)")
+                style = gr.Dropdown(list(STYLES), value=NO_STYLE, label="Style")
+                run = gr.Button("Generate", variant="primary", elem_id="generate")
+                gr.Examples(EXAMPLES, inputs=[prompt, style])
+            with gr.Tab("Compare"):
+                mode = gr.Radio([COMPARE_PROMPTS, COMPARE_SEEDS], value=COMPARE_PROMPTS, label="Compare")
+                compare_prompts = gr.Textbox("", label="Prompts (one per line) or one prompt", lines=4)
+                compare_negative = gr.Textbox("", label="Negative prompt")
+                compare_style = gr.Dropdown(list(STYLES), value=NO_STYLE, label="Style")
+                num_seeds = Slider(1, service.max_images, value=pipe.num_devices, step=1, label="Seeds")
+                compare_run = gr.Button("Compare", variant="primary")
+        with gr.Accordion("Advanced", open=False):
+            with gr.Row():
+                # precision=None: Gradio would round a fractional seed (1.5 -> 2) before our check sees it.
+                seed = Number(label="Seed", value=0, precision=None, minimum=0, maximum=MAX_SEED)
+                randomize = gr.Checkbox(label="Randomize seed", value=True)
+            guidance = Slider(*GUIDANCE_RANGE, value=DEFAULT_GUIDANCE, step=0.5, label="Guidance scale")
+            steps = Slider(1, pipe.max_steps, value=DEFAULT_STEPS, step=1, label="Steps")
+            size = gr.Dropdown([_size_label(w, h) for w, h in service.sizes], value=_size_label(*native), label="Size")
+            per_core = Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
+            sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()], value="euler",
+                                  label="Sampler", info="each sampler compiles once, then stays cached")
+            width = Number(value=native[0], precision=None, visible=False)
+            height = Number(value=native[1], precision=None, visible=False)
+        gallery = gr.Gallery(label="Images", columns=min(4, service.max_images), format="png", elem_id="gallery")
+        status = gr.Markdown(elem_id="status")
+
+        size.change(lambda label: [int(v) for v in label.split("×")], size, [width, height], api_name=False)
+
+        def pick_seed(seed, randomize):
+            return random.randint(0, MAX_SEED) if randomize else seed
+
+        limit = service.queue.max_queued
+        generate_inputs = [prompt, negative, style, seed, guidance, steps, width, height, per_core, sampler]
+        for trigger, api_name in ((run.click, "generate"), (prompt.submit, False)):
+            trigger(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
+                demo.generate, generate_inputs, [gallery, status], api_name=api_name, concurrency_limit=limit,
+            )
+        compare_inputs = [mode, compare_prompts, compare_negative, compare_style, seed, num_seeds, guidance, steps,
+                          width, height, sampler]
+        compare_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
+            demo.compare, compare_inputs, [gallery, status], api_name="compare", concurrency_limit=limit,
+        )
+    blocks.queue(max_size=limit, default_concurrency_limit=limit)
+    return blocks
+
+
+def main() -> None:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=env("SDXL_MODEL", DEFAULT_MODEL), help="Hub repo id, folder, 'tiny' or 'tiny-sd1'")
+    parser.add_argument("--host", default=env("SDXL_HOST"), help="default: 127.0.0.1 (Gradio's own default)")
+    parser.add_argument("--port", type=int, default=int(env("SDXL_PORT", "7860")))
+    parser.add_argument("--cache-dir", default=env("SDXL_CACHE_DIR"), help="persistent compilation cache")
+    parser.add_argument("--share", action="store_true", default=env("SDXL_SHARE") == "1")
+    parser.add_argument("--dtype", default=env("SDXL_DTYPE"), choices=[None, "float32", "bfloat16"])
+    parser.add_argument("--max-images-per-core", type=int, default=int(env("SDXL_MAX_IMAGES_PER_CORE", "4")))
+    parser.add_argument("--max-queue", type=int, default=int(env("SDXL_MAX_QUEUE", "32")))
+    args = parser.parse_args()
+
+    cache = enable_compilation_cache(args.cache_dir)
+    start = time.perf_counter()
+    pipe, notice = load_pipeline(args.model, dtype=args.dtype)
+    loaded = time.perf_counter()
+    model_name = "tiny" if notice else args.model
+    service = TextToImage(pipe, max_images_per_core=args.max_images_per_core, max_queued=args.max_queue, notice=notice)
+    width, height = service.sizes[0]
+    compile_seconds = pipe.warmup(height, width, progress=True)
+    warm_start = time.perf_counter()
+    warm_up = service.images("warm-up", "", NO_STYLE, 0, DEFAULT_GUIDANCE, 2, width, height)
+    service.queue.wait(service.queue.submit(warm_up))
+    ready = time.perf_counter()
+    print(f"model {model_name} ({pipe.dtype.name}) on {pipe.device_description}; compilation cache {cache}")
+    print(f"startup: load {loaded - start:.1f} s, compile {compile_seconds:.1f} s, "
+          f"warm-up {ready - warm_start:.1f} s, total {ready - start:.1f} s", flush=True)
+    create_demo(Demo(service, model_name)).launch(server_name=args.host, server_port=args.port, share=args.share)
+
+
+if __name__ == "__main__":
+    main()
