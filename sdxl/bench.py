@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import checkpoint, tiny, unet
+from . import attention, checkpoint, tiny, unet
 from .compilation import CompileCounter, enable_compilation_cache
 from .config import read_json
 from .weights import flatten
@@ -659,6 +659,11 @@ def run_benchmark(
 
     device = pipe.mesh.devices.flat[0]
     kind = getattr(device, "device_kind", device.platform)
+    config = pipe.spec.unet
+    unet_attention = {
+        attention.implementation(pipe.dtype, channels // heads)
+        for channels, heads in zip(config.block_out_channels, config.num_heads)
+    }
     bf16_bytes = _bf16_bytes(pipe.spec)
     peak = None if device.platform == "cpu" else peak_tflops(kind)
     tflops = flops / median_s("ours") / 1e12
@@ -674,6 +679,7 @@ def run_benchmark(
         device=kind,
         platform=device.platform,
         n_devices=pipe.num_devices,
+        attention="+".join(sorted(unet_attention)),  # the UNet's attention kernel (sdxl.attention)
         jax_version=jax.__version__,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         load_average=[load_before, os.getloadavg()[0]],
@@ -750,7 +756,11 @@ def format_table(r: dict) -> str:
     """The results as an aligned two-column table."""
     mfu = "n/a (no known peak)" if r["mfu"] is None else f"{r['mfu']:.1%} of {r['peak_tflops']:g} TFLOP/s per device"
     rows = [
-        ("model", f"{r['model']} {r['width']}x{r['height']}, {r['steps']} steps, batch {r['batch']}, {r['dtype']}"),
+        (
+            "model",
+            f"{r['model']} {r['width']}x{r['height']}, {r['steps']} steps, batch {r['batch']}, {r['dtype']}, "
+            f"{r['attention']} attention",
+        ),
         ("device", f"{r['n_devices']}x {r['device']} ({r['machine']})"),
         ("images/s", _number(r["images_per_s"])),
         ("s/image", f"{_number(r['s_per_image'])} (median of {r['runs']}; {_number(r['cpu_s_per_image'])} CPU s)"),
@@ -792,7 +802,7 @@ def markdown_row(r: dict) -> str:
         r["date"],
         f"{r['machine']}; load {r['load_average'][0]:.1f} to {r['load_average'][1]:.1f}",
         f"{r['n_devices']}x {r['device']}",
-        f"{r['model']} {r['dtype']}",
+        f"{r['model']} {r['dtype']}, {r['attention']} attention",
         f"{r['width']}x{r['height']}, {r['steps']}, {r['batch']}",
         f"{r['images_per_s']:.3g}",
         f"{r['ref_images_per_s']:.3g}" if "ratio" in r else "",

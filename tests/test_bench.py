@@ -33,6 +33,7 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
         peak_device_memory_bytes progress_overhead""".split()
     assert not [key for key in required if key not in r]
     assert (r["model"], r["device"], r["n_devices"], r["batch"]) == ("tiny", "cpu", 1, 1)
+    assert r["attention"] == "xla"
     assert r["images_per_s"] > 0 and np.isclose(r["s_per_image"] * r["images_per_s"], 1)
     assert np.isclose(r["ratio"], r["images_per_s"] / r["ref_images_per_s"])
     assert r["mfu"] is None and r["tflops"] > 0  # no known peak for a CPU
@@ -41,7 +42,7 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
     assert r["load_s"] > 0 and r["raw_read_s"] > 0 and r["weight_bytes"] > r["param_bytes_bf16"]  # tiny is float32
     assert "ratio (ours / diffusers)" in result.stdout
     header, _, row = markdown.read_text().splitlines()[-3:]
-    assert header.startswith("| Date |") and "| tiny float32 |" in row and row.count("|") == header.count("|")
+    assert header.startswith("| Date |") and "| tiny float32, xla attention |" in row and row.count("|") == header.count("|")
 
 
 def test_load_only_measures_warm_and_cold_loads_into_its_own_table(tmp_path):
