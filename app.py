@@ -30,22 +30,13 @@ DEFAULT_STEPS = 25
 DEFAULT_GUIDANCE = 5.0
 
 
-class _TextReachesValidation:
+def _text_reaches_validation(field):
     """Gradio compares a number field's value with its bounds before the handler runs; text sent
     through the API makes that comparison raise a TypeError, which reaches the client only as a
-    generic error. Text goes on to the service's validation instead, whose message names the field."""
-
-    def preprocess(self, payload):
-        return payload if isinstance(payload, str) else super().preprocess(payload)
-
-
-# Named as Gradio's own classes: the page picks its Svelte component by the lower-cased class name.
-class Number(_TextReachesValidation, gr.Number):
-    pass
-
-
-class Slider(_TextReachesValidation, gr.Slider):
-    pass
+    generic error. Text goes on to the service's validation instead, whose message names the field.
+    (Wrapped, not subclassed: Gradio writes a .pyi stub beside any module that subclasses a component.)"""
+    preprocess = field.preprocess
+    field.preprocess = lambda payload: payload if isinstance(payload, str) else preprocess(payload)
 
 
 def _size_label(width: int, height: int) -> str:
@@ -150,21 +141,23 @@ def create_demo(demo: Demo) -> gr.Blocks:
                 compare_prompts = gr.Textbox("", label="Prompts (one per line) or one prompt", lines=4)
                 compare_negative = gr.Textbox("", label="Negative prompt")
                 compare_style = gr.Dropdown(list(STYLES), value=NO_STYLE, label="Style")
-                num_seeds = Slider(1, service.max_images, value=pipe.num_devices, step=1, label="Seeds")
+                num_seeds = gr.Slider(1, service.max_images, value=pipe.num_devices, step=1, label="Seeds")
                 compare_run = gr.Button("Compare", variant="primary")
         with gr.Accordion("Advanced", open=False):
             with gr.Row():
                 # precision=None: Gradio would round a fractional seed (1.5 -> 2) before our check sees it.
-                seed = Number(label="Seed", value=0, precision=None, minimum=0, maximum=MAX_SEED)
+                seed = gr.Number(label="Seed", value=0, precision=None, minimum=0, maximum=MAX_SEED)
                 randomize = gr.Checkbox(label="Randomize seed", value=True)
-            guidance = Slider(*GUIDANCE_RANGE, value=DEFAULT_GUIDANCE, step=0.5, label="Guidance scale")
-            steps = Slider(1, pipe.max_steps, value=DEFAULT_STEPS, step=1, label="Steps")
+            guidance = gr.Slider(*GUIDANCE_RANGE, value=DEFAULT_GUIDANCE, step=0.5, label="Guidance scale")
+            steps = gr.Slider(1, pipe.max_steps, value=DEFAULT_STEPS, step=1, label="Steps")
             size = gr.Dropdown([_size_label(w, h) for w, h in service.sizes], value=_size_label(*native), label="Size")
-            per_core = Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
+            per_core = gr.Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
             sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()], value="euler",
                                   label="Sampler", info="each sampler compiles once, then stays cached")
-            width = Number(value=native[0], precision=None, visible=False)
-            height = Number(value=native[1], precision=None, visible=False)
+            width = gr.Number(value=native[0], precision=None, visible=False)
+            height = gr.Number(value=native[1], precision=None, visible=False)
+        for field in (num_seeds, seed, guidance, steps, per_core, width, height):
+            _text_reaches_validation(field)
         gallery = gr.Gallery(label="Images", columns=min(4, service.max_images), format="png", elem_id="gallery")
         status = gr.Markdown(elem_id="status")
 
