@@ -6,6 +6,7 @@ Every option also reads an environment variable (SDXL_MODEL, SDXL_HOST, ...), fo
 """
 
 import argparse
+import functools
 import os
 import random
 import time
@@ -37,6 +38,12 @@ def _text_reaches_validation(field):
     (Wrapped, not subclassed: Gradio writes a .pyi stub beside any module that subclasses a component.)"""
     preprocess = field.preprocess
     field.preprocess = lambda payload: payload if isinstance(payload, str) else preprocess(payload)
+
+
+def _report_background_compile(batch: int, compiling) -> None:
+    error = compiling.exception()
+    outcome = f"failed: {error}" if error else f"{compiling.result():.1f} s"
+    print(f"background compile of batch {batch}: {outcome}", flush=True)
 
 
 def _size_label(width: int, height: int) -> str:
@@ -209,6 +216,12 @@ def main() -> None:
     print(f"model {model_name} ({pipe.dtype.name}) on {pipe.device_description}; compilation cache {cache}")
     print(f"startup: load {loaded - start:.1f} s, compile {compile_seconds:.1f} s, "
           f"warm-up {ready - warm_start:.1f} s, total {ready - start:.1f} s", flush=True)
+    # The batch sizes that "images per core" and merged requests use compile while the demo serves.
+    for images_per_core in range(2, args.max_images_per_core + 1):
+        batch = images_per_core * pipe.num_devices
+        compiling = service.queue.compile_in_background(height, width, batch)
+        if compiling is not None:
+            compiling.add_done_callback(functools.partial(_report_background_compile, batch))
     create_demo(Demo(service, model_name)).launch(server_name=args.host, server_port=args.port, share=args.share)
 
 

@@ -5,6 +5,10 @@ bounded queue; when the devices free up, the oldest request is taken together wi
 waiting request of the same image size and step count that still fits, and they are rendered in
 one call. So N users who click at once wait about as long as one, not N times as long.
 
+Requests merge only into batch sizes that are already compiled: compiling a new one takes far
+longer than rendering the requests one after another (minutes for SDXL on a TPU). A declined merge
+compiles that batch size in the background instead, for the next time.
+
 A failure is confined to the requests it concerns: input is validated before it is queued, a
 NaN image fails only the request it belongs to, and the worker thread survives any exception.
 """
@@ -93,7 +97,32 @@ class DeviceQueue:
         self.max_queued = max_queued
         self._waiting: list[Ticket] = []
         self._changed = threading.Condition()
+        # One compile at a time, so that background compiles never starve the host of CPU.
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
+        self._compiles: dict[tuple, concurrent.futures.Future] = {}
         threading.Thread(target=self._serve, name="device-queue", daemon=True).start()
+
+    def _padded(self, num_images: int) -> int:
+        return -(-num_images // self.pipe.num_devices) * self.pipe.num_devices
+
+    def compile_in_background(
+        self, height: int, width: int, num_images: int, sampler: str = "euler"
+    ) -> concurrent.futures.Future | None:
+        """Compiles the programs for a batch size without holding up the devices, once per size.
+
+        Returns a future of the seconds it took (the same one while it runs), or None if compiled.
+        """
+        key = (height, width, self._padded(num_images), sampler)
+        with self._changed:
+            if key in self._compiles:
+                return self._compiles[key]
+            if self.pipe.is_compiled(height, width, num_images, sampler):
+                return None
+            self._compiles[key] = self._compiler.submit(
+                self.pipe.warmup, height, width, num_images, sampler, progress=True
+            )
+            return self._compiles[key]
+
 
     def submit(self, request: Request) -> Ticket:
         """Queues a (validated) request. Raises QueueFullError when the queue is at capacity."""
@@ -113,14 +142,21 @@ class DeviceQueue:
             return self._waiting.index(ticket) if ticket in self._waiting else 0
 
     def _take_batch(self) -> list[Ticket]:
-        """The oldest waiting request plus later ones with its batch key, up to the image budget."""
-        first = self._waiting[0]
-        batch, size = [], 0
+        """The oldest waiting request plus later ones with its batch key, up to the image budget, as
+        long as the merged batch size is compiled."""
+        first = self._waiting.pop(0)
+        height, width, _, sampler = first.request.batch_key
+        batch, size = [first], len(first.request)
         for ticket in list(self._waiting):
-            if ticket.request.batch_key == first.request.batch_key and size + len(ticket.request) <= self.max_batch_images:
-                batch.append(ticket)
-                size += len(ticket.request)
-                self._waiting.remove(ticket)
+            merged = size + len(ticket.request)
+            if ticket.request.batch_key != first.request.batch_key or merged > self.max_batch_images:
+                continue
+            if self._padded(merged) > self._padded(size) and not self.pipe.is_compiled(height, width, merged, sampler):
+                self.compile_in_background(height, width, merged, sampler)
+                continue
+            batch.append(ticket)
+            size = merged
+            self._waiting.remove(ticket)
         return batch
 
     def _serve(self) -> None:
@@ -141,6 +177,9 @@ class DeviceQueue:
         height, width, steps, sampler = requests[0].batch_key
         total = sum(len(r) for r in requests)
         compiling = not self.pipe.is_compiled(height, width, total, sampler)
+        background = self._compiles.get((height, width, self._padded(total), sampler))
+        if background is not None:
+            background.exception()  # the programs being compiled are this batch's: wait rather than compile twice
         for ticket in batch:
             ticket.compiling = compiling
 

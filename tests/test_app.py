@@ -265,6 +265,12 @@ def test_long_prompt_is_truncated_with_a_warning(client):
 def test_concurrent_clients(server, downloads):
     """8 users at once: batched on the device queue, each gets its own 4 images, nothing fails."""
     seeds = range(100, 108)
+    # Requests merge only into compiled batch sizes; the app compiles 8, 12 and 16 after it starts.
+    deadline = time.monotonic() + 300
+    while "background compile of batch 16: " not in server.output():
+        assert time.monotonic() < deadline, server.output()
+        time.sleep(0.5)
+    assert "failed" not in server.output()
     with concurrent.futures.ThreadPoolExecutor(len(seeds)) as pool:
         users = list(pool.map(lambda _: Client(server.url, verbose=False, download_files=downloads), seeds))
     # Submitted within milliseconds: while the first request renders, the others queue up and batch.

@@ -1,0 +1,52 @@
+"""The device queue's batching: requests merge only into compiled batch sizes."""
+
+import pytest
+
+from sdxl.pipeline import Pipeline
+from sdxl.serving import DeviceQueue, Request
+
+HEIGHT, WIDTH, STEPS = 64, 64, 2
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = Pipeline.from_pretrained("tiny", dtype="float32", max_steps=4)
+    pipe.warmup(HEIGHT, WIDTH, progress=True)  # one image per device, as the app compiles at launch
+    return pipe
+
+
+def _request(seed: int) -> Request:
+    return Request(("a cat",) * 4, ("",) * 4, (seed,) * 4, tuple(range(4)), (5.0,) * 4, STEPS, HEIGHT, WIDTH)
+
+
+def _render_at_once(queue: DeviceQueue, seeds) -> list:
+    tickets = [queue.submit(_request(seed)) for seed in seeds]
+    return [queue.wait(ticket) for ticket in tickets]
+
+
+def test_requests_merge_only_into_compiled_batch_sizes(pipe):
+    queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
+    assert pipe.num_devices == 4 and not pipe.is_compiled(HEIGHT, WIDTH, 8)
+
+    outcomes = _render_at_once(queue, range(3))
+    # Batch 8 was not compiled, so the requests ran one by one, and it compiled in the background.
+    assert [o.batch_images for o in outcomes] == [4, 4, 4]
+    assert not any(o.compiled for o in outcomes)
+    queue.compile_in_background(HEIGHT, WIDTH, 8).result(timeout=300)
+    assert pipe.is_compiled(HEIGHT, WIDTH, 8)
+
+    # While the first of three renders, the other two wait, and now they share a compiled call.
+    outcomes = _render_at_once(queue, range(3, 6))
+    assert 8 in [o.batch_images for o in outcomes]
+    assert not any(o.compiled for o in outcomes)
+    assert DeviceQueue(pipe, max_batch_images=16, max_queued=8).compile_in_background(HEIGHT, WIDTH, 8) is None
+
+
+def test_a_batch_being_compiled_in_the_background_waits_for_it(pipe):
+    queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
+    compiling = queue.compile_in_background(HEIGHT, WIDTH, 12)
+    assert compiling is not None
+    request = Request(("a dog",) * 12, ("",) * 12, (7,) * 12, tuple(range(12)), (5.0,) * 12, STEPS, HEIGHT, WIDTH)
+    outcome = queue.wait(queue.submit(request))
+    assert compiling.done() and outcome.batch_images == 12 and outcome.compiled
+    assert len(outcome.images) == 12
