@@ -229,7 +229,7 @@ def generation_flops(pipe, height: int, width: int, batch: int, steps: int) -> f
     the other `steps - 1` guided UNet evaluations are added from `unet_flops`.
     """
     per_device = float(_cost(pipe.compiled(height, width, batch, SAMPLER))["flops"])
-    padded = -(-batch // pipe.num_devices) * pipe.num_devices
+    padded = pipe.padded_batch(batch)
     spec = pipe.spec
     f = spec.vae.downscale_factor
     step = unet_flops(spec.unet, 2 * padded, height // f, width // f, spec.max_tokens)  # x2: guidance

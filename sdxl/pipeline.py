@@ -388,14 +388,14 @@ class Pipeline:
 
     def devices_of(self, num_images: int) -> list[str]:
         """Which device renders each image of an `num_images` batch (the batch is split in order)."""
-        per_device = self._padded_batch(num_images) // self.num_devices
+        per_device = self.padded_batch(num_images) // self.num_devices
         devices = self.mesh.devices.flat
         return [f"{devices[i // per_device].platform.upper()} {devices[i // per_device].id}" for i in range(num_images)]
 
     def is_compiled(self, height: int, width: int, num_images: int, sampler: str = "euler") -> bool:
         """Whether the progress-reporting programs for this size and batch are ready (else the next run compiles)."""
         program = self._program(sampler, height, width, as_uint8=True)
-        return ("denoise", program, self._padded_batch(num_images), False) in self._executables
+        return ("denoise", program, self.padded_batch(num_images), False) in self._executables
 
     def schedule(self, sampler: str, num_steps: int) -> Schedule:
         return _padded_schedule(sampler, self.spec.scheduler, num_steps, self.max_steps)
@@ -465,7 +465,7 @@ class Pipeline:
     def compiled(self, height: int, width: int, batch: int | None = None, sampler: str = "euler") -> jax.stages.Compiled:
         """The whole-generation program (uint8 output) for a size and batch, compiled on first request."""
         program = self._program(sampler, height, width, as_uint8=True)
-        return self._compiled_stage("generate", program, self._padded_batch(batch or self.num_devices), False)
+        return self._compiled_stage("generate", program, self.padded_batch(batch or self.num_devices), False)
 
     def warmup(
         self, height: int, width: int, batch: int | None = None, sampler: str = "euler", *, progress: bool = False
@@ -480,12 +480,13 @@ class Pipeline:
         if progress:
             program = self._program(sampler, height, width, as_uint8=True)
             for stage in ("prepare", "denoise", "finish"):
-                self._compiled_stage(stage, program, self._padded_batch(batch or self.num_devices), False)
+                self._compiled_stage(stage, program, self.padded_batch(batch or self.num_devices), False)
         else:
             self.compiled(height, width, batch, sampler)
         return time.perf_counter() - start
 
-    def _padded_batch(self, n: int) -> int:
+    def padded_batch(self, n: int) -> int:
+        """The batch that `n` images compile and run as: a multiple of the device count."""
         return -(-n // self.num_devices) * self.num_devices
 
     def _tokenize(self, prompts: list[str]) -> tuple[np.ndarray, list[str]]:
@@ -535,7 +536,7 @@ class Pipeline:
             raise ValueError("every per-image argument needs the same, non-zero, number of entries")
         for seed, g in zip(seeds, guidance_scales):
             self.validate(height=height, width=width, num_steps=steps, seed=seed, guidance_scale=g, sampler=sampler)
-        batch = self._padded_batch(n)
+        batch = self.padded_batch(n)
         pad = batch - n
 
         def padded(values, dtype):

@@ -102,9 +102,6 @@ class DeviceQueue:
         self._compiles: dict[tuple, concurrent.futures.Future] = {}
         threading.Thread(target=self._serve, name="device-queue", daemon=True).start()
 
-    def _padded(self, num_images: int) -> int:
-        return -(-num_images // self.pipe.num_devices) * self.pipe.num_devices
-
     def compile_in_background(
         self, height: int, width: int, num_images: int, sampler: str = "euler"
     ) -> concurrent.futures.Future | None:
@@ -112,7 +109,7 @@ class DeviceQueue:
 
         Returns a future of the seconds it took (the same one while it runs), or None if compiled.
         """
-        key = (height, width, self._padded(num_images), sampler)
+        key = (height, width, self.pipe.padded_batch(num_images), sampler)
         with self._changed:
             if key in self._compiles:
                 return self._compiles[key]
@@ -122,7 +119,6 @@ class DeviceQueue:
                 self.pipe.warmup, height, width, num_images, sampler, progress=True
             )
             return self._compiles[key]
-
 
     def submit(self, request: Request) -> Ticket:
         """Queues a (validated) request. Raises QueueFullError when the queue is at capacity."""
@@ -151,7 +147,8 @@ class DeviceQueue:
             merged = size + len(ticket.request)
             if ticket.request.batch_key != first.request.batch_key or merged > self.max_batch_images:
                 continue
-            if self._padded(merged) > self._padded(size) and not self.pipe.is_compiled(height, width, merged, sampler):
+            grows = self.pipe.padded_batch(merged) > self.pipe.padded_batch(size)
+            if grows and not self.pipe.is_compiled(height, width, merged, sampler):
                 self.compile_in_background(height, width, merged, sampler)
                 continue
             batch.append(ticket)
@@ -177,7 +174,7 @@ class DeviceQueue:
         height, width, steps, sampler = requests[0].batch_key
         total = sum(len(r) for r in requests)
         compiling = not self.pipe.is_compiled(height, width, total, sampler)
-        background = self._compiles.get((height, width, self._padded(total), sampler))
+        background = self._compiles.get((height, width, self.pipe.padded_batch(total), sampler))
         if background is not None:
             background.exception()  # the programs being compiled are this batch's: wait rather than compile twice
         for ticket in batch:
