@@ -174,11 +174,11 @@ class DeviceQueue:
         height, width, steps, sampler = requests[0].batch_key
         total = sum(len(r) for r in requests)
         compiling = not self.pipe.is_compiled(height, width, total, sampler)
+        for ticket in batch:
+            ticket.compiling = compiling
         background = self._compiles.get((height, width, self.pipe.padded_batch(total), sampler))
         if background is not None:
             background.exception()  # the programs being compiled are this batch's: wait rather than compile twice
-        for ticket in batch:
-            ticket.compiling = compiling
 
         def on_step(done: int) -> None:
             for ticket in batch:

@@ -44,9 +44,12 @@ def test_requests_merge_only_into_compiled_batch_sizes(pipe):
 
 def test_a_batch_being_compiled_in_the_background_waits_for_it(pipe):
     queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
-    compiling = queue.compile_in_background(HEIGHT, WIDTH, 12)
+    # 16: the previous test's merges may have started compiling 12 on the same pipeline.
+    compiling = queue.compile_in_background(HEIGHT, WIDTH, 16)
     assert compiling is not None
-    request = Request(("a dog",) * 12, ("",) * 12, (7,) * 12, tuple(range(12)), (5.0,) * 12, STEPS, HEIGHT, WIDTH)
-    outcome = queue.wait(queue.submit(request))
-    assert compiling.done() and outcome.batch_images == 12 and outcome.compiled
-    assert len(outcome.images) == 12
+    request = Request(("a dog",) * 16, ("",) * 16, (7,) * 16, tuple(range(16)), (5.0,) * 16, STEPS, HEIGHT, WIDTH)
+    updates = []
+    outcome = queue.wait(queue.submit(request), on_update=lambda ticket: updates.append(ticket.compiling))
+    assert compiling.done() and outcome.batch_images == 16 and outcome.compiled
+    assert updates and all(updates), "while it waits for the compile, the request must say it is compiling"
+    assert len(outcome.images) == 16
