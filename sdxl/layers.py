@@ -12,6 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .convolution import conv3x3
+
 
 class Linear(nn.Module):
     """torch.nn.Linear: y = x @ weight.T + bias, with `weight` [out, in] as the checkpoint stores it."""
@@ -28,6 +30,20 @@ class Linear(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(self.dtype)
         return y
+
+
+class Conv3x3(nn.Module):
+    """torch.nn.Conv2d(kernel_size=3, padding=1) over NHWC maps, with `nn.Conv`'s parameters
+    (`kernel` [3, 3, in, out]), by the algorithm that `sdxl.convolution` picks for the shape."""
+
+    features: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (3, 3, x.shape[-1], self.features), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+        return conv3x3(x.astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
 
 
 class GroupNorm(nn.Module):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .attention import dot_product_attention
-from .layers import GroupNorm, Linear
+from .layers import Conv3x3, GroupNorm, Linear
 
 DOWN_BLOCK_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
 UP_BLOCK_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
@@ -214,10 +214,6 @@ def group_norm(num_groups: int, epsilon: float, dtype, name: str) -> GroupNorm:
     return GroupNorm(num_groups=num_groups, epsilon=epsilon, dtype=dtype, name=name)
 
 
-def conv3x3(features: int, dtype, name: str, strides: int = 1, padding=1) -> nn.Conv:
-    return nn.Conv(features, (3, 3), strides=strides, padding=padding, dtype=dtype, name=name)
-
-
 def resize_nearest(x: jax.Array, size: tuple[int, int]) -> jax.Array:
     """Nearest-neighbour resize of [B, H, W, C] to [B, *size, C] with torch's index rule floor(i * in / out)."""
     for axis, out in zip((1, 2), size):
@@ -257,12 +253,12 @@ class ResnetBlock2D(nn.Module):
     @nn.compact
     def __call__(self, x, temb=None):  # [B, H, W, C_in], [B, D_t] or None -> [B, H, W, out_channels]
         h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm1")(x))
-        h = conv3x3(self.out_channels, self.dtype, "conv1")(h)
+        h = Conv3x3(self.out_channels, dtype=self.dtype, name="conv1")(h)
         if temb is not None:
             temb = Linear(self.out_channels, dtype=self.dtype, name="time_emb_proj")(nn.silu(temb))
             h = h + temb[:, None, None, :]
         h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm2")(h))
-        h = conv3x3(self.out_channels, self.dtype, "conv2")(h)
+        h = Conv3x3(self.out_channels, dtype=self.dtype, name="conv2")(h)
         if x.shape[-1] != self.out_channels:
             x = nn.Conv(self.out_channels, (1, 1), dtype=self.dtype, name="conv_shortcut")(x)
         return (x + h) / self.output_scale_factor
@@ -366,7 +362,7 @@ class Downsample2D(nn.Module):
     @nn.compact
     def __call__(self, x):  # [B, H, W, C] -> [B, ceil(H/2), ceil(W/2), C]
         padding = ((0, 1), (0, 1)) if self.padding == 0 else self.padding
-        return conv3x3(x.shape[-1], self.dtype, "conv", strides=2, padding=padding)(x)
+        return nn.Conv(x.shape[-1], (3, 3), strides=2, padding=padding, dtype=self.dtype, name="conv")(x)
 
 
 class Upsample2D(nn.Module):
@@ -376,7 +372,7 @@ class Upsample2D(nn.Module):
 
     @nn.compact
     def __call__(self, x, size):  # [B, H, W, C] -> [B, *size, C]
-        return conv3x3(x.shape[-1], self.dtype, "conv")(resize_nearest(x, size))
+        return Conv3x3(x.shape[-1], dtype=self.dtype, name="conv")(resize_nearest(x, size))
 
 
 def _resnet_and_transformer(block: nn.Module, index: int, x, temb, context):
@@ -521,7 +517,7 @@ class UNet2DConditionModel(nn.Module):
 
         norm = dict(norm_num_groups=cfg.norm_num_groups, norm_eps=cfg.norm_eps, dtype=dtype)
         levels = len(cfg.block_out_channels)
-        x = conv3x3(cfg.block_out_channels[0], dtype, "conv_in")(x)
+        x = Conv3x3(cfg.block_out_channels[0], dtype=dtype, name="conv_in")(x)
         skips = [x]
         for level, block_type in enumerate(cfg.down_block_types):
             x, block_skips = DownBlock(
@@ -557,7 +553,7 @@ class UNet2DConditionModel(nn.Module):
             )(x, block_skips, temb, context, skips[-1].shape[1:3] if skips else None)
 
         x = nn.silu(group_norm(cfg.norm_num_groups, cfg.norm_eps, dtype, "conv_norm_out")(x))
-        return conv3x3(cfg.out_channels, dtype, "conv_out")(x)
+        return Conv3x3(cfg.out_channels, dtype=dtype, name="conv_out")(x)
 
 
 def abstract_params(config: UNetConfig) -> dict:

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .layers import Conv3x3
 from .unet import Attention, Downsample2D, ResnetBlock2D, Upsample2D, group_norm
 
 # Every norm in the VAE (resnets, mid-block attention, conv_norm_out) uses this epsilon.
@@ -158,7 +159,7 @@ class Encoder(nn.Module):
     def __call__(self, images):  # [B, H, W, in_channels] -> [B, h, w, 2 * latent_channels]
         cfg = self.config
         channels = cfg.block_out_channels
-        x = nn.Conv(channels[0], (3, 3), padding=1, dtype=self.dtype, name="conv_in")(images)
+        x = Conv3x3(channels[0], dtype=self.dtype, name="conv_in")(images)
         for i, out_channels in enumerate(channels):
             x = DownEncoderBlock2D(
                 out_channels,
@@ -170,7 +171,7 @@ class Encoder(nn.Module):
             )(x)
         x = UNetMidBlock2D(cfg.norm_num_groups, cfg.mid_block_add_attention, self.dtype, name="mid_block")(x)
         x = nn.silu(group_norm(cfg.norm_num_groups, NORM_EPS, self.dtype, "conv_norm_out")(x))
-        return nn.Conv(2 * cfg.latent_channels, (3, 3), padding=1, dtype=self.dtype, name="conv_out")(x)
+        return Conv3x3(2 * cfg.latent_channels, dtype=self.dtype, name="conv_out")(x)
 
 
 class Decoder(nn.Module):
@@ -181,7 +182,7 @@ class Decoder(nn.Module):
     def __call__(self, latents):  # [B, h, w, latent_channels] -> [B, H, W, out_channels]
         cfg = self.config
         channels = cfg.block_out_channels[::-1]
-        x = nn.Conv(channels[0], (3, 3), padding=1, dtype=self.dtype, name="conv_in")(latents)
+        x = Conv3x3(channels[0], dtype=self.dtype, name="conv_in")(latents)
         x = UNetMidBlock2D(cfg.norm_num_groups, cfg.mid_block_add_attention, self.dtype, name="mid_block")(x)
         for i, out_channels in enumerate(channels):
             x = UpDecoderBlock2D(
@@ -194,7 +195,7 @@ class Decoder(nn.Module):
                 name=f"up_blocks.{i}",
             )(x)
         x = nn.silu(group_norm(cfg.norm_num_groups, NORM_EPS, self.dtype, "conv_norm_out")(x))
-        return nn.Conv(cfg.out_channels, (3, 3), padding=1, dtype=self.dtype, name="conv_out")(x)
+        return Conv3x3(cfg.out_channels, dtype=self.dtype, name="conv_out")(x)
 
 
 class AutoencoderKL(nn.Module):

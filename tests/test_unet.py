@@ -144,10 +144,16 @@ def test_sdxl_style_matches_diffusers(sdxl_style):
     assert diff <= 1e-4
 
 
-def test_splash_attention_matches_diffusers(sdxl_style, monkeypatch):
-    """The TPU kernel (in Pallas' interpreter here) in place of XLA's attention, in every layer."""
+@pytest.mark.parametrize(
+    "variable, kernel",
+    [
+        ("SDXL_ATTENTION", "splash"),  # the TPU kernel, in Pallas' interpreter here, in every attention layer
+        ("SDXL_CONV", "winograd"),  # the CPU's Winograd convolutions in every 3x3 layer, not only the wide ones
+    ],
+)
+def test_other_kernels_match_diffusers(sdxl_style, monkeypatch, variable, kernel):
     path, values, expected = sdxl_style
-    monkeypatch.setenv("SDXL_ATTENTION", "splash")
+    monkeypatch.setenv(variable, kernel)
     config, params = load_jax(path, np.float32)
     out = jax_forward(config, params, values)
     assert np.abs(out - expected).max() <= 1e-4

@@ -81,6 +81,17 @@ def test_decode_matches_diffusers(reference):
     check_close("decode", decode(config, params, nhwc(latents)), nhwc(expected))
 
 
+def test_winograd_decode_matches_diffusers(reference, monkeypatch):
+    """The CPU's Winograd convolutions in every 3x3 layer, not only the wide ones it picks by default."""
+    vae, path, _, latents = reference
+    monkeypatch.setenv("SDXL_CONV", "winograd")
+    config, params = load(path)
+    with torch.no_grad():
+        expected = vae.decode(torch.from_numpy(latents)).sample.numpy()
+    got = jax.jit(lambda p, z: decode(config, p, z))(params, nhwc(latents))
+    check_close("decode, Winograd", got, nhwc(expected))
+
+
 def test_encode_matches_diffusers(reference):
     vae, path, images, _ = reference
     config, params = load(path)
