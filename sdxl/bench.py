@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import attention, checkpoint, tiny, unet
+from . import attention, checkpoint, convolution, tiny, unet
 from .compilation import CompileCounter, enable_compilation_cache
 from .config import read_json
 from .weights import flatten
@@ -664,6 +664,11 @@ def run_benchmark(
         attention.implementation(pipe.dtype, channels // heads)
         for channels, heads in zip(config.block_out_channels, config.num_heads)
     }
+    latent_h, latent_w = height // pipe.spec.vae.downscale_factor, width // pipe.spec.vae.downscale_factor
+    unet_convolution = {
+        convolution.implementation(latent_h >> level, latent_w >> level, channels, pipe.dtype)
+        for level, channels in enumerate(config.block_out_channels)
+    }
     bf16_bytes = _bf16_bytes(pipe.spec)
     peak = None if device.platform == "cpu" else peak_tflops(kind)
     tflops = flops / median_s("ours") / 1e12
@@ -680,6 +685,7 @@ def run_benchmark(
         platform=device.platform,
         n_devices=pipe.num_devices,
         attention="+".join(sorted(unet_attention)),  # the UNet's attention kernel (sdxl.attention)
+        convolution="+".join(sorted(unet_convolution)),  # its resnets' (sdxl.convolution)
         jax_version=jax.__version__,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         load_average=[load_before, os.getloadavg()[0]],
@@ -759,7 +765,7 @@ def format_table(r: dict) -> str:
         (
             "model",
             f"{r['model']} {r['width']}x{r['height']}, {r['steps']} steps, batch {r['batch']}, {r['dtype']}, "
-            f"{r['attention']} attention",
+            f"{r['attention']} attention, {r['convolution']} convolutions",
         ),
         ("device", f"{r['n_devices']}x {r['device']} ({r['machine']})"),
         ("images/s", _number(r["images_per_s"])),
@@ -802,7 +808,7 @@ def markdown_row(r: dict) -> str:
         r["date"],
         f"{r['machine']}; load {r['load_average'][0]:.1f} to {r['load_average'][1]:.1f}",
         f"{r['n_devices']}x {r['device']}",
-        f"{r['model']} {r['dtype']}, {r['attention']} attention",
+        f"{r['model']} {r['dtype']}, {r['attention']} attention, {r['convolution']} convolutions",
         f"{r['width']}x{r['height']}, {r['steps']}, {r['batch']}",
         f"{r['images_per_s']:.3g}",
         f"{r['ref_images_per_s']:.3g}" if "ratio" in r else "",

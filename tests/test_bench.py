@@ -33,7 +33,7 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
         peak_device_memory_bytes progress_overhead""".split()
     assert not [key for key in required if key not in r]
     assert (r["model"], r["device"], r["n_devices"], r["batch"]) == ("tiny", "cpu", 1, 1)
-    assert r["attention"] == "xla"
+    assert r["attention"] == "xla" and r["convolution"] == "xla"  # 4x4 latents: too small for Winograd
     assert r["images_per_s"] > 0 and np.isclose(r["s_per_image"] * r["images_per_s"], 1)
     assert np.isclose(r["ratio"], r["images_per_s"] / r["ref_images_per_s"])
     assert r["mfu"] is None and r["tflops"] > 0  # no known peak for a CPU
@@ -42,7 +42,7 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
     assert r["load_s"] > 0 and r["raw_read_s"] > 0 and r["weight_bytes"] > r["param_bytes_bf16"]  # tiny is float32
     assert "ratio (ours / diffusers)" in result.stdout
     header, _, row = markdown.read_text().splitlines()[-3:]
-    assert header.startswith("| Date |") and "| tiny float32, xla attention |" in row and row.count("|") == header.count("|")
+    assert header.startswith("| Date |") and "| tiny float32, xla attention, xla convolutions |" in row and row.count("|") == header.count("|")
 
 
 def test_load_only_measures_warm_and_cold_loads_into_its_own_table(tmp_path):
@@ -153,15 +153,20 @@ def _analytic_unet_flops(config: unet.UNetConfig, height: int, width: int, conte
     return flops
 
 
-def test_unet_flop_count_matches_an_independent_count():
+def test_unet_flop_count_matches_an_independent_count(monkeypatch):
     config = config_from_dict(unet.UNetConfig, bench.MEDIUM_CONFIGS["unet/config.json"])
-    counted = bench.unet_flops(config, batch=2, latent_height=32, latent_width=24, context_length=77)
     expected = 2 * _analytic_unet_flops(config, 32, 24, 77)
+    monkeypatch.setenv("SDXL_CONV", "xla")  # the analytic count is of direct convolutions
+    counted = bench.unet_flops(config, batch=2, latent_height=32, latent_width=24, context_length=77)
+    monkeypatch.delenv("SDXL_CONV")
+    winograd = bench.unet_flops(config, batch=2, latent_height=32, latent_width=24, context_length=77)
     print(
-        f"UNet FLOPs at 2x32x24: cost analysis {counted / 1e9:.3f} G, analytic {expected / 1e9:.3f} G, "
-        f"ratio {counted / expected:.4f}"
+        f"UNet FLOPs at 2x32x24: cost analysis {counted / 1e9:.3f} G ({winograd / 1e9:.3f} G with this CPU's "
+        f"Winograd convolutions), analytic {expected / 1e9:.3f} G, ratio {counted / expected:.4f}"
     )
     assert 1 <= counted / expected < 1.05  # XLA also counts the elementwise work
+    # The cost analysis counts the work done: Winograd's multiply-adds are fewer.
+    assert winograd < 0.95 * counted
 
 
 def test_compile_counter_sees_a_new_size_but_not_new_prompts_seeds_guidance_or_steps():
