@@ -195,14 +195,20 @@ def resolve_model(name: str, scratch: Path) -> Path:
 
 
 def unet_flops(
-    config: unet.UNetConfig, batch: int, latent_height: int, latent_width: int, context_length: int
+    config: unet.UNetConfig,
+    batch: int,
+    latent_height: int,
+    latent_width: int,
+    context_length: int,
+    dtype=jnp.float32,
 ) -> float:
     """XLA's FLOP count of one UNet evaluation on a batch (from the lowered program's cost analysis).
 
     The pipeline's denoising loop is a `while` loop with a traced trip count, whose body XLA's cost
-    analysis counts once; this is the body's main cost, to count the other steps.
+    analysis counts once; this is the body's main cost, to count the other steps. It is traced in
+    the pipeline's `dtype`, which picks the convolution algorithm (`sdxl.convolution`).
     """
-    model = unet.UNet2DConditionModel(config)
+    model = unet.UNet2DConditionModel(config, dtype)
 
     def arg(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -232,7 +238,7 @@ def generation_flops(pipe, height: int, width: int, batch: int, steps: int) -> f
     padded = pipe.padded_batch(batch)
     spec = pipe.spec
     f = spec.vae.downscale_factor
-    step = unet_flops(spec.unet, 2 * padded, height // f, width // f, spec.max_tokens)  # x2: guidance
+    step = unet_flops(spec.unet, 2 * padded, height // f, width // f, spec.max_tokens, pipe.dtype)  # x2: guidance
     return per_device * pipe.num_devices + (steps - 1) * step
 
 

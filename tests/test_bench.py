@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
@@ -160,6 +161,7 @@ def test_unet_flop_count_matches_an_independent_count(monkeypatch):
     counted = bench.unet_flops(config, batch=2, latent_height=32, latent_width=24, context_length=77)
     monkeypatch.delenv("SDXL_CONV")
     winograd = bench.unet_flops(config, batch=2, latent_height=32, latent_width=24, context_length=77)
+    bfloat16 = bench.unet_flops(config, 2, 32, 24, 77, dtype=jnp.bfloat16)  # direct convolutions, as the pipeline's
     print(
         f"UNet FLOPs at 2x32x24: cost analysis {counted / 1e9:.3f} G ({winograd / 1e9:.3f} G with this CPU's "
         f"Winograd convolutions), analytic {expected / 1e9:.3f} G, ratio {counted / expected:.4f}"
@@ -167,6 +169,7 @@ def test_unet_flop_count_matches_an_independent_count(monkeypatch):
     assert 1 <= counted / expected < 1.05  # XLA also counts the elementwise work
     # The cost analysis counts the work done: Winograd's multiply-adds are fewer.
     assert winograd < 0.95 * counted
+    assert 1 <= bfloat16 / expected < 1.05
 
 
 def test_compile_counter_sees_a_new_size_but_not_new_prompts_seeds_guidance_or_steps():
