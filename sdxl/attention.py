@@ -14,12 +14,13 @@ Neither accelerator kernel has run on an accelerator in this project's tests (no
 
 import logging
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
+
+from .config import kernel_override
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +32,7 @@ SPLASH_MAX_BLOCK = 512
 
 def implementation(dtype, head_dim: int) -> str:
     """The kernel for this backend, or the one SDXL_ATTENTION names; XLA where it can't take the shape."""
-    chosen = os.environ.get("SDXL_ATTENTION", "").strip().lower()
-    if chosen not in IMPLEMENTATIONS + ("",):
-        raise ValueError(f"SDXL_ATTENTION must be one of {', '.join(IMPLEMENTATIONS)}, got {chosen!r}")
+    chosen = kernel_override("SDXL_ATTENTION", IMPLEMENTATIONS)
     if not chosen:
         backend = jax.default_backend()
         chosen = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "cudnn"}.get(backend, "xla")

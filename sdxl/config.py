@@ -36,3 +36,11 @@ def config_from_file(cls: type[T], path: Path) -> T:
 def cache_root() -> Path:
     """Where the project keeps its caches (compiled programs, the tiny checkpoint)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sdxl-jax"
+
+
+def kernel_override(variable: str, choices: tuple[str, ...]) -> str:
+    """The kernel that environment `variable` (SDXL_ATTENTION, SDXL_CONV) names, or "" when it is unset."""
+    chosen = os.environ.get(variable, "").strip().lower()
+    if chosen not in choices + ("",):
+        raise ValueError(f"{variable} must be one of {', '.join(choices)}, got {chosen!r}")
+    return chosen

@@ -21,11 +21,11 @@ part of the gain there (BENCHMARKS.md).
 In float32 the Winograd result differs from the direct one by about 1e-5 of its largest value.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .config import kernel_override
 
 IMPLEMENTATIONS = ("xla", "winograd")
 
@@ -65,9 +65,7 @@ _TILE, _OUT = _INPUT_TRANSFORM.shape[0], _OUTPUT_TRANSFORM.shape[0]
 def implementation(height: int, width: int, channels: int, dtype) -> str:
     """The algorithm for a 3x3 convolution of a [B, height, width, channels] map on this backend,
     or the one SDXL_CONV names."""
-    chosen = os.environ.get("SDXL_CONV", "").strip().lower()
-    if chosen not in IMPLEMENTATIONS + ("",):
-        raise ValueError(f"SDXL_CONV must be one of {', '.join(IMPLEMENTATIONS)}, got {chosen!r}")
+    chosen = kernel_override("SDXL_CONV", IMPLEMENTATIONS)
     if chosen:
         return chosen
     pays = 16 <= min(height, width) and max(height, width) <= 128 and channels >= 64
