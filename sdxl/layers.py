@@ -1,9 +1,10 @@
-"""Layers with PyTorch's parameter layout and numerics, which the model files build on.
+"""Layers with PyTorch's numerics, which the model files build on.
 
 Flax's `nn.Dense` keeps its kernel as [in, out]; PyTorch's `Linear.weight` is [out, in]. Keeping
 the stored layout means a checkpoint's linear weights (88% of SDXL's parameters) load without a
 transpose, which on a CPU host cost more than reading the file. XLA contracts either layout
 at the same speed: `x @ weight.T` is a GEMM with a transposed operand, which is also what PyTorch runs.
+Conv kernels (12%) keep `nn.Conv`'s HWIO layout, which the loader transposes to.
 """
 
 import math
