@@ -34,6 +34,19 @@ SAFETENSORS_DTYPES = {
 }
 
 
+# jax.device_put on a CPU backend adopts a numpy array aligned to this many bytes instead of copying it
+# (XLA's CPU buffers are 64-byte aligned), and replicating it over several CPU devices shares it too.
+DEVICE_ALIGNMENT = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A fresh array that a CPU backend can adopt without a copy (see `DEVICE_ALIGNMENT`)."""
+    nbytes = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
+    raw = np.empty(nbytes + DEVICE_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % DEVICE_ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or does not match the model it is loaded into."""
 
@@ -102,7 +115,7 @@ class SafetensorsFile:
         dtype, shape, offset = self._entries[key]
         nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
         if buffer is None:
-            array = np.empty(shape, dtype)
+            array = aligned_empty(shape, dtype)
             view = memoryview(array.reshape(-1).view(np.uint8))  # bf16 has no buffer-protocol format
         else:
             if len(buffer) < nbytes:
@@ -178,7 +191,8 @@ def load_params(
       ignore: stored keys that are buffers, not parameters.
       put: places one converted tensor (e.g. `jax.device_put` with a sharding). It is called
         from several threads. Tensors are read and converted into fresh arrays a few at a time,
-        in file order, so the host never holds a second copy of the model.
+        in file order, so the host never holds a second copy of the model; on a CPU backend the
+        arrays become the parameters themselves (see `aligned_empty`).
 
     Raises:
       CheckpointError: listing every missing, unexpected and mis-shaped key.
@@ -230,7 +244,10 @@ def load_params(
         if not hasattr(read_buffers, "buffer"):
             read_buffers.buffer = bytearray()
         stored_tensor = file.tensor(key, read_buffers.buffer)
-        return put(np.array(stored_tensor.transpose(axes), dtype=dtype, order="C"))
+        stored_tensor = stored_tensor.transpose(axes)
+        converted = aligned_empty(stored_tensor.shape, dtype)
+        np.copyto(converted, stored_tensor, casting="same_kind")
+        return put(converted)
 
     def file_position(name: str) -> tuple[str, int]:
         file, key = stored[name]

@@ -1,12 +1,13 @@
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from sdxl import tiny
-from sdxl.pipeline import Pipeline
+from sdxl.pipeline import ModelSpec, Pipeline, load_checkpoint_params
 from sdxl.weights import CheckpointError, SafetensorsFile
 
 UNET = "unet/diffusion_pytorch_model.safetensors"
@@ -95,3 +96,17 @@ def test_bfloat16_tensors_are_read(tmp_path):
     path = tmp_path / "bf16.safetensors"
     path.write_bytes(len(header).to_bytes(8, "little") + header + data)
     np.testing.assert_array_equal(SafetensorsFile(path).tensor("w").astype(np.float32), values)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # read straight into place; read and converted
+def test_cpu_devices_adopt_the_loaded_arrays_without_a_copy(pristine, dtype):
+    host_and_device = []
+
+    def put(array):
+        host_and_device.append((array, jax.device_put(array, jax.devices("cpu")[0])))
+        return host_and_device[-1][1]
+
+    load_checkpoint_params(pristine, ModelSpec.from_folder(pristine), np.dtype(dtype), put)
+    assert len(host_and_device) > 100
+    for host, device in host_and_device:
+        assert device.unsafe_buffer_pointer() == host.ctypes.data
