@@ -12,10 +12,9 @@
   (up to 8 in the output transform) cost accuracy that 16-bit types do not have; GPUs and TPUs run
   their own convolution algorithms (cuDNN picks Winograd itself where it pays).
 
-The kernels are transformed inside every program that runs the layer (4x their size; keeping
-both forms would cost that memory for good). The whole-generation program hoists the transforms out
-of its denoising loop; the per-step programs of progress reporting redo them every step, which eats
-part of the gain there (BENCHMARKS.md).
+The kernels are transformed when a program runs (4x their size; keeping both forms would cost that
+memory for good): once per generation, before the denoising loop, whose steps all reuse them
+(`sdxl.layers.Conv3x3` and `GenerateProgram.prepare`).
 
 `SDXL_CONV=xla|winograd` overrides the choice when a model is traced, for every such convolution.
 In float32 the Winograd result differs from the direct one by about 1e-5 of its largest value.
@@ -72,10 +71,8 @@ def implementation(height: int, width: int, channels: int, dtype) -> str:
     return "winograd" if jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32 and pays else "xla"
 
 
-def conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
+def direct_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """torch's conv2d(padding=1), without bias: [B, H, W, C] by [3, 3, C, O] (HWIO) -> [B, H, W, O]."""
-    if implementation(x.shape[1], x.shape[2], x.shape[3], x.dtype) == "winograd":
-        return winograd_conv3x3(x, kernel)
     return jax.lax.conv_general_dilated(x, kernel, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
 
@@ -89,8 +86,15 @@ def _combine(coefficients: np.ndarray, parts: list[jax.Array]) -> jax.Array:
     return total
 
 
-def winograd_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """`conv3x3` by Winograd's F(4x4, 3x3); any H and W (the last tiles are zero-padded)."""
+def winograd_kernel(kernel: jax.Array) -> jax.Array:
+    """A [3, 3, C, O] (HWIO) kernel in F(4x4, 3x3)'s transform domain: [36, C, O], G g G^T per channel pair."""
+    transform = jnp.asarray(np.kron(_KERNEL_TRANSFORM, _KERNEL_TRANSFORM), kernel.dtype)  # [36, 9]
+    return (transform @ kernel.reshape(9, -1)).reshape(_TILE * _TILE, *kernel.shape[2:])
+
+
+def winograd_conv3x3(x: jax.Array, transformed_kernel: jax.Array) -> jax.Array:
+    """`direct_conv3x3` by Winograd's F(4x4, 3x3), with the kernel from `winograd_kernel`; any H and W
+    (the last tiles are zero-padded)."""
     batch, height, width, channels = x.shape
     tiles_h, tiles_w = -(-height // _OUT), -(-width // _OUT)
     # Tile (i, j) reads rows 4i .. 4i+5 and columns 4j .. 4j+5 of the padded map.
@@ -100,10 +104,8 @@ def winograd_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
     columns = [x[:, :, :, s : s + _OUT * (tiles_w - 1) + 1 : _OUT] for s in range(_TILE)]
     x = jnp.stack([_combine(c, columns) for c in _INPUT_TRANSFORM], axis=1)  # [6, 6, B, tiles_h, tiles_w, C]
 
-    kernel_transform = jnp.asarray(np.kron(_KERNEL_TRANSFORM, _KERNEL_TRANSFORM), kernel.dtype)  # [36, 9]
-    kernel = (kernel_transform @ kernel.reshape(9, -1)).reshape(_TILE * _TILE, channels, -1)
     products = jax.lax.dot_general(
-        x.reshape(_TILE * _TILE, -1, channels), kernel, (((2,), (1,)), ((0,), (0,)))
+        x.reshape(_TILE * _TILE, -1, channels), transformed_kernel, (((2,), (1,)), ((0,), (0,)))
     ).reshape(_TILE, _TILE, batch, tiles_h, tiles_w, -1)
 
     y = jnp.stack([_combine(c, list(products)) for c in _OUTPUT_TRANSFORM])  # [4, 6, B, tiles_h, tiles_w, O]

@@ -13,7 +13,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .convolution import conv3x3
+from . import convolution
+
+# The Flax collection that holds the Winograd-domain kernels of `Conv3x3` layers, for callers that
+# transform them once and run the model many times (the pipeline's denoising steps).
+WINOGRAD_KERNELS = "winograd_kernels"
 
 
 class Linear(nn.Module):
@@ -44,7 +48,22 @@ class Conv3x3(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (3, 3, x.shape[-1], self.features), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
-        return conv3x3(x.astype(self.dtype), kernel.astype(self.dtype)) + bias.astype(self.dtype)
+        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        if convolution.implementation(*x.shape[1:], self.dtype) == "winograd":
+            y = convolution.winograd_conv3x3(x, self._winograd_kernel(kernel))
+        else:
+            y = convolution.direct_conv3x3(x, kernel)
+        return y + bias.astype(self.dtype)
+
+    def _winograd_kernel(self, kernel: jax.Array) -> jax.Array:
+        """The transformed kernel: given in `WINOGRAD_KERNELS`, else computed (and stored there when
+        the caller made the collection mutable)."""
+        transformed = self.get_variable(WINOGRAD_KERNELS, "kernel")
+        if transformed is None:
+            transformed = convolution.winograd_kernel(kernel)
+            if self.is_mutable_collection(WINOGRAD_KERNELS):
+                self.put_variable(WINOGRAD_KERNELS, "kernel", transformed)
+        return transformed
 
 
 class GroupNorm(nn.Module):

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import checkpoint, clip, unet, vae
 from .config import cache_root, config_from_file
+from .layers import WINOGRAD_KERNELS
 from .sampling import SAMPLERS, denoised_from_model_output, run_steps
 from .schedulers import Schedule, SchedulerConfig
 from .tokenizer import load_tokenizer, tokenize
@@ -226,8 +227,13 @@ class GenerateProgram:
     the same stages also compile separately (`prepare`, then `denoise` over a few steps at a time,
     then `finish`), so the host learns how far the loop is without callbacks inside it.
 
+    Work that every step would repeat happens once, in `prepare`: the UNet's Winograd kernels
+    (`sdxl.layers.WINOGRAD_KERNELS`, empty where no layer uses Winograd) are its output and
+    `denoise`'s input, so that the per-step programs do not transform them again.
+
     Array arguments:
       params: {"unet", "vae", "text_encoder"[, "text_encoder_2"]} parameter trees.
+      kernels: the UNet's transformed kernels, from `prepare`.
       ids: [B, 2, E, T] token ids; axis 1 is (negative, positive), axis 2 the text encoders.
       zero_negative: [B] bool, use all-zero negative conditioning (SDXL's empty negative prompt).
       seeds, image_index: [B] uint32; image b's noise depends only on (seeds[b], image_index[b]).
@@ -244,7 +250,8 @@ class GenerateProgram:
     as_uint8: bool
 
     def prepare(self, params, ids, zero_negative, seeds, image_index, schedule, noise):
-        """Text conditioning, the starting noise and the sampler's state. Returns (cond, carry, keys)."""
+        """Text conditioning, the starting noise, the sampler's state and the UNet's transformed
+        kernels. Returns (cond, carry, keys, kernels)."""
         spec, batch = self.spec, ids.shape[0]
         context, pooled = encode_text(spec, params, ids.reshape(2 * batch, *ids.shape[2:]), self.dtype)
         keep = _interleave(~zero_negative, jnp.ones_like(zero_negative))  # [2B]
@@ -262,11 +269,19 @@ class GenerateProgram:
             noise = jax.vmap(lambda key: jax.random.normal(key, shape))(noise_keys)
         method = SAMPLERS[self.sampler]
         carry = method.init(noise.astype(jnp.float32) * schedule.init_noise_sigma)
-        return cond, carry, (sampler_keys if method.stochastic else None)
+        x_in = jnp.zeros((2 * batch, *noise.shape[1:]), self.dtype)
+        # The model's output is unused, so the compiled program keeps only the kernel transforms.
+        _, kernels = self._unet().apply(
+            {"params": params["unet"]}, x_in, jnp.zeros(2 * batch), **cond, mutable=[WINOGRAD_KERNELS]
+        )
+        return cond, carry, (sampler_keys if method.stochastic else None), kernels
 
-    def denoise(self, params, cond, carry, keys, guidance_scale, schedule, num_steps, start, stop):
+    def _unet(self) -> unet.UNet2DConditionModel:
+        return unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
+
+    def denoise(self, params, kernels, cond, carry, keys, guidance_scale, schedule, num_steps, start, stop):
         """Sampler steps start..stop-1 with the guided UNet as the denoiser."""
-        model = unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
+        model, variables = self._unet(), {"params": params["unet"], **kernels}
         g = guidance_scale[:, None, None, None]
 
         def denoiser(x, sigma, timestep):
@@ -274,7 +289,7 @@ class GenerateProgram:
             x_in = x / jnp.sqrt(sigma**2 + 1)
             x_in = _interleave(x_in, x_in).astype(self.dtype)
             t = jnp.broadcast_to(timestep, (2 * batch,))
-            out = model.apply({"params": params["unet"]}, x_in, t, **cond).astype(jnp.float32)
+            out = model.apply(variables, x_in, t, **cond).astype(jnp.float32)
             out = out.reshape(batch, 2, *out.shape[1:])
             uncond, positive = out[:, 0], out[:, 1]
             # diffusers skips guidance for scales <= 1 and uses the conditional prediction alone.
@@ -297,8 +312,8 @@ class GenerateProgram:
 
     def generate(self, params, ids, zero_negative, seeds, image_index, guidance_scale, schedule, num_steps, noise):
         """All stages in one program."""
-        cond, carry, keys = self.prepare(params, ids, zero_negative, seeds, image_index, schedule, noise)
-        carry = self.denoise(params, cond, carry, keys, guidance_scale, schedule, num_steps, 0, num_steps)
+        cond, carry, keys, kernels = self.prepare(params, ids, zero_negative, seeds, image_index, schedule, noise)
+        carry = self.denoise(params, kernels, cond, carry, keys, guidance_scale, schedule, num_steps, 0, num_steps)
         return self.finish(params, carry)
 
 
@@ -431,12 +446,15 @@ class Pipeline:
             elif stage == "prepare":
                 args = (ids, zero_negative, seeds, image_index, schedule, noise)
             elif stage == "denoise":
-                cond, carry, keys = self._compiled_stage("prepare", program, batch, with_noise).out_info
-                args = (cond, carry, keys, guidance, schedule, num_steps, num_steps, num_steps)
+                cond, carry, keys, kernels = self._compiled_stage("prepare", program, batch, with_noise).out_info
+                args = (kernels, cond, carry, keys, guidance, schedule, num_steps, num_steps, num_steps)
             else:
-                _, carry, _ = self._compiled_stage("prepare", program, batch, with_noise).out_info
+                _, carry, _, _ = self._compiled_stage("prepare", program, batch, with_noise).out_info
                 args = (carry,)
-            fn = jax.jit(getattr(program, stage), out_shardings=self._sharded)
+            shardings = self._sharded
+            if stage == "prepare":  # (cond, carry, keys) split by image; every device needs all kernels
+                shardings = (self._sharded,) * 3 + (self._replicated,)
+            fn = jax.jit(getattr(program, stage), out_shardings=shardings)
             # The mesh in context lets kernels XLA cannot partition (splash attention) split the batch.
             with jax.set_mesh(self.mesh):
                 self._executables[key] = fn.lower(self.params, *args).compile()
@@ -568,13 +586,13 @@ class Pipeline:
     def _run_in_stages(self, program, batch, inputs, steps, on_step, steps_per_report):
         ids, zero_negative, seeds, image_index, guidance, schedule, num_steps, noise = inputs
         stage = functools.partial(self._compiled_stage, program=program, batch=batch, with_noise=noise is not None)
-        cond, carry, keys = stage("prepare")(self.params, ids, zero_negative, seeds, image_index, schedule, noise)
+        cond, carry, keys, kernels = stage("prepare")(self.params, ids, zero_negative, seeds, image_index, schedule, noise)
         denoise = stage("denoise")
         in_flight = []  # (steps done when it finishes, its output)
         for start in range(0, steps, steps_per_report):
             stop = min(start + steps_per_report, steps)
             bounds = [self._put(np.int32(i), self._replicated) for i in (start, stop)]
-            carry = denoise(self.params, cond, carry, keys, guidance, schedule, num_steps, *bounds)
+            carry = denoise(self.params, kernels, cond, carry, keys, guidance, schedule, num_steps, *bounds)
             in_flight.append((stop, carry))
             if len(in_flight) > 1:
                 done, finished = in_flight.pop(0)

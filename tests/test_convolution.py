@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sdxl import convolution
+from sdxl.layers import WINOGRAD_KERNELS, Conv3x3
 
 
 def torch_conv3x3(x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
@@ -31,7 +32,7 @@ def test_winograd_matches_torch(shape, out_channels):
     x = rng.standard_normal(shape, dtype=np.float32)
     kernel = (rng.standard_normal((3, 3, shape[-1], out_channels)) / np.sqrt(9 * shape[-1])).astype(np.float32)
     expected = torch_conv3x3(x, kernel)
-    got = np.asarray(jax.jit(convolution.winograd_conv3x3)(x, kernel))
+    got = np.asarray(jax.jit(lambda x, k: convolution.winograd_conv3x3(x, convolution.winograd_kernel(k)))(x, kernel))
     assert got.shape == expected.shape
     # The transforms' coefficients (up to 8, and 1/24) cost float32 digits: about 1e-5 of the
     # largest output, against about 1e-6 for XLA's direct convolution.
@@ -61,8 +62,13 @@ def test_environment_overrides(monkeypatch):
         convolution.implementation(32, 32, 64, jnp.float32)
 
 
-def test_conv3x3_dispatches(monkeypatch):
-    """The dispatching entry point runs the chosen algorithm (both match the oracle)."""
+def _conv3x3_layer(x, kernel, **variables):
+    layer = Conv3x3(kernel.shape[-1])
+    params = {"kernel": kernel, "bias": np.zeros(kernel.shape[-1], np.float32)}
+    return layer.apply({"params": params, **variables}, x, mutable=[WINOGRAD_KERNELS])
+
+
+def test_conv3x3_layer_runs_the_chosen_algorithm(monkeypatch):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 16, 16, 64), dtype=np.float32)
     kernel = (rng.standard_normal((3, 3, 64, 8)) / 24).astype(np.float32)
@@ -70,6 +76,20 @@ def test_conv3x3_dispatches(monkeypatch):
     results = {}
     for name in convolution.IMPLEMENTATIONS:
         monkeypatch.setenv("SDXL_CONV", name)
-        results[name] = np.asarray(convolution.conv3x3(jnp.asarray(x), jnp.asarray(kernel)))
+        y, kernels = _conv3x3_layer(x, kernel)
+        results[name] = np.asarray(y)
         np.testing.assert_allclose(results[name], expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+        assert bool(kernels) == (name == "winograd")  # only Winograd has a transformed kernel to keep
     assert not np.array_equal(results["xla"], results["winograd"])
+
+
+def test_conv3x3_layer_reuses_a_given_winograd_kernel(monkeypatch):
+    monkeypatch.setenv("SDXL_CONV", "winograd")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 16, 16, 64), dtype=np.float32)
+    kernel = (rng.standard_normal((3, 3, 64, 4)) / 24).astype(np.float32)
+    y, kernels = _conv3x3_layer(x, kernel)
+    np.testing.assert_allclose(kernels[WINOGRAD_KERNELS]["kernel"], convolution.winograd_kernel(kernel), atol=1e-6)
+    doubled = jax.tree.map(lambda k: 2 * k, kernels)
+    y_given, _ = _conv3x3_layer(x, kernel, **doubled)  # used as given, not recomputed from `kernel`
+    np.testing.assert_allclose(y_given, 2 * y, rtol=1e-6, atol=1e-6)

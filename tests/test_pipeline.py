@@ -190,7 +190,11 @@ def test_splash_attention_renders_the_same_images_on_four_devices(reference, pip
     np.testing.assert_allclose(splash.generate("a cat", **kwargs), expected, atol=1e-5)
 
 
-def test_progress_reports_every_step_and_changes_no_pixel(pipe):
+@pytest.mark.parametrize("convolution", ["default", "winograd"])
+def test_progress_reports_every_step_and_changes_no_pixel(reference, pipe, monkeypatch, convolution):
+    if convolution != "default":  # the per-step programs then reuse the kernels that `prepare` transformed
+        monkeypatch.setenv("SDXL_CONV", convolution)
+        pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
     kwargs = dict(steps=5, height=HEIGHT, width=WIDTH)
     args = (["a cat"] * 4, ["dog"] * 4, [3] * 4, list(range(4)), [6.0] * 4)
     whole = pipe.run(*args, **kwargs)
