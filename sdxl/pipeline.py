@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import checkpoint, clip, unet, vae
+from . import checkpoint, clip, convolution, unet, vae
 from .config import cache_root, config_from_file
 from .layers import WINOGRAD_KERNELS
 from .sampling import SAMPLERS, denoised_from_model_output, run_steps
@@ -269,11 +269,13 @@ class GenerateProgram:
             noise = jax.vmap(lambda key: jax.random.normal(key, shape))(noise_keys)
         method = SAMPLERS[self.sampler]
         carry = method.init(noise.astype(jnp.float32) * schedule.init_noise_sigma)
-        x_in = jnp.zeros((2 * batch, *noise.shape[1:]), self.dtype)
-        # The model's output is unused, so the compiled program keeps only the kernel transforms.
-        _, kernels = self._unet().apply(
-            {"params": params["unet"]}, x_in, jnp.zeros(2 * batch), **cond, mutable=[WINOGRAD_KERNELS]
-        )
+        kernels = {}
+        if convolution.may_use_winograd(self.dtype):
+            x_in = jnp.zeros((2 * batch, *noise.shape[1:]), self.dtype)
+            # The model's output is unused, so the compiled program keeps only the kernel transforms.
+            _, kernels = self._unet().apply(
+                {"params": params["unet"]}, x_in, jnp.zeros(2 * batch), **cond, mutable=[WINOGRAD_KERNELS]
+            )
         return cond, carry, (sampler_keys if method.stochastic else None), kernels
 
     def _unet(self) -> unet.UNet2DConditionModel:

@@ -48,15 +48,19 @@ def test_cpu_picks_winograd_where_it_pays(monkeypatch):
     assert convolution.implementation(256, 256, 128, jnp.float32) == "xla"  # tiles out of cache
     assert convolution.implementation(32, 32, 32, jnp.float32) == "xla"  # too few channels
     assert convolution.implementation(32, 32, 64, jnp.bfloat16) == "xla"  # too few digits
+    assert convolution.may_use_winograd(jnp.float32) and not convolution.may_use_winograd(jnp.bfloat16)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert convolution.implementation(32, 32, 64, jnp.float32) == "xla"
+    assert not convolution.may_use_winograd(jnp.float32)  # so the pipeline skips tracing for kernels
 
 
 def test_environment_overrides(monkeypatch):
     monkeypatch.setenv("SDXL_CONV", "winograd")
     assert convolution.implementation(8, 8, 4, jnp.bfloat16) == "winograd"
+    assert convolution.may_use_winograd(jnp.bfloat16)
     monkeypatch.setenv("SDXL_CONV", "xla")
     assert convolution.implementation(32, 32, 64, jnp.float32) == "xla"
+    assert not convolution.may_use_winograd(jnp.float32)
     monkeypatch.setenv("SDXL_CONV", "fft")
     with pytest.raises(ValueError, match="SDXL_CONV must be one of xla, winograd"):
         convolution.implementation(32, 32, 64, jnp.float32)
