@@ -39,12 +39,17 @@ SAFETENSORS_DTYPES = {
 DEVICE_ALIGNMENT = 64
 
 
+def nbytes(shape: tuple[int, ...], dtype) -> int:
+    """The bytes of a C-contiguous array (the product in int64, which no platform's default int narrows)."""
+    return np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
+
+
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A fresh array that a CPU backend can adopt without a copy (see `DEVICE_ALIGNMENT`)."""
-    nbytes = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
-    raw = np.empty(nbytes + DEVICE_ALIGNMENT, np.uint8)
+    size = nbytes(shape, dtype)
+    raw = np.empty(size + DEVICE_ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % DEVICE_ALIGNMENT
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+    return raw[start : start + size].view(dtype).reshape(shape)
 
 
 class CheckpointError(ValueError):
@@ -89,7 +94,7 @@ class SafetensorsFile:
                     f"{self.path}: truncated: tensor {key} ends at byte {end} of the data section, "
                     f"which has only {data_len} bytes"
                 )
-            if end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+            if end - begin != nbytes(shape, dtype):
                 raise CheckpointError(f"{self.path}: corrupt: tensor {key} size does not match its shape")
             self._entries[key] = (dtype, shape, 8 + header_len + begin)
 
@@ -113,19 +118,19 @@ class SafetensorsFile:
         each costs a page fault, which made mapping slower than copying.
         """
         dtype, shape, offset = self._entries[key]
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        size = nbytes(shape, dtype)
         if buffer is None:
             array = aligned_empty(shape, dtype)
             view = memoryview(array.reshape(-1).view(np.uint8))  # bf16 has no buffer-protocol format
         else:
-            if len(buffer) < nbytes:
-                buffer.extend(bytes(nbytes - len(buffer)))
-            view = memoryview(buffer)[:nbytes]
+            if len(buffer) < size:
+                buffer.extend(bytes(size - len(buffer)))
+            view = memoryview(buffer)[:size]
             array = np.frombuffer(view, dtype).reshape(shape)
         with open(self.path, "rb", buffering=0) as f:
             f.seek(offset)
             done = 0
-            while done < nbytes:
+            while done < size:
                 n = f.readinto(view[done:])
                 if not n:
                     raise CheckpointError(f"{self.path}: truncated while reading tensor {key}")
@@ -276,7 +281,7 @@ def write_params(
     stored_dtype = {v: k for k, v in SAFETENSORS_DTYPES.items()}[dtype]
     header, offset = {}, 0
     for key, param_path, shape in entries:
-        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        size = nbytes(shape, dtype)
         stored_shape = [shape[a] for a in torch_axes(param_path, len(shape))]
         header[key] = {"dtype": stored_dtype, "shape": stored_shape, "data_offsets": [offset, offset + size]}
         offset += size
