@@ -7,9 +7,11 @@
 - Everything else (CPU; float32 on a GPU, which cuDNN's kernel does not take): XLA's attention.
 
 `SDXL_ATTENTION=xla|splash|cudnn` overrides the choice when a model is traced; `xla` is the
-fallback should a kernel misbehave on some accelerator. Off a TPU, `splash` runs the same kernel in
-Pallas' interpreter: far too slow to serve, but it is how the tests check the splash path on a CPU.
-Neither accelerator kernel has run on an accelerator in this project's tests (none was available).
+fallback should a kernel misbehave on some accelerator. Lowered for anything but a TPU, `splash`
+runs the same kernel in Pallas' interpreter: far too slow to serve, but it is how the tests check
+the splash path's numbers on a CPU; they also lower the whole SDXL program for a TPU, which has
+Mosaic compile every kernel. Neither accelerator kernel has run on an accelerator in this project's
+tests (none was available).
 """
 
 import logging
@@ -85,9 +87,6 @@ def _splash_attention(q, k, v):
     kv_padded, block_kv = _padded_length(kv_length)
     mask = splash.MultiHeadMask([splash.FullMask((q_padded, kv_padded))] * heads)
     blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv)
-    kernel = splash.make_splash_mha_single_device(
-        mask, block_sizes=blocks, interpret=jax.default_backend() != "tpu"
-    )
     # Padding keys get segment 1 and real queries segment 0, so no real query attends to padding.
     segments = splash.SegmentIds(
         q=jnp.asarray(np.arange(q_padded) >= q_length, jnp.int32),
@@ -97,8 +96,14 @@ def _splash_attention(q, k, v):
     def heads_major(x, length):  # [B, L, H, D] -> [B, H, padded L, D]
         return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
+    def attend(interpret: bool):
+        kernel = splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret)
+        return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=segments))
+
     q = heads_major(q * jnp.asarray(1 / math.sqrt(head_dim), q.dtype), q_padded)  # splash does not scale
-    out = jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=segments))(
-        q, heads_major(k, kv_padded), heads_major(v, kv_padded)
+    # Decided by the platform the program is lowered for, not the host's: a CPU host can lower
+    # (and the tests do) a TPU program, whose kernel Mosaic must compile.
+    out = jax.lax.platform_dependent(
+        q, heads_major(k, kv_padded), heads_major(v, kv_padded), tpu=attend(False), default=attend(True)
     )
     return out.transpose(0, 2, 1, 3)[:, :q_length]

@@ -441,26 +441,36 @@ class Pipeline:
         """One of the program's stages ("generate", "prepare", "denoise", "finish"), compiled once."""
         key = (stage, program, batch, with_noise)
         if key not in self._executables:
-            inputs = self._abstract_inputs(program.sampler, program.height, program.width, batch, with_noise)
-            ids, zero_negative, seeds, image_index, guidance, schedule, num_steps, noise = inputs
-            if stage == "generate":
-                args = inputs
-            elif stage == "prepare":
-                args = (ids, zero_negative, seeds, image_index, schedule, noise)
-            elif stage == "denoise":
-                cond, carry, keys, kernels = self._compiled_stage("prepare", program, batch, with_noise).out_info
-                args = (kernels, cond, carry, keys, guidance, schedule, num_steps, num_steps, num_steps)
-            else:
-                _, carry, _, _ = self._compiled_stage("prepare", program, batch, with_noise).out_info
-                args = (carry,)
-            shardings = self._sharded
-            if stage == "prepare":  # (cond, carry, keys) split by image; every device needs all kernels
-                shardings = (self._sharded,) * 3 + (self._replicated,)
-            fn = jax.jit(getattr(program, stage), out_shardings=shardings)
-            # The mesh in context lets kernels XLA cannot partition (splash attention) split the batch.
-            with jax.set_mesh(self.mesh):
-                self._executables[key] = fn.lower(self.params, *args).compile()
+            self._executables[key] = self._lowered_stage(stage, program, batch, with_noise).compile()
         return self._executables[key]
+
+    def _lowered_stage(
+        self,
+        stage: str,
+        program: GenerateProgram,
+        batch: int,
+        with_noise: bool,
+        platforms: tuple[str, ...] | None = None,
+    ) -> jax.stages.Lowered:
+        inputs = self._abstract_inputs(program.sampler, program.height, program.width, batch, with_noise)
+        ids, zero_negative, seeds, image_index, guidance, schedule, num_steps, noise = inputs
+        if stage == "generate":
+            args = inputs
+        elif stage == "prepare":
+            args = (ids, zero_negative, seeds, image_index, schedule, noise)
+        elif stage == "denoise":
+            cond, carry, keys, kernels = self._compiled_stage("prepare", program, batch, with_noise).out_info
+            args = (kernels, cond, carry, keys, guidance, schedule, num_steps, num_steps, num_steps)
+        else:
+            _, carry, _, _ = self._compiled_stage("prepare", program, batch, with_noise).out_info
+            args = (carry,)
+        shardings = self._sharded
+        if stage == "prepare":  # (cond, carry, keys) split by image; every device needs all kernels
+            shardings = (self._sharded,) * 3 + (self._replicated,)
+        fn = jax.jit(getattr(program, stage), out_shardings=shardings)
+        # The mesh in context lets kernels XLA cannot partition (splash attention) split the batch.
+        with jax.set_mesh(self.mesh):
+            return fn.trace(self.params, *args).lower(lowering_platforms=platforms)
 
     def _abstract_inputs(self, sampler: str, height: int, width: int, batch: int, with_noise: bool) -> tuple:
         def sharded(shape, dtype):
@@ -472,7 +482,7 @@ class Pipeline:
         f = self.spec.vae.downscale_factor
         noise = sharded((batch, height // f, width // f, self.spec.unet.in_channels), np.float32)
         return (
-            sharded((batch, 2, len(self.tokenizers), self.spec.max_tokens), np.int32),
+            sharded((batch, 2, len(self.spec.text_encoders), self.spec.max_tokens), np.int32),
             sharded((batch,), np.bool_),
             sharded((batch,), np.uint32),
             sharded((batch,), np.uint32),
@@ -486,6 +496,22 @@ class Pipeline:
         """The whole-generation program (uint8 output) for a size and batch, compiled on first request."""
         program = self._program(sampler, height, width, as_uint8=True)
         return self._compiled_stage("generate", program, self.padded_batch(batch or self.num_devices), False)
+
+    def lowered(
+        self,
+        height: int,
+        width: int,
+        batch: int | None = None,
+        sampler: str = "euler",
+        platforms: tuple[str, ...] | None = None,
+    ) -> jax.stages.Lowered:
+        """The whole-generation program, lowered for `platforms` (default: the devices'), not compiled.
+
+        Lowering for another platform needs none of its devices: a CPU host can check that the program
+        it would run on a TPU lowers (the splash kernels go through Mosaic at this point).
+        """
+        program = self._program(sampler, height, width, as_uint8=True)
+        return self._lowered_stage("generate", program, self.padded_batch(batch or self.num_devices), False, platforms)
 
     def warmup(
         self, height: int, width: int, batch: int | None = None, sampler: str = "euler", *, progress: bool = False

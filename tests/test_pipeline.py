@@ -1,6 +1,8 @@
 import dataclasses
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -10,9 +12,10 @@ from diffusers import (
     EulerAncestralDiscreteScheduler,
 )
 from diffusers.schedulers import scheduling_euler_ancestral_discrete
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from reference import diffusers_images, random_latents, sdxl_pipeline
-from sdxl import tiny, unet
+from sdxl import checkpoint, tiny, unet
 from sdxl.compilation import CompileCounter
 from sdxl.pipeline import ModelSpec, Pipeline, PromptTruncatedWarning, per_image_keys
 from sdxl.sampling import step_noise
@@ -188,6 +191,39 @@ def test_splash_attention_renders_the_same_images_on_four_devices(reference, pip
     monkeypatch.setenv("SDXL_ATTENTION", "splash")
     splash = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
     np.testing.assert_allclose(splash.generate("a cat", **kwargs), expected, atol=1e-5)
+
+
+def test_sdxl_program_lowers_for_a_tpu_with_a_splash_kernel_per_device(monkeypatch):
+    """The TPU target at full size, from this CPU host: the real SDXL configs, abstract bfloat16
+    parameters, 1024x1024, batch 4 on 4 devices. Pallas' Mosaic lowering checks each kernel's block
+    shapes and dtypes, which its interpreter (the other splash tests) does not."""
+    monkeypatch.setenv("SDXL_ATTENTION", "splash")
+    spec = ModelSpec.from_folder(checkpoint.BUILTIN_CONFIGS / "sdxl-base-1.0")
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16, sharding=replicated), spec.abstract_params()
+    )
+    pipe = Pipeline(spec, params, tokenizers=[], mesh=mesh, dtype="bfloat16")
+    text = pipe.lowered(1024, 1024, batch=4, platforms=("tpu",)).as_text()
+    # One kernel per distinct attention shape. Operand types: two masks, then query, key, value, ...
+    operand_types = [types.split(", ") for types in re.findall(r"@tpu_custom_call\(.*? : \(([^)]*)\)", text)]
+    assert operand_types, "no splash kernel was compiled"
+    shapes = {(_tensor_shape(types[2]), _tensor_shape(types[3])) for types in operand_types}
+    unet = {(q, k) for q, k in shapes if len(q) == 4}
+    # Per device: 2 of the 8 latents (4 images, with and without the prompt); CLIP's 77 tokens pad to 128.
+    assert unet == {
+        ((2, 10, 4096, 64), (2, 10, 4096, 64)),
+        ((2, 10, 4096, 64), (2, 10, 128, 64)),
+        ((2, 20, 1024, 64), (2, 20, 1024, 64)),
+        ((2, 20, 1024, 64), (2, 20, 128, 64)),
+    }
+    # The VAE's mid-block: one 512-wide head over 128x128 pixels, one image per device.
+    assert shapes - unet == {((1, 16384, 512), (1, 16384, 512))}
+
+
+def _tensor_shape(mlir_type: str) -> tuple[int, ...]:  # "tensor<2x10x128x64xbf16>" -> (2, 10, 128, 64)
+    return tuple(int(d) for d in mlir_type.removeprefix("tensor<").split("x")[:-1])
 
 
 @pytest.mark.parametrize("convolution", ["default", "winograd"])
