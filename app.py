@@ -15,7 +15,7 @@ import gradio as gr
 from PIL import Image
 
 from sdxl import enable_compilation_cache
-from sdxl.images import parameters_text
+from sdxl.images import image_count, parameters_text
 from sdxl.pipeline import MAX_SEED
 from sdxl.sampling import SAMPLER_NAMES
 from sdxl.serving import DEFAULT_MODEL, GUIDANCE_RANGE, QueueFullError, Request, TextToImage, load_pipeline
@@ -93,7 +93,7 @@ class Demo:
             notes.append(f"batched with other requests: {outcome.batch_images} images")
         if outcome.compiled:
             notes.append("includes compiling for this size, batch and sampler; next time it is cached")
-        status = f"{len(request)} images in {outcome.seconds:.1f} s on {self.service.pipe.device_description}"
+        status = f"{image_count(len(request))} in {outcome.seconds:.1f} s on {self.service.pipe.device_description}"
         if notes:
             status += f" ({'; '.join(notes)})"
         return gallery, status

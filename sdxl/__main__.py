@@ -10,7 +10,7 @@ DEFAULT_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
 
 def _generate(args: argparse.Namespace) -> None:
     from .compilation import enable_compilation_cache
-    from .images import grid, parameters_text, save_png, to_pil
+    from .images import grid, image_count, parameters_text, save_png, to_pil
     from .pipeline import Pipeline
     from .sampling import SAMPLER_NAMES
 
@@ -42,7 +42,7 @@ def _generate(args: argparse.Namespace) -> None:
     result.raise_if_not_finite()
     for prompt in result.truncated_prompts:
         print(f"warning: prompt truncated to {pipe.spec.max_tokens} tokens: {prompt!r}", file=sys.stderr)
-    print(f"generated {num_images} images in {result.seconds:.2f} s")
+    print(f"generated {image_count(num_images)} in {result.seconds:.2f} s")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,11 @@ import numpy as np
 from PIL import Image, PngImagePlugin
 
 
+def image_count(n: int) -> str:
+    """"1 image", "4 images": how the CLI and the demo report a result."""
+    return f"{n} image{'' if n == 1 else 's'}"
+
+
 def parameters_text(
     *, prompt: str, negative_prompt: str, steps: int, sampler: str, guidance_scale: float, seed: int,
     index: int, width: int, height: int, model: str,

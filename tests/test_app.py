@@ -209,6 +209,13 @@ def test_compare_consecutive_seeds(client):
     assert len({p.tobytes() for p in _pixels(gallery)}) == 3
 
 
+def test_one_image_is_counted_in_the_singular(client):  # what a one-core demo says every time
+    _, status = client.submit(
+        mode=COMPARE_SEEDS, prompts="a castle", seed=1, num_seeds=1, steps=1, api_name="/compare"
+    ).result(timeout=CALL_TIMEOUT)
+    assert status.startswith("1 image in "), status
+
+
 def _bad(endpoint: str, message: str, **kwargs):
     label = ",".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "mode")
     return pytest.param(endpoint, kwargs, message, id=f"{endpoint.strip('/')}:{label}")

@@ -190,7 +190,7 @@ def test_cli_generates_with_tiny_sd1(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path / "cache")},
     )
     assert result.returncode == 0, result.stderr
-    assert "loaded tiny-sd1" in result.stdout and "generated 1 images" in result.stdout
+    assert "loaded tiny-sd1" in result.stdout and "generated 1 image in" in result.stdout
     image = Image.open(tmp_path / "out" / "0-0.png")
     assert image.size == (128, 128)
     assert np.asarray(image).std() > 1
