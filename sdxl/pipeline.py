@@ -391,7 +391,7 @@ class Pipeline:
         tokenizers = [load_tokenizer(folder / n.replace("text_encoder", "tokenizer")) for n in spec.text_encoder_names]
         mesh = Mesh(np.array(devices), (BATCH_AXIS,))
         replicated = NamedSharding(mesh, PartitionSpec())
-        params = load_checkpoint_params(folder, spec, jnp.dtype(dtype), lambda a: jax.device_put(a, replicated))
+        params = load_checkpoint_params(folder, spec, jnp.dtype(dtype), lambda a: place(a, replicated))
         return cls(spec, params, tokenizers, mesh=mesh, dtype=dtype, max_steps=max_steps, name=str(path_or_repo_id))
 
     @property
@@ -544,10 +544,6 @@ class Pipeline:
             truncated.update(p for p, c in zip(prompts, cut) if c)
         return np.stack(per_encoder, axis=1), [p for p in dict.fromkeys(prompts) if p in truncated]
 
-    def _put(self, array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-        array = np.asarray(array)
-        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
     def run(
         self,
         prompts: Sequence[str],
@@ -594,14 +590,14 @@ class Pipeline:
         negative, truncated_negative = self._tokenize(list(negative_prompts))
         zero_negative = [self.spec.force_zeros_for_empty_prompt and not p for p in negative_prompts]
         inputs = (
-            self._put(padded(np.stack([negative, positive], axis=1), np.int32), self._sharded),
-            self._put(padded(zero_negative, np.bool_), self._sharded),
-            self._put(padded(seeds, np.uint32), self._sharded),
-            self._put(padded(image_index, np.uint32), self._sharded),
-            self._put(padded(guidance_scales, np.float32), self._sharded),
-            jax.tree.map(lambda a: self._put(a, self._replicated), self.schedule(sampler, steps)),
-            self._put(np.int32(steps), self._replicated),
-            None if noise is None else self._put(padded(noise, np.float32), self._sharded),
+            place(padded(np.stack([negative, positive], axis=1), np.int32), self._sharded),
+            place(padded(zero_negative, np.bool_), self._sharded),
+            place(padded(seeds, np.uint32), self._sharded),
+            place(padded(image_index, np.uint32), self._sharded),
+            place(padded(guidance_scales, np.float32), self._sharded),
+            jax.tree.map(lambda a: place(a, self._replicated), self.schedule(sampler, steps)),
+            place(np.int32(steps), self._replicated),
+            None if noise is None else place(padded(noise, np.float32), self._sharded),
         )
         program = self._program(sampler, height, width, as_uint8)
         if on_step is None:
@@ -619,7 +615,7 @@ class Pipeline:
         in_flight = []  # (steps done when it finishes, its output)
         for start in range(0, steps, steps_per_report):
             stop = min(start + steps_per_report, steps)
-            bounds = [self._put(np.int32(i), self._replicated) for i in (start, stop)]
+            bounds = [place(np.int32(i), self._replicated) for i in (start, stop)]
             carry = denoise(self.params, kernels, cond, carry, keys, guidance, schedule, num_steps, *bounds)
             in_flight.append((stop, carry))
             if len(in_flight) > 1:
@@ -707,6 +703,17 @@ class Pipeline:
         from PIL import Image
 
         return [Image.fromarray(image) for image in result.images]
+
+
+def place(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array that every process holds alike, as a global array; each process fills its own devices.
+
+    Not `jax.device_put`: given devices of several processes, it first checks that they all passed
+    the same value, with a collective per array. The loader places arrays from a thread pool, in an
+    order that differs between hosts, so those collectives mismatched (and gloo aborted).
+    """
+    array = np.asarray(array)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 @functools.lru_cache(maxsize=256)

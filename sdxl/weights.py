@@ -194,7 +194,7 @@ def load_params(
       dtype: the dtype every parameter is cast to.
       rename: maps a key as stored to the module's key (legacy names, optional prefixes).
       ignore: stored keys that are buffers, not parameters.
-      put: places one converted tensor (e.g. `jax.device_put` with a sharding). It is called
+      put: places one converted tensor (`pipeline.place` with a sharding, say). It is called
         from several threads. Tensors are read and converted into fresh arrays a few at a time,
         in file order, so the host never holds a second copy of the model; on a CPU backend the
         arrays become the parameters themselves (see `aligned_empty`).

@@ -4,10 +4,11 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors.numpy import load_file, save_file
 
 from sdxl import tiny
-from sdxl.pipeline import ModelSpec, Pipeline, load_checkpoint_params
+from sdxl.pipeline import ModelSpec, Pipeline, load_checkpoint_params, place
 from sdxl.weights import CheckpointError, SafetensorsFile
 
 UNET = "unet/diffusion_pytorch_model.safetensors"
@@ -100,13 +101,16 @@ def test_bfloat16_tensors_are_read(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # read straight into place; read and converted
 def test_cpu_devices_adopt_the_loaded_arrays_without_a_copy(pristine, dtype):
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("batch",)), PartitionSpec())
     host_and_device = []
 
-    def put(array):
-        host_and_device.append((array, jax.device_put(array, jax.devices("cpu")[0])))
+    def put(array):  # as Pipeline.from_pretrained places them
+        host_and_device.append((array, place(array, replicated)))
         return host_and_device[-1][1]
 
     load_checkpoint_params(pristine, ModelSpec.from_folder(pristine), np.dtype(dtype), put)
     assert len(host_and_device) > 100
     for host, device in host_and_device:
-        assert device.unsafe_buffer_pointer() == host.ctypes.data
+        assert len(device.addressable_shards) == 4
+        for shard in device.addressable_shards:  # one buffer, shared by the 4 devices
+            assert shard.data.unsafe_buffer_pointer() == host.ctypes.data
