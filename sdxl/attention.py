@@ -9,8 +9,8 @@
 `SDXL_ATTENTION=xla|splash|cudnn` overrides the choice when a model is traced; `xla` is the
 fallback should a kernel misbehave on some accelerator. Lowered for anything but a TPU, `splash`
 runs the same kernel in Pallas' interpreter: far too slow to serve, but it is how the tests check
-the splash path's numbers on a CPU; they also lower the whole SDXL program for a TPU, which has
-Mosaic compile every kernel. Neither accelerator kernel has run on an accelerator in this project's
+the splash path's numbers on a CPU; they also lower the whole SDXL program for a TPU, which puts
+every kernel through Pallas' Mosaic lowering. Neither accelerator kernel has run on an accelerator in this project's
 tests (none was available).
 """
 
