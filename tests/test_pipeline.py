@@ -20,6 +20,7 @@ from diffusers import (
 from diffusers.schedulers import scheduling_euler_ancestral_discrete
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import two_hosts
 from reference import diffusers_images, random_latents, sdxl_pipeline
 from sdxl import checkpoint, tiny, unet
 from sdxl.compilation import CompileCounter
@@ -169,19 +170,17 @@ def test_same_seed_same_images_on_one_and_four_devices(reference, pipe):
 def test_two_processes_render_the_images_of_one(reference, pipe, tmp_path):
     """Several hosts, as on a TPU pod slice: 2 processes of 2 CPU devices make one 4-device mesh,
     and each gets every image of the batch, the same as one process with 4 devices."""
-    kwargs = dict(seed=7, steps=3, height=HEIGHT, width=WIDTH)
-    expected = pipe.generate("a cat", output_type="np", **kwargs)
-    expected_uint8 = pipe.run(["a cat"] * 4, [""] * 4, [7] * 4, list(range(4)), [5.0] * 4, steps=3,
-                              height=HEIGHT, width=WIDTH, on_step=lambda done: None).images
+    request = dict(prompt="a cat", seed=7, steps=3, guidance_scale=5.0, height=HEIGHT, width=WIDTH)
+    expected = two_hosts.render(pipe, request)
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    worker = Path(__file__).with_name("two_hosts.py")
+    worker = Path(two_hosts.__file__)
     env = {**os.environ, "PYTHONPATH": str(worker.parent.parent)}
     outs = [tmp_path / f"process-{i}.npz" for i in range(2)]
     processes = [
         subprocess.Popen(
-            [sys.executable, str(worker), str(i), "2", str(port), str(reference[0]), str(out), json.dumps(kwargs)],
+            [sys.executable, str(worker), str(i), "2", str(port), str(reference[0]), str(out), json.dumps(request)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for i, out in enumerate(outs)
@@ -195,10 +194,10 @@ def test_two_processes_render_the_images_of_one(reference, pipe, tmp_path):
         assert p.returncode == 0, log[-3000:]
     for out in outs:
         got = np.load(out)
-        np.testing.assert_allclose(got["generate"], expected, atol=1e-5)
+        np.testing.assert_allclose(got["generate"], expected["generate"], atol=1e-5)
         # Agreeing to 1e-5 in float32 (above), a pixel may still round to the next uint8 level.
-        np.testing.assert_allclose(got["run"], expected_uint8, atol=1)
-        assert list(got["reported"]) == [1, 2, 3]
+        np.testing.assert_allclose(got["run"], expected["run"], atol=1)
+        assert list(got["reported"]) == list(expected["reported"]) == [1, 2, 3]
 
 
 def test_prompt_seed_guidance_and_steps_do_not_recompile(pipe):
