@@ -10,8 +10,8 @@
 fallback should a kernel misbehave on some accelerator. Lowered for anything but a TPU, `splash`
 runs the same kernel in Pallas' interpreter: far too slow to serve, but it is how the tests check
 the splash path's numbers on a CPU; they also lower the whole SDXL program for a TPU, which puts
-every kernel through Pallas' Mosaic lowering. Neither accelerator kernel has run on an accelerator in this project's
-tests (none was available).
+every kernel through Pallas' Mosaic lowering. Neither accelerator kernel has run on an accelerator
+in this project's tests (none was available).
 """
 
 import logging
