@@ -610,7 +610,8 @@ class Pipeline:
     def _run_in_stages(self, program, batch, inputs, steps, on_step, steps_per_report):
         ids, zero_negative, seeds, image_index, guidance, schedule, num_steps, noise = inputs
         stage = functools.partial(self._compiled_stage, program=program, batch=batch, with_noise=noise is not None)
-        cond, carry, keys, kernels = stage("prepare")(self.params, ids, zero_negative, seeds, image_index, schedule, noise)
+        prepare = stage("prepare")
+        cond, carry, keys, kernels = prepare(self.params, ids, zero_negative, seeds, image_index, schedule, noise)
         denoise = stage("denoise")
         in_flight = []  # (steps done when it finishes, its output)
         for start in range(0, steps, steps_per_report):
