@@ -67,19 +67,9 @@ def implementation(height: int, width: int, channels: int, dtype) -> str:
     chosen = kernel_override("SDXL_CONV", IMPLEMENTATIONS)
     if chosen:
         return chosen
+    suits = jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
     pays = 16 <= min(height, width) and max(height, width) <= 128 and channels >= 64
-    return "winograd" if _winograd_suits(dtype) and pays else "xla"
-
-
-def may_use_winograd(dtype) -> bool:
-    """Whether `implementation` picks Winograd for some shape in `dtype` on this backend: where it
-    does not, callers skip collecting transformed kernels (tracing a model for them takes seconds)."""
-    chosen = kernel_override("SDXL_CONV", IMPLEMENTATIONS)
-    return chosen == "winograd" if chosen else _winograd_suits(dtype)
-
-
-def _winograd_suits(dtype) -> bool:
-    return jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
+    return "winograd" if suits and pays else "xla"
 
 
 def direct_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:

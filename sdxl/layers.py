@@ -8,6 +8,7 @@ Conv kernels (12%) keep `nn.Conv`'s HWIO layout, which the loader transposes to.
 """
 
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -15,9 +16,23 @@ import jax.numpy as jnp
 
 from . import convolution
 
-# The Flax collection that holds the Winograd-domain kernels of `Conv3x3` layers, for callers that
-# transform them once and run the model many times (the pipeline's denoising steps).
-WINOGRAD_KERNELS = "winograd_kernels"
+# The Flax collection of values that every denoising step would compute alike: `Conv3x3`'s
+# Winograd-domain kernels and cross-attention's keys and values of the text. A caller that runs the
+# model many times on the same weights and text (the pipeline's denoising steps) makes it mutable
+# once, then passes it to every call.
+STEP_INVARIANTS = "step_invariants"
+
+
+def step_invariant(module: nn.Module, name: str, compute: Callable[[], jax.Array]) -> jax.Array:
+    """The value `module` keeps as `name` in `STEP_INVARIANTS` if the caller gave it, else `compute()`
+    (stored there when the caller made the collection mutable)."""
+    value = module.get_variable(STEP_INVARIANTS, name)
+    if value is None:
+        with jax.named_scope(STEP_INVARIANTS):  # in op names, for profiles and the tests
+            value = compute()
+        if module.is_mutable_collection(STEP_INVARIANTS):
+            module.put_variable(STEP_INVARIANTS, name, value)
+    return value
 
 
 class Linear(nn.Module):
@@ -50,20 +65,11 @@ class Conv3x3(nn.Module):
         bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
         x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
         if convolution.implementation(*x.shape[1:], self.dtype) == "winograd":
-            y = convolution.winograd_conv3x3(x, self._winograd_kernel(kernel))
+            transformed = step_invariant(self, "kernel", lambda: convolution.winograd_kernel(kernel))
+            y = convolution.winograd_conv3x3(x, transformed)
         else:
             y = convolution.direct_conv3x3(x, kernel)
         return y + bias.astype(self.dtype)
-
-    def _winograd_kernel(self, kernel: jax.Array) -> jax.Array:
-        """The transformed kernel: given in `WINOGRAD_KERNELS`, else computed (and stored there when
-        the caller made the collection mutable)."""
-        transformed = self.get_variable(WINOGRAD_KERNELS, "kernel")
-        if transformed is None:
-            transformed = convolution.winograd_kernel(kernel)
-            if self.is_mutable_collection(WINOGRAD_KERNELS):
-                self.put_variable(WINOGRAD_KERNELS, "kernel", transformed)
-        return transformed
 
 
 class GroupNorm(nn.Module):

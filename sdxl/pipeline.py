@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import checkpoint, clip, convolution, unet, vae
+from . import checkpoint, clip, unet, vae
 from .config import cache_root, config_from_file
-from .layers import WINOGRAD_KERNELS
+from .layers import STEP_INVARIANTS
 from .sampling import SAMPLERS, denoised_from_model_output, run_steps
 from .schedulers import Schedule, SchedulerConfig
 from .tokenizer import load_tokenizer, tokenize
@@ -227,13 +227,15 @@ class GenerateProgram:
     the same stages also compile separately (`prepare`, then `denoise` over a few steps at a time,
     then `finish`), so the host learns how far the loop is without callbacks inside it.
 
-    Work that every step would repeat happens once, in `prepare`: the UNet's Winograd kernels
-    (`sdxl.layers.WINOGRAD_KERNELS`, empty where no layer uses Winograd) are its output and
-    `denoise`'s input, so that the per-step programs do not transform them again.
+    Work that every step would repeat alike, the UNet's step invariants (`sdxl.layers.STEP_INVARIANTS`:
+    cross-attention's keys and values of the text, and the transformed kernels of the convolutions
+    that use Winograd), is `prepare`'s output and every `denoise` call's input. `generate` leaves it
+    to XLA, which hoists it out of the program's loop (a test checks), and so saves tracing the UNet
+    a second time.
 
     Array arguments:
       params: {"unet", "vae", "text_encoder"[, "text_encoder_2"]} parameter trees.
-      kernels: the UNet's transformed kernels, from `prepare`.
+      invariants: the UNet's step invariants, from `prepare`.
       ids: [B, 2, E, T] token ids; axis 1 is (negative, positive), axis 2 the text encoders.
       zero_negative: [B] bool, use all-zero negative conditioning (SDXL's empty negative prompt).
       seeds, image_index: [B] uint32; image b's noise depends only on (seeds[b], image_index[b]).
@@ -249,9 +251,8 @@ class GenerateProgram:
     dtype: jnp.dtype
     as_uint8: bool
 
-    def prepare(self, params, ids, zero_negative, seeds, image_index, schedule, noise):
-        """Text conditioning, the starting noise, the sampler's state and the UNet's transformed
-        kernels. Returns (cond, carry, keys, kernels)."""
+    def initial_state(self, params, ids, zero_negative, seeds, image_index, schedule, noise):
+        """Text conditioning, the starting noise and the sampler's state. Returns (cond, carry, keys)."""
         spec, batch = self.spec, ids.shape[0]
         context, pooled = encode_text(spec, params, ids.reshape(2 * batch, *ids.shape[2:]), self.dtype)
         keep = _interleave(~zero_negative, jnp.ones_like(zero_negative))  # [2B]
@@ -269,21 +270,26 @@ class GenerateProgram:
             noise = jax.vmap(lambda key: jax.random.normal(key, shape))(noise_keys)
         method = SAMPLERS[self.sampler]
         carry = method.init(noise.astype(jnp.float32) * schedule.init_noise_sigma)
-        kernels = {}
-        if convolution.may_use_winograd(self.dtype):
-            x_in = jnp.zeros((2 * batch, *noise.shape[1:]), self.dtype)
-            # The model's output is unused, so the compiled program keeps only the kernel transforms.
-            _, kernels = self._unet().apply(
-                {"params": params["unet"]}, x_in, jnp.zeros(2 * batch), **cond, mutable=[WINOGRAD_KERNELS]
-            )
-        return cond, carry, (sampler_keys if method.stochastic else None), kernels
+        return cond, carry, (sampler_keys if method.stochastic else None)
+
+    def prepare(self, params, ids, zero_negative, seeds, image_index, schedule, noise):
+        """The initial state and the UNet's step invariants. Returns (cond, carry, keys, invariants)."""
+        cond, carry, keys = self.initial_state(params, ids, zero_negative, seeds, image_index, schedule, noise)
+        batch = 2 * ids.shape[0]
+        f = self.spec.vae.downscale_factor
+        x_in = jnp.zeros((batch, self.height // f, self.width // f, self.spec.unet.in_channels), self.dtype)
+        # The model's output is unused, so the compiled program keeps only what computes the invariants.
+        _, invariants = self._unet().apply(
+            {"params": params["unet"]}, x_in, jnp.zeros(batch), **cond, mutable=[STEP_INVARIANTS]
+        )
+        return cond, carry, keys, invariants
 
     def _unet(self) -> unet.UNet2DConditionModel:
         return unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
 
-    def denoise(self, params, kernels, cond, carry, keys, guidance_scale, schedule, num_steps, start, stop):
+    def denoise(self, params, invariants, cond, carry, keys, guidance_scale, schedule, num_steps, start, stop):
         """Sampler steps start..stop-1 with the guided UNet as the denoiser."""
-        model, variables = self._unet(), {"params": params["unet"], **kernels}
+        model, variables = self._unet(), {"params": params["unet"], **invariants}
         g = guidance_scale[:, None, None, None]
 
         def denoiser(x, sigma, timestep):
@@ -314,8 +320,8 @@ class GenerateProgram:
 
     def generate(self, params, ids, zero_negative, seeds, image_index, guidance_scale, schedule, num_steps, noise):
         """All stages in one program."""
-        cond, carry, keys, kernels = self.prepare(params, ids, zero_negative, seeds, image_index, schedule, noise)
-        carry = self.denoise(params, kernels, cond, carry, keys, guidance_scale, schedule, num_steps, 0, num_steps)
+        cond, carry, keys = self.initial_state(params, ids, zero_negative, seeds, image_index, schedule, noise)
+        carry = self.denoise(params, {}, cond, carry, keys, guidance_scale, schedule, num_steps, 0, num_steps)
         return self.finish(params, carry)
 
 
@@ -459,14 +465,14 @@ class Pipeline:
         elif stage == "prepare":
             args = (ids, zero_negative, seeds, image_index, schedule, noise)
         elif stage == "denoise":
-            cond, carry, keys, kernels = self._compiled_stage("prepare", program, batch, with_noise).out_info
-            args = (kernels, cond, carry, keys, guidance, schedule, num_steps, num_steps, num_steps)
+            cond, carry, keys, invariants = self._compiled_stage("prepare", program, batch, with_noise).out_info
+            args = (invariants, cond, carry, keys, guidance, schedule, num_steps, num_steps, num_steps)
         else:
             _, carry, _, _ = self._compiled_stage("prepare", program, batch, with_noise).out_info
             args = (carry,)
         shardings = self._sharded
-        if stage == "prepare":  # (cond, carry, keys) split by image; every device needs all kernels
-            shardings = (self._sharded,) * 3 + (self._replicated,)
+        if stage == "prepare":  # (cond, carry, keys) split by image; the invariants as computed:
+            shardings = (self._sharded,) * 3 + (None,)  # the text's keys by image, kernels on every device
         fn = jax.jit(getattr(program, stage), out_shardings=shardings)
         # The mesh in context lets kernels XLA cannot partition (splash attention) split the batch.
         with jax.set_mesh(self.mesh):
@@ -492,10 +498,13 @@ class Pipeline:
             noise if with_noise else None,
         )
 
-    def compiled(self, height: int, width: int, batch: int | None = None, sampler: str = "euler") -> jax.stages.Compiled:
-        """The whole-generation program (uint8 output) for a size and batch, compiled on first request."""
+    def compiled(
+        self, height: int, width: int, batch: int | None = None, sampler: str = "euler", stage: str = "generate"
+    ) -> jax.stages.Compiled:
+        """The whole-generation program (uint8 output) for a size and batch, compiled on first request,
+        or one of the stages that progress reports run ("prepare", "denoise", "finish")."""
         program = self._program(sampler, height, width, as_uint8=True)
-        return self._compiled_stage("generate", program, self.padded_batch(batch or self.num_devices), False)
+        return self._compiled_stage(stage, program, self.padded_batch(batch or self.num_devices), False)
 
     def lowered(
         self,
@@ -523,12 +532,8 @@ class Pipeline:
             single whole-generation program.
         """
         start = time.perf_counter()
-        if progress:
-            program = self._program(sampler, height, width, as_uint8=True)
-            for stage in ("prepare", "denoise", "finish"):
-                self._compiled_stage(stage, program, self.padded_batch(batch or self.num_devices), False)
-        else:
-            self.compiled(height, width, batch, sampler)
+        for stage in ("prepare", "denoise", "finish") if progress else ("generate",):
+            self.compiled(height, width, batch, sampler, stage)
         return time.perf_counter() - start
 
     def padded_batch(self, n: int) -> int:
@@ -611,13 +616,13 @@ class Pipeline:
         ids, zero_negative, seeds, image_index, guidance, schedule, num_steps, noise = inputs
         stage = functools.partial(self._compiled_stage, program=program, batch=batch, with_noise=noise is not None)
         prepare = stage("prepare")
-        cond, carry, keys, kernels = prepare(self.params, ids, zero_negative, seeds, image_index, schedule, noise)
+        cond, carry, keys, invariants = prepare(self.params, ids, zero_negative, seeds, image_index, schedule, noise)
         denoise = stage("denoise")
         in_flight = []  # (steps done when it finishes, its output)
         for start in range(0, steps, steps_per_report):
             stop = min(start + steps_per_report, steps)
             bounds = [place(np.int32(i), self._replicated) for i in (start, stop)]
-            carry = denoise(self.params, kernels, cond, carry, keys, guidance, schedule, num_steps, *bounds)
+            carry = denoise(self.params, invariants, cond, carry, keys, guidance, schedule, num_steps, *bounds)
             in_flight.append((stop, carry))
             if len(in_flight) > 1:
                 done, finished = in_flight.pop(0)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .attention import dot_product_attention
-from .layers import Conv3x3, GroupNorm, Linear
+from .layers import Conv3x3, GroupNorm, Linear, step_invariant
 
 DOWN_BLOCK_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
 UP_BLOCK_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
@@ -277,14 +277,18 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, context=None):  # [B, T, C], [B, S, D] -> [B, T, C]
         batch, length, channels = x.shape
-        context = x if context is None else context
         head_dim = channels // self.num_heads
 
         def project(name, inputs):  # -> [B, T or S, heads, head_dim]
             y = Linear(channels, use_bias=self.qkv_bias, dtype=self.dtype, name=name)(inputs)
             return y.reshape(batch, -1, self.num_heads, head_dim)
 
-        out = dot_product_attention(project("to_q", x), project("to_k", context), project("to_v", context))
+        if context is None:
+            key, value = project("to_k", x), project("to_v", x)
+        else:  # the text's keys and values: the same in every denoising step
+            key = step_invariant(self, "key", lambda: project("to_k", context))
+            value = step_invariant(self, "value", lambda: project("to_v", context))
+        out = dot_product_attention(project("to_q", x), key, value)
         return Linear(channels, dtype=self.dtype, name="to_out.0")(out.reshape(batch, length, channels))
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sdxl import convolution
-from sdxl.layers import WINOGRAD_KERNELS, Conv3x3
+from sdxl.layers import STEP_INVARIANTS, Conv3x3
 
 
 def torch_conv3x3(x: np.ndarray, kernel: np.ndarray) -> np.ndarray:
@@ -48,19 +48,15 @@ def test_cpu_picks_winograd_where_it_pays(monkeypatch):
     assert convolution.implementation(256, 256, 128, jnp.float32) == "xla"  # tiles out of cache
     assert convolution.implementation(32, 32, 32, jnp.float32) == "xla"  # too few channels
     assert convolution.implementation(32, 32, 64, jnp.bfloat16) == "xla"  # too few digits
-    assert convolution.may_use_winograd(jnp.float32) and not convolution.may_use_winograd(jnp.bfloat16)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert convolution.implementation(32, 32, 64, jnp.float32) == "xla"
-    assert not convolution.may_use_winograd(jnp.float32)  # so the pipeline skips tracing for kernels
 
 
 def test_environment_overrides(monkeypatch):
     monkeypatch.setenv("SDXL_CONV", "winograd")
     assert convolution.implementation(8, 8, 4, jnp.bfloat16) == "winograd"
-    assert convolution.may_use_winograd(jnp.bfloat16)
     monkeypatch.setenv("SDXL_CONV", "xla")
     assert convolution.implementation(32, 32, 64, jnp.float32) == "xla"
-    assert not convolution.may_use_winograd(jnp.float32)
     monkeypatch.setenv("SDXL_CONV", "fft")
     with pytest.raises(ValueError, match="SDXL_CONV must be one of xla, winograd"):
         convolution.implementation(32, 32, 64, jnp.float32)
@@ -69,7 +65,7 @@ def test_environment_overrides(monkeypatch):
 def _conv3x3_layer(x, kernel, **variables):
     layer = Conv3x3(kernel.shape[-1])
     params = {"kernel": kernel, "bias": np.zeros(kernel.shape[-1], np.float32)}
-    return layer.apply({"params": params, **variables}, x, mutable=[WINOGRAD_KERNELS])
+    return layer.apply({"params": params, **variables}, x, mutable=[STEP_INVARIANTS])
 
 
 def test_conv3x3_layer_runs_the_chosen_algorithm(monkeypatch):
@@ -93,7 +89,7 @@ def test_conv3x3_layer_reuses_a_given_winograd_kernel(monkeypatch):
     x = rng.standard_normal((1, 16, 16, 64), dtype=np.float32)
     kernel = (rng.standard_normal((3, 3, 64, 4)) / 24).astype(np.float32)
     y, kernels = _conv3x3_layer(x, kernel)
-    np.testing.assert_allclose(kernels[WINOGRAD_KERNELS]["kernel"], convolution.winograd_kernel(kernel), atol=1e-6)
+    np.testing.assert_allclose(kernels[STEP_INVARIANTS]["kernel"], convolution.winograd_kernel(kernel), atol=1e-6)
     doubled = jax.tree.map(lambda k: 2 * k, kernels)
     y_given, _ = _conv3x3_layer(x, kernel, **doubled)  # used as given, not recomputed from `kernel`
     np.testing.assert_allclose(y_given, 2 * y, rtol=1e-6, atol=1e-6)

@@ -24,6 +24,7 @@ import two_hosts
 from reference import diffusers_images, random_latents, sdxl_pipeline
 from sdxl import checkpoint, tiny, unet
 from sdxl.compilation import CompileCounter
+from sdxl.layers import STEP_INVARIANTS
 from sdxl.pipeline import ModelSpec, Pipeline, PromptTruncatedWarning, per_image_keys
 from sdxl.sampling import step_noise
 
@@ -281,6 +282,52 @@ def test_progress_reports_every_step_and_changes_no_pixel(reference, pipe, monke
     every_two = []
     pipe.run(*args, **kwargs, on_step=every_two.append, steps_per_report=2)
     assert every_two == [2, 4, 5]
+
+
+def test_denoising_loops_leave_the_step_invariants_outside(reference, monkeypatch):
+    """The text's keys and values and the Winograd kernels are alike in every step: the per-step
+    program takes them from `prepare`, and XLA hoists them out of the single program's loop."""
+    monkeypatch.setenv("SDXL_CONV", "winograd")
+    pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
+
+    def products(stage):  # the program's matmuls and convolutions that compute step invariants
+        return _products_named(pipe.compiled(HEIGHT, WIDTH, 4, stage=stage).as_text(), STEP_INVARIANTS)
+
+    _, prepared = products("prepare")
+    for invariant in ("attn2/step_invariants/to_k", "attn2/step_invariants/to_v", "conv1/step_invariants"):
+        assert any(f"/{invariant}/" in op for op in prepared), invariant
+    assert products("denoise") == ([], [])
+    in_loops, in_all = products("generate")
+    assert in_all and not in_loops
+
+
+def _products_named(hlo: str, name: str) -> tuple[list[str], list[str]]:
+    """The op names of a compiled HLO module's dots and convolutions in the op-name scope `name`:
+    (in while loops, in all). Reshapes and transposes of such values may stay in loops; they are cheap."""
+    computations, lines = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            lines = computations[header.group(1)] = []
+        elif line.startswith(" ") and lines is not None:
+            lines.append(line)
+
+    def called(computation):
+        return re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", "\n".join(computations[computation]))
+
+    pending = [body for c in computations for body in re.findall(r"body=%?([\w.\-]+)", "\n".join(computations[c]))]
+    in_loops = set()
+    while pending:
+        computation = pending.pop()
+        if computation not in in_loops:
+            in_loops.add(computation)
+            pending += called(computation)
+
+    def products(names):
+        pattern = re.compile(f'= \\S+ (?:dot|convolution)\\(.*op_name="([^"]*/{name}/[^"]*)"')
+        return [m.group(1) for c in names for line in computations[c] if (m := pattern.search(line))]
+
+    return products(in_loops), products(computations)
 
 
 def test_truncated_prompt_warns(pipe):
