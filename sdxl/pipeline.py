@@ -230,8 +230,8 @@ class GenerateProgram:
     Work that every step would repeat alike, the UNet's step invariants (`sdxl.layers.STEP_INVARIANTS`:
     cross-attention's keys and values of the text, and the transformed kernels of the convolutions
     that use Winograd), is `prepare`'s output and every `denoise` call's input. `generate` leaves it
-    to XLA, which hoists it out of the program's loop (a test checks), and so saves tracing the UNet
-    a second time.
+    to XLA's loop-invariant code motion, which hoists it out of the program's loop (a test checks on
+    the CPU), and so saves tracing the UNet a second time.
 
     Array arguments:
       params: {"unet", "vae", "text_encoder"[, "text_encoder_2"]} parameter trees.
