@@ -237,8 +237,8 @@ def generation_flops(pipe, height: int, width: int, batch: int, steps: int) -> f
     per_device = float(_cost(pipe.compiled(height, width, batch, SAMPLER))["flops"])
     padded = pipe.padded_batch(batch)
     spec = pipe.spec
-    f = spec.vae.downscale_factor
-    step = unet_flops(spec.unet, 2 * padded, height // f, width // f, spec.max_tokens, pipe.dtype)  # x2: guidance
+    latent_h, latent_w, _ = spec.latent_shape(height, width)
+    step = unet_flops(spec.unet, 2 * padded, latent_h, latent_w, spec.max_tokens, pipe.dtype)  # x2: guidance
     return per_device * pipe.num_devices + (steps - 1) * step
 
 
@@ -670,7 +670,7 @@ def run_benchmark(
         attention.implementation(pipe.dtype, channels // heads)
         for channels, heads in zip(config.block_out_channels, config.num_heads)
     }
-    latent_h, latent_w = height // pipe.spec.vae.downscale_factor, width // pipe.spec.vae.downscale_factor
+    latent_h, latent_w, _ = pipe.spec.latent_shape(height, width)
     unet_convolution = {
         convolution.implementation(latent_h >> level, latent_w >> level, channels, pipe.dtype)
         for level, channels in enumerate(config.block_out_channels)

@@ -77,6 +77,11 @@ class ModelSpec:
         """Image pixels per latent pixel, times the UNet's total downsampling: sizes must divide by it."""
         return self.vae.downscale_factor * 2 ** (len(self.unet.block_out_channels) - 1)
 
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """(h, w, channels) of the latents of a height x width image (NHWC, without the batch)."""
+        f = self.vae.downscale_factor
+        return height // f, width // f, self.unet.in_channels
+
     @property
     def native_size(self) -> int:
         """The training resolution in pixels (1024 for SDXL, 512 for SD 1.x)."""
@@ -265,8 +270,7 @@ class GenerateProgram:
 
         noise_keys, sampler_keys = per_image_keys(seeds, image_index)
         if noise is None:
-            f = spec.vae.downscale_factor
-            shape = (self.height // f, self.width // f, spec.unet.in_channels)
+            shape = spec.latent_shape(self.height, self.width)
             noise = jax.vmap(lambda key: jax.random.normal(key, shape))(noise_keys)
         method = SAMPLERS[self.sampler]
         carry = method.init(noise.astype(jnp.float32) * schedule.init_noise_sigma)
@@ -276,8 +280,7 @@ class GenerateProgram:
         """The initial state and the UNet's step invariants. Returns (cond, carry, keys, invariants)."""
         cond, carry, keys = self.initial_state(params, ids, zero_negative, seeds, image_index, schedule, noise)
         batch = 2 * ids.shape[0]
-        f = self.spec.vae.downscale_factor
-        x_in = jnp.zeros((batch, self.height // f, self.width // f, self.spec.unet.in_channels), self.dtype)
+        x_in = jnp.zeros((batch, *self.spec.latent_shape(self.height, self.width)), self.dtype)
         # The model's output is unused, so the compiled program keeps only what computes the invariants.
         _, invariants = self._unet().apply(
             {"params": params["unet"]}, x_in, jnp.zeros(batch), **cond, mutable=[STEP_INVARIANTS]
@@ -485,8 +488,7 @@ class Pipeline:
         def replicated(x):
             return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._replicated)
 
-        f = self.spec.vae.downscale_factor
-        noise = sharded((batch, height // f, width // f, self.spec.unet.in_channels), np.float32)
+        noise = sharded((batch, *self.spec.latent_shape(height, width)), np.float32)
         return (
             sharded((batch, 2, len(self.spec.text_encoders), self.spec.max_tokens), np.int32),
             sharded((batch,), np.bool_),
@@ -683,8 +685,8 @@ class Pipeline:
             )
         noise = None
         if latents is not None:
-            f = self.spec.vae.downscale_factor
-            expected = (num_images, self.spec.unet.in_channels, height // f, width // f)
+            h, w, channels = self.spec.latent_shape(height, width)
+            expected = (num_images, channels, h, w)
             if tuple(latents.shape) != expected:
                 raise ValueError(f"latents must have shape {expected}, got {tuple(latents.shape)}")
             noise = np.asarray(latents, np.float32).transpose(0, 2, 3, 1)
