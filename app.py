@@ -84,8 +84,9 @@ class Demo:
             picture = Image.fromarray(image)
             picture.info["parameters"] = parameters_text(
                 prompt=request.prompts[i], negative_prompt=request.negative_prompts[i], steps=request.steps,
-                sampler=SAMPLER_NAMES[request.sampler], guidance_scale=request.guidance_scales[i], seed=request.seeds[i],
-                index=request.image_index[i], width=request.width, height=request.height, model=self.model_name,
+                sampler=SAMPLER_NAMES[request.sampler], guidance_scale=request.guidance_scales[i],
+                seed=request.seeds[i], index=request.image_index[i], width=request.width, height=request.height,
+                model=self.model_name,
             )
             gallery.append((picture, f"seed {request.seeds[i]} · image {request.image_index[i]} · {device}"))
         notes = []
@@ -191,7 +192,9 @@ def create_demo(demo: Demo) -> gr.Blocks:
 def main() -> None:
     env = os.environ.get
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=env("SDXL_MODEL", DEFAULT_MODEL), help="Hub repo id, folder, 'tiny' or 'tiny-sd1'")
+    parser.add_argument(
+        "--model", default=env("SDXL_MODEL", DEFAULT_MODEL), help="Hub repo id, folder, 'tiny' or 'tiny-sd1'"
+    )
     parser.add_argument("--host", default=env("SDXL_HOST"), help="default: 127.0.0.1 (Gradio's own default)")
     parser.add_argument("--port", type=int, default=int(env("SDXL_PORT", "7860")))
     parser.add_argument("--cache-dir", default=env("SDXL_CACHE_DIR"), help="persistent compilation cache")

@@ -49,8 +49,9 @@ def _generate(args: argparse.Namespace) -> None:
     images = to_pil(result.images)
     for i, image in enumerate(images):
         text = parameters_text(
-            prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps, sampler=SAMPLER_NAMES[args.sampler],
-            guidance_scale=args.guidance, seed=args.seed, index=i, width=width, height=height, model=args.model,
+            prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps,
+            sampler=SAMPLER_NAMES[args.sampler], guidance_scale=args.guidance, seed=args.seed, index=i,
+            width=width, height=height, model=args.model,
         )
         print(save_png(image, out / f"{args.seed}-{i}.png", text))
     grid(images).save(out / f"{args.seed}-grid.png")

@@ -95,7 +95,8 @@ def download(repo_id: str, *, prefer_variant: str | None = "fp16") -> Path:
         patterns = _HUB_CONFIG_PATTERNS + _hub_weight_patterns(repo_files, prefer_variant)
         return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # a missing repo, no access, a dropped connection: all end here for the caller
-        raise CheckpointError(f"{repo_id}: could not download from the Hugging Face Hub ({type(e).__name__}: {e})") from e
+        reason = f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"{repo_id}: could not download from the Hugging Face Hub ({reason})") from e
 
 
 def resolve(name_or_path: str | os.PathLike, *, prefer_variant: str | None = "fp16") -> Path:

@@ -446,7 +446,9 @@ class Pipeline:
     def _program(self, sampler: str, height: int, width: int, as_uint8: bool) -> GenerateProgram:
         return GenerateProgram(self.spec, sampler, height, width, self.dtype, as_uint8)
 
-    def _compiled_stage(self, stage: str, program: GenerateProgram, batch: int, with_noise: bool) -> jax.stages.Compiled:
+    def _compiled_stage(
+        self, stage: str, program: GenerateProgram, batch: int, with_noise: bool
+    ) -> jax.stages.Compiled:
         """One of the program's stages ("generate", "prepare", "denoise", "finish"), compiled once."""
         key = (stage, program, batch, with_noise)
         if key not in self._executables:
@@ -705,7 +707,8 @@ class Pipeline:
         )
         result.raise_if_not_finite()
         for p in result.truncated_prompts:
-            warnings.warn(PromptTruncatedWarning(f"prompt truncated to {self.spec.max_tokens} tokens: {p!r}"), stacklevel=2)
+            message = f"prompt truncated to {self.spec.max_tokens} tokens: {p!r}"
+            warnings.warn(PromptTruncatedWarning(message), stacklevel=2)
         if output_type == "np":
             return result.images
         from PIL import Image

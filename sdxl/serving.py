@@ -260,7 +260,9 @@ def _integer(value, label: str, low: int, high: int) -> int:
 class TextToImage:
     """The demo's requests: turns what a user typed into validated device-queue requests."""
 
-    def __init__(self, pipe: Pipeline, *, max_images_per_core: int = 4, max_queued: int = 32, notice: str | None = None):
+    def __init__(
+        self, pipe: Pipeline, *, max_images_per_core: int = 4, max_queued: int = 32, notice: str | None = None
+    ):
         self.pipe = pipe
         self.notice = notice
         self.max_images_per_core = max_images_per_core
@@ -285,7 +287,8 @@ class TextToImage:
         except (TypeError, ValueError):
             guidance = float("nan")
         if not GUIDANCE_RANGE[0] <= guidance <= GUIDANCE_RANGE[1]:
-            raise ValueError(f"guidance scale must be from {GUIDANCE_RANGE[0]:g} to {GUIDANCE_RANGE[1]:g}, got {guidance_scale!r}")
+            low, high = GUIDANCE_RANGE
+            raise ValueError(f"guidance scale must be from {low:g} to {high:g}, got {guidance_scale!r}")
         return dict(
             seed=_integer(seed, "seed", 0, MAX_SEED),
             guidance=guidance,
@@ -309,7 +312,8 @@ class TextToImage:
         )
 
     def images(
-        self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core=1, sampler="euler"
+        self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height,
+        images_per_core=1, sampler="euler",
     ) -> Request:
         """One prompt, `images_per_core` images on every core: images (seed, 0), (seed, 1), ..."""
         common = self._common(style, seed, guidance_scale, steps, width, height, sampler)

@@ -14,7 +14,8 @@ SDXL_REPO_FILES = [
     "text_encoder/config.json", "text_encoder/model.fp16.safetensors", "text_encoder/model.safetensors",
     "text_encoder/model.onnx", "text_encoder/openvino_model.bin",
     "text_encoder_2/config.json", "text_encoder_2/model.fp16.safetensors", "text_encoder_2/model.safetensors",
-    "tokenizer/merges.txt", "tokenizer/special_tokens_map.json", "tokenizer/tokenizer_config.json", "tokenizer/vocab.json",
+    "tokenizer/merges.txt", "tokenizer/special_tokens_map.json", "tokenizer/tokenizer_config.json",
+    "tokenizer/vocab.json",
     "unet/config.json", "unet/diffusion_pytorch_model.fp16.safetensors", "unet/diffusion_pytorch_model.safetensors",
     "unet/diffusion_flax_model.msgpack", "unet/model.onnx",
     "vae/config.json", "vae/diffusion_pytorch_model.fp16.safetensors", "vae/diffusion_pytorch_model.safetensors",
@@ -50,7 +51,8 @@ def test_hub_download_picks_one_variant_per_component_and_never_pickles():
 def test_offline_hub_model_missing_from_the_cache_is_reported(monkeypatch, tmp_path):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(HubUnavailableError, match=r"nobody/no-model: not in the local Hugging Face cache.*HF_HUB_OFFLINE"):
+    expected = r"nobody/no-model: not in the local Hugging Face cache.*HF_HUB_OFFLINE"
+    with pytest.raises(HubUnavailableError, match=expected):
         resolve("nobody/no-model")
 
 

@@ -133,7 +133,9 @@ def test_empty_negative_prompt_is_zero_conditioning_like_diffusers(reference, pi
     _, ref = reference
     latents = _latents(2, seed=1)
     expected = _diffusers_images(ref, PROMPTS, None, latents, steps=3, guidance=7.0)
-    got = pipe.generate(PROMPTS, "", steps=3, guidance_scale=7.0, height=HEIGHT, width=WIDTH, latents=latents, output_type="np")
+    got = pipe.generate(
+        PROMPTS, "", steps=3, guidance_scale=7.0, height=HEIGHT, width=WIDTH, latents=latents, output_type="np"
+    )
     assert np.abs(got - expected).max() <= 1e-4
     with_text = _diffusers_images(ref, PROMPTS, [" "] * 2, latents, steps=3, guidance=7.0)
     assert np.abs(with_text - expected).max() > 1e-3  # zeroing is not the same as encoding ""
