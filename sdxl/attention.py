@@ -10,8 +10,9 @@
 fallback should a kernel misbehave on some accelerator. Lowered for anything but a TPU, `splash`
 runs the same kernel in Pallas' interpreter: far too slow to serve, but it is how the tests check
 the splash path's numbers on a CPU; they also lower the whole SDXL program for a TPU, which puts
-every kernel through Pallas' Mosaic lowering. Neither accelerator kernel has run on an accelerator
-in this project's tests (none was available).
+every kernel through Pallas' Mosaic lowering, and for a GPU, which shows the cuDNN call each device
+makes. Neither accelerator kernel has run on an accelerator in this project's tests (none was
+available).
 """
 
 import logging
@@ -52,18 +53,25 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
         return _data_parallel(_splash_attention, q, k, v)
     if kernel == "cudnn":
         try:
-            return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+            return _data_parallel(_cudnn_attention, q, k, v)
         except (NotImplementedError, RuntimeError) as error:  # an old cuDNN, or a GPU it does not support
             log.warning("cuDNN attention unavailable (%s); using XLA's", error)
     return jax.nn.dot_product_attention(q, k, v, implementation="xla")
 
 
+def _cudnn_attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+
+
 def _data_parallel(attention, *arrays):
     """Runs `attention` on each device's share of the batch.
 
-    XLA cannot partition a Pallas kernel: given the batch sharded, it would gather it onto every
-    device. So under a mesh (`jax.set_mesh`) the kernel runs in a `shard_map` over the batch, split
-    across all the mesh's axes as the pipeline splits it.
+    Neither kernel partitions well by itself. XLA cannot partition a Pallas kernel: given the batch
+    sharded, it would gather it onto every device. JAX's partitioning rule for the cuDNN call wants
+    the query, key and value sharded alike, which sharding propagation does not promise, and it
+    decides only when XLA compiles, on a GPU. So under a mesh (`jax.set_mesh`) the kernel runs in a
+    `shard_map` over the batch, split across all the mesh's axes as the pipeline splits it: each
+    device calls the plain kernel on its share.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or arrays[0].shape[0] % mesh.size:

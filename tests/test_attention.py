@@ -87,8 +87,14 @@ def test_accelerators_default_to_their_flash_kernels(monkeypatch):
 
 
 def test_cudnn_falls_back_to_xla_where_cudnn_is_missing(monkeypatch):
-    """On this CPU the cuDNN call fails as it does on a GPU without a usable cuDNN."""
-    q, k, v = _qkv(1, 16, 16, 2, 64, jnp.bfloat16)
+    """On this CPU the cuDNN call fails as it does on a GPU without a usable cuDNN: alone, and per
+    device under the pipeline's mesh."""
+    q, k, v = _qkv(4, 16, 16, 2, 64, jnp.bfloat16)
+    expected = jax.nn.dot_product_attention(q, k, v, implementation="xla")
     monkeypatch.setenv("SDXL_ATTENTION", "cudnn")
-    got = attention.dot_product_attention(q, k, v)
-    np.testing.assert_array_equal(got, jax.nn.dot_product_attention(q, k, v, implementation="xla"))
+    np.testing.assert_array_equal(attention.dot_product_attention(q, k, v), expected)
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    with jax.set_mesh(mesh):
+        sharded = NamedSharding(mesh, PartitionSpec("batch"))
+        got = jax.jit(attention.dot_product_attention)(*(jax.device_put(x, sharded) for x in (q, k, v)))
+    np.testing.assert_array_equal(got, expected)

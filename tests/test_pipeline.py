@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from diffusers import (
     EulerAncestralDiscreteScheduler,
 )
 from diffusers.schedulers import scheduling_euler_ancestral_discrete
+from jax._src.cudnn import fused_attention_stablehlo
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import two_hosts
@@ -236,19 +238,23 @@ def test_splash_attention_renders_the_same_images_on_four_devices(reference, pip
     np.testing.assert_allclose(splash.generate("a cat", **kwargs), expected, atol=1e-5)
 
 
-def test_sdxl_program_lowers_for_a_tpu_with_a_splash_kernel_per_device(monkeypatch):
-    """The TPU target at full size, from this CPU host: the real SDXL configs, abstract bfloat16
-    parameters, 1024x1024, batch 4 on 4 devices. Pallas' Mosaic lowering checks each kernel's block
-    shapes and dtypes, which its interpreter (the other splash tests) does not."""
-    monkeypatch.setenv("SDXL_ATTENTION", "splash")
+def _abstract_sdxl_pipeline() -> Pipeline:
+    """The real SDXL configs with abstract bfloat16 parameters on this host's 4 devices: enough to
+    lower the full-size program for an accelerator, from this CPU host."""
     spec = ModelSpec.from_folder(checkpoint.BUILTIN_CONFIGS / "sdxl-base-1.0")
     mesh = Mesh(np.array(jax.devices()), ("batch",))
     replicated = NamedSharding(mesh, PartitionSpec())
     params = jax.tree.map(
         lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16, sharding=replicated), spec.abstract_params()
     )
-    pipe = Pipeline(spec, params, tokenizers=[], mesh=mesh, dtype="bfloat16")
-    text = pipe.lowered(1024, 1024, batch=4, platforms=("tpu",)).as_text()
+    return Pipeline(spec, params, tokenizers=[], mesh=mesh, dtype="bfloat16")
+
+
+def test_sdxl_program_lowers_for_a_tpu_with_a_splash_kernel_per_device(monkeypatch):
+    """The TPU target at full size: 1024x1024, batch 4 on 4 devices. Pallas' Mosaic lowering checks
+    each kernel's block shapes and dtypes, which its interpreter (the other splash tests) does not."""
+    monkeypatch.setenv("SDXL_ATTENTION", "splash")
+    text = _abstract_sdxl_pipeline().lowered(1024, 1024, batch=4, platforms=("tpu",)).as_text()
     # One kernel per distinct attention shape. Operand types: two masks, then query, key, value, ...
     operand_types = [types.split(", ") for types in re.findall(r"@tpu_custom_call\(.*? : \(([^)]*)\)", text)]
     assert operand_types, "no splash kernel went through Mosaic (was it interpreted?)"
@@ -263,6 +269,29 @@ def test_sdxl_program_lowers_for_a_tpu_with_a_splash_kernel_per_device(monkeypat
     }
     # The VAE's mid-block: one 512-wide head over 128x128 pixels, one image per device.
     assert shapes - unet == {((1, 16384, 512), (1, 16384, 512))}
+
+
+def test_sdxl_program_lowers_for_a_gpu_with_a_cudnn_call_per_device(monkeypatch):
+    """The GPU program at full size: 1024x1024, batch 4 on 4 devices. JAX lowers cuDNN's flash
+    attention only where it finds cuDNN, so the test stands in a cuDNN 9.10 for it; what cuDNN itself
+    checks (the GPU, its plan for each shape) comes only on a GPU."""
+    monkeypatch.setattr(fused_attention_stablehlo, "cuda_versions", SimpleNamespace(cudnn_get_version=lambda: 91000))
+    monkeypatch.setenv("SDXL_ATTENTION", "cudnn")
+    text = _abstract_sdxl_pipeline().lowered(1024, 1024, batch=4, platforms=("cuda",)).as_text()
+    # Each device calls the kernel on its own latents: nothing is left for XLA's partitioner to decide.
+    assert "CustomSPMDPartitioning" not in text
+    calls = re.findall(r"@__cudnn\$fmhaSoftmax\(.*? : \(([^)]*)\)", text)
+    # SDXL's 70 transformer blocks, each with a self- and a cross-attention; the UNet traced once.
+    assert len(calls) == 140
+    assert text.count('\\22is_flash_attention\\22: true') == 140
+    # Per device: 2 of the 8 latents, [batch, tokens, heads, head width]; CLIP's 77 tokens as they are.
+    shapes = {tuple(_tensor_shape(t) for t in types.split(", ")[:2]) for types in calls}
+    assert shapes == {
+        ((2, 4096, 10, 64), (2, 4096, 10, 64)),
+        ((2, 4096, 10, 64), (2, 77, 10, 64)),
+        ((2, 1024, 20, 64), (2, 1024, 20, 64)),
+        ((2, 1024, 20, 64), (2, 77, 20, 64)),
+    }
 
 
 def _tensor_shape(mlir_type: str) -> tuple[int, ...]:  # "tensor<2x10x128x64xbf16>" -> (2, 10, 128, 64)
