@@ -239,8 +239,9 @@ def load_pipeline(model: str, **kwargs) -> tuple[Pipeline, str | None]:
     except HubUnavailableError as e:
         notice = (
             f"{e}. Showing the built-in tiny model instead (random weights, noise-like images). "
-            f"For real images, download the weights once with network access: "
-            f"`huggingface-cli download {model}` (or run without HF_HUB_OFFLINE=1), then restart."
+            f"For real images, start once where the Hub is reachable and without HF_HUB_OFFLINE=1: the "
+            f"files the pipeline loads (configs, tokenizers, safetensors weights) are then downloaded into "
+            f"your Hugging Face cache, and later starts read them from there, offline too."
         )
         log.warning(notice)
         return Pipeline.from_pretrained("tiny", **kwargs), notice
