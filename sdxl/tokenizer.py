@@ -1,10 +1,16 @@
 """Prompt tokenization with the checkpoint's own CLIP tokenizers (transformers, tokenizers backend)."""
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
-from transformers import CLIPTokenizer
+
+# transformers, used here for its tokenizers alone, advises at import that without PyTorch "models
+# won't be available": true, and no concern of a project that owns its models. The runtime has no
+# PyTorch, so every start printed it.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+from transformers import CLIPTokenizer  # noqa: E402
 
 from .weights import CheckpointError
 
