@@ -14,7 +14,7 @@ import time
 import gradio as gr
 from PIL import Image
 
-from sdxl import enable_compilation_cache
+from sdxl import CheckpointError, enable_compilation_cache
 from sdxl.images import image_count, parameters_text
 from sdxl.pipeline import MAX_SEED
 from sdxl.sampling import SAMPLER_NAMES
@@ -206,7 +206,10 @@ def main() -> None:
 
     cache = enable_compilation_cache(args.cache_dir)
     start = time.perf_counter()
-    pipe, notice = load_pipeline(args.model, dtype=args.dtype)
+    try:
+        pipe, notice = load_pipeline(args.model, dtype=args.dtype)
+    except CheckpointError as e:  # missing, corrupt or not downloadable: the reason in a line, as the CLI says it
+        parser.exit(2, f"error: {e}\n")
     loaded = time.perf_counter()
     model_name = "tiny" if notice else args.model
     service = TextToImage(pipe, max_images_per_core=args.max_images_per_core, max_queued=args.max_queue, notice=notice)

@@ -60,13 +60,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def serve(tmp: Path, cache_dir: Path, *args: str):
-    """Runs `python app.py ARGS` on a free port until the block ends; yields once the page answers."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+def _app_env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SDXL_", "GRADIO_SERVER_"))}
-    env.update(
+    return env | dict(
         XLA_FLAGS="--xla_force_host_platform_device_count=4",
         JAX_PLATFORMS="cpu",
         HF_HUB_OFFLINE="1",
@@ -75,11 +71,18 @@ def serve(tmp: Path, cache_dir: Path, *args: str):
         GRADIO_ANALYTICS_ENABLED="False",
         PYTHONUNBUFFERED="1",
     )
+
+
+@contextlib.contextmanager
+def serve(tmp: Path, cache_dir: Path, *args: str):
+    """Runs `python app.py ARGS` on a free port until the block ends; yields once the page answers."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
     command = [sys.executable, str(REPO / "app.py"), "--host", "127.0.0.1", "--port", str(port),
                "--cache-dir", str(cache_dir), *args]
     log = tmp / "server.log"
     with open(log, "wb") as sink:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=REPO, env=_app_env(tmp), stdout=sink, stderr=subprocess.STDOUT)
     server = Server(process, f"http://127.0.0.1:{port}/", log)
     _servers.append(server)
     try:
@@ -302,6 +305,20 @@ def test_nan_output_is_an_error_and_the_queue_keeps_going(tmp_path, cache_dir, d
         for seed in (0, 1):  # the second call shows the queue is not stuck after the first failure
             with pytest.raises(AppError, match="NaN/inf"):
                 nan_client.submit(**(FAST | dict(seed=seed)), api_name="/generate").result(timeout=CALL_TIMEOUT)
+
+
+def test_corrupt_checkpoint_stops_the_launch_with_the_reason(tmp_path, cache_dir):
+    model = write_checkpoint(tmp_path / "truncated")
+    unet = model / "unet" / "diffusion_pytorch_model.safetensors"
+    unet.write_bytes(unet.read_bytes()[:5000])
+    launch = subprocess.run(
+        [sys.executable, str(REPO / "app.py"), "--port", str(_free_port()), "--cache-dir", str(cache_dir),
+         "--model", str(model)],
+        cwd=REPO, env=_app_env(tmp_path), capture_output=True, text=True, timeout=STARTUP_TIMEOUT,
+    )
+    assert launch.returncode == 2, launch.stdout + launch.stderr
+    assert launch.stderr.strip().splitlines()[-1].startswith(f"error: {unet}: truncated or corrupt (header claims")
+    assert "Traceback" not in launch.stderr
 
 
 def test_sd1_layout_model_serves_its_own_presets(tmp_path, cache_dir, downloads):
