@@ -189,6 +189,22 @@ def create_demo(demo: Demo) -> gr.Blocks:
     return blocks
 
 
+def _integer_from(low: int, high: int | None = None):
+    """An argparse type: an integer of at least `low` (and at most `high`)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            bounds = f"from {low} to {high}" if high is not None else f"of at least {low}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {text!r}")
+        return value
+
+    return parse
+
+
 def main() -> None:
     env = os.environ.get
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -196,12 +212,13 @@ def main() -> None:
         "--model", default=env("SDXL_MODEL", DEFAULT_MODEL), help="Hub repo id, folder, 'tiny' or 'tiny-sd1'"
     )
     parser.add_argument("--host", default=env("SDXL_HOST"), help="default: 127.0.0.1 (Gradio's own default)")
-    parser.add_argument("--port", type=int, default=int(env("SDXL_PORT", "7860")))
+    parser.add_argument("--port", type=_integer_from(1, 65535), default=env("SDXL_PORT", "7860"))
     parser.add_argument("--cache-dir", default=env("SDXL_CACHE_DIR"), help="persistent compilation cache")
     parser.add_argument("--share", action="store_true", default=env("SDXL_SHARE") == "1")
     parser.add_argument("--dtype", default=env("SDXL_DTYPE"), choices=[None, "float32", "bfloat16"])
-    parser.add_argument("--max-images-per-core", type=int, default=int(env("SDXL_MAX_IMAGES_PER_CORE", "4")))
-    parser.add_argument("--max-queue", type=int, default=int(env("SDXL_MAX_QUEUE", "32")))
+    # String defaults go through `type` too, so a bad environment variable gets argparse's message.
+    parser.add_argument("--max-images-per-core", type=_integer_from(1), default=env("SDXL_MAX_IMAGES_PER_CORE", "4"))
+    parser.add_argument("--max-queue", type=_integer_from(1), default=env("SDXL_MAX_QUEUE", "32"))
     args = parser.parse_args()
 
     cache = enable_compilation_cache(args.cache_dir)

@@ -321,6 +321,26 @@ def test_corrupt_checkpoint_stops_the_launch_with_the_reason(tmp_path, cache_dir
     assert "Traceback" not in launch.stderr
 
 
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (
+            ["--max-images-per-core", "0"], {},
+            "argument --max-images-per-core: must be an integer of at least 1, got '0'",
+        ),
+        (["--port", "99999"], {}, "argument --port: must be an integer from 1 to 65535, got '99999'"),
+        ([], {"SDXL_MAX_QUEUE": "many"}, "argument --max-queue: must be an integer of at least 1, got 'many'"),
+    ],
+)
+def test_bad_launch_options_are_refused_before_loading(tmp_path, args, env, message):
+    launch = subprocess.run(
+        [sys.executable, str(REPO / "app.py"), *args],
+        cwd=REPO, env=_app_env(tmp_path) | env, capture_output=True, text=True, timeout=STARTUP_TIMEOUT,
+    )
+    assert launch.returncode == 2 and launch.stderr.strip().endswith(message), launch.stderr
+    assert "loading" not in launch.stdout and "startup" not in launch.stdout
+
+
 def test_sd1_layout_model_serves_its_own_presets(tmp_path, cache_dir, downloads):
     with serve(tmp_path / "app", cache_dir, "--model", "tiny-sd1") as running:
         sd1_client = Client(running.url, verbose=False, download_files=downloads)
