@@ -21,7 +21,9 @@ def _generate(args: argparse.Namespace) -> None:
 
     height = args.height or pipe.spec.native_size
     width = args.width or pipe.spec.native_size
-    num_images = args.num_images or pipe.num_devices
+    num_images = pipe.num_devices if args.num_images is None else args.num_images
+    if num_images < 1:
+        raise ValueError(f"--num-images must be at least 1, got {num_images}")
     pipe.validate(
         height=height, width=width, num_steps=args.steps, seed=args.seed, guidance_scale=args.guidance,
         sampler=args.sampler,

@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 ROOT = Path(__file__).parents[1]
@@ -28,11 +29,18 @@ def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
     assert Image.open(tmp_path / "3-grid.png").size == (256, 128)
 
 
-def test_bad_input_exits_nonzero_with_one_line_reason():
-    result = _cli("--prompt", "a lighthouse", "--steps", "0")
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        (["--steps", "0"], "error: steps must be an integer from 1 to"),
+        (["--num-images", "-3"], "error: --num-images must be at least 1, got -3"),
+    ],
+)
+def test_bad_input_exits_nonzero_with_one_line_reason(args, reason):
+    result = _cli("--prompt", "a lighthouse", *args)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
-    assert result.stderr.startswith("error: steps must be an integer from 1 to")
+    assert result.stderr.startswith(reason)
 
 
 def test_missing_checkpoint_exits_nonzero(tmp_path):
