@@ -17,6 +17,7 @@ available).
 
 import logging
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -49,14 +50,28 @@ def implementation(dtype, head_dim: int) -> str:
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """softmax(q k^T / sqrt(D)) v, unmasked.  [B, T, H, D], [B, S, H, D] x2 -> [B, T, H, D]."""
     kernel = implementation(q.dtype, q.shape[-1])
-    if kernel == "splash":
-        return _data_parallel(_splash_attention, q, k, v)
     if kernel == "cudnn":
         try:
-            return _data_parallel(_cudnn_attention, q, k, v)
+            with kernel_scope("cudnn"):
+                return _data_parallel(_cudnn_attention, q, k, v)
         except (NotImplementedError, RuntimeError) as error:  # an old cuDNN, or a GPU it does not support
             log.warning("cuDNN attention unavailable (%s); using XLA's", error)
-    return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+            kernel = "xla"
+    with kernel_scope(kernel):
+        if kernel == "splash":
+            return _data_parallel(_splash_attention, q, k, v)
+        return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+
+
+def kernel_scope(kernel: str):
+    """The named scope each attention call runs in: the compiled program's op names then say which
+    kernel it took (`kernels_in`), fallbacks included."""
+    return jax.named_scope(f"{kernel}_attention")
+
+
+def kernels_in(compiled: jax.stages.Compiled) -> set[str]:
+    """The attention kernels a compiled program calls."""
+    return set(re.findall(rf"/({'|'.join(IMPLEMENTATIONS)})_attention/", compiled.as_text()))
 
 
 def _cudnn_attention(q, k, v):

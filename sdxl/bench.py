@@ -617,6 +617,7 @@ def run_benchmark(
         pipe.run(**request)
         first_image_s = time.time() - process_start - write_s
         flops = generation_flops(pipe, height, width, batch, steps)
+        attention_kernels = attention.kernels_in(pipe.compiled(height, width, batch, SAMPLER))
         progress_compile_s = pipe.warmup(height, width, batch, SAMPLER, progress=True)
 
         log("measuring load, warm compile and first image in a fresh process")
@@ -666,10 +667,6 @@ def run_benchmark(
     device = pipe.mesh.devices.flat[0]
     kind = getattr(device, "device_kind", device.platform)
     config = pipe.spec.unet
-    unet_attention = {
-        attention.implementation(pipe.dtype, channels // heads)
-        for channels, heads in zip(config.block_out_channels, config.num_heads)
-    }
     latent_h, latent_w, _ = pipe.spec.latent_shape(height, width)
     unet_convolution = {
         convolution.implementation(latent_h >> level, latent_w >> level, channels, pipe.dtype)
@@ -690,7 +687,7 @@ def run_benchmark(
         device=kind,
         platform=device.platform,
         n_devices=pipe.num_devices,
-        attention="+".join(sorted(unet_attention)),  # the UNet's attention kernel (sdxl.attention)
+        attention="+".join(sorted(attention_kernels)),  # read off the compiled program (sdxl.attention)
         convolution="+".join(sorted(unet_convolution)),  # its resnets' (sdxl.convolution)
         jax_version=jax.__version__,
         xla_flags=os.environ.get("XLA_FLAGS", ""),

@@ -98,3 +98,19 @@ def test_cudnn_falls_back_to_xla_where_cudnn_is_missing(monkeypatch):
         sharded = NamedSharding(mesh, PartitionSpec("batch"))
         got = jax.jit(attention.dot_product_attention)(*(jax.device_put(x, sharded) for x in (q, k, v)))
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "override, dtype, kernels",
+    [
+        ("", jnp.float32, {"xla"}),
+        ("splash", jnp.float32, {"splash"}),
+        ("cudnn", jnp.bfloat16, {"xla"}),  # no cuDNN here: the fallback is what the program calls
+    ],
+)
+def test_compiled_programs_name_the_kernel_they_call(monkeypatch, override, dtype, kernels):
+    monkeypatch.setenv("SDXL_ATTENTION", override)
+    q, k, v = _qkv(1, 128, 77, 2, 64, dtype)
+    # A new function each time: jit's cache of traces does not know about SDXL_ATTENTION.
+    compiled = jax.jit(lambda q, k, v: attention.dot_product_attention(q, k, v)).lower(q, k, v).compile()
+    assert attention.kernels_in(compiled) == kernels
