@@ -52,18 +52,18 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
     kernel = implementation(q.dtype, q.shape[-1])
     if kernel == "cudnn":
         try:
-            with kernel_scope("cudnn"):
+            with _kernel_scope("cudnn"):
                 return _data_parallel(_cudnn_attention, q, k, v)
         except (NotImplementedError, RuntimeError) as error:  # an old cuDNN, or a GPU it does not support
             log.warning("cuDNN attention unavailable (%s); using XLA's", error)
             kernel = "xla"
-    with kernel_scope(kernel):
+    with _kernel_scope(kernel):
         if kernel == "splash":
             return _data_parallel(_splash_attention, q, k, v)
         return jax.nn.dot_product_attention(q, k, v, implementation="xla")
 
 
-def kernel_scope(kernel: str):
+def _kernel_scope(kernel: str):
     """The named scope each attention call runs in: the compiled program's op names then say which
     kernel it took (`kernels_in`), fallbacks included."""
     return jax.named_scope(f"{kernel}_attention")
