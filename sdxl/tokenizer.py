@@ -1,15 +1,15 @@
 """Prompt tokenization with the checkpoint's own CLIP tokenizers (transformers, tokenizers backend)."""
 
 import json
-import os
+import logging
 from pathlib import Path
 
 import numpy as np
 
 # transformers, used here for its tokenizers alone, advises at import that without PyTorch "models
 # won't be available": true, and no concern of a project that owns its models. The runtime has no
-# PyTorch, so every start printed it.
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+# PyTorch, so every start printed it. The filter drops that one message and no other.
+logging.getLogger("transformers").addFilter(lambda record: "PyTorch was not found" not in record.getMessage())
 from transformers import CLIPTokenizer  # noqa: E402
 
 from .weights import CheckpointError
