@@ -16,9 +16,11 @@ from PIL import Image
 
 from sdxl import CheckpointError, enable_compilation_cache
 from sdxl.images import image_count, parameters_text
-from sdxl.pipeline import MAX_SEED
+from sdxl.request import (
+    DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_SAMPLER, DEFAULT_STEPS, GUIDANCE_SCALE_RANGE, MAX_SEED, Request,
+)
 from sdxl.sampling import SAMPLER_NAMES
-from sdxl.serving import DEFAULT_MODEL, GUIDANCE_RANGE, QueueFullError, Request, TextToImage, load_pipeline
+from sdxl.serving import QueueFullError, TextToImage, load_pipeline
 from sdxl.styles import NO_STYLE, STYLES
 
 EXAMPLES = [
@@ -27,8 +29,6 @@ EXAMPLES = [
     ["a tiny robot watering a bonsai tree", "3D model"],
     ["a castle floating above the clouds", "Fantasy art"],
 ]
-DEFAULT_STEPS = 25
-DEFAULT_GUIDANCE = 5.0
 
 
 def _text_reaches_validation(field):
@@ -73,14 +73,14 @@ class Demo:
                 ahead = self.service.queue.position(ticket)
                 progress(0, desc=f"Waiting in queue: {ahead} request(s) ahead" if ahead else "Starting")
 
-        outcome = self.service.queue.wait(ticket, show)
-        if not outcome.finite.all():
+        result = self.service.queue.wait(ticket, show)
+        if not result.finite.all():
             raise gr.Error("The model produced NaN/inf values instead of an image (numerical overflow). "
                            "Try another seed or fewer steps; the server is fine.")
-        for prompt in outcome.truncated_prompts:
+        for prompt in result.truncated_prompts:
             gr.Warning(f"Prompt truncated to {self.service.pipe.spec.max_tokens} tokens: {prompt[:80]!r}…")
         gallery = []
-        for i, (image, device) in enumerate(zip(outcome.images, outcome.devices)):
+        for i, (image, device) in enumerate(zip(result.images, result.devices)):
             picture = Image.fromarray(image)
             picture.info["parameters"] = parameters_text(
                 prompt=request.prompts[i], negative_prompt=request.negative_prompts[i], steps=request.steps,
@@ -90,11 +90,11 @@ class Demo:
             )
             gallery.append((picture, f"seed {request.seeds[i]} · image {request.image_index[i]} · {device}"))
         notes = []
-        if outcome.batch_images > len(request):
-            notes.append(f"batched with other requests: {outcome.batch_images} images")
-        if outcome.compiled:
+        if ticket.batch_images > len(request):
+            notes.append(f"batched with other requests: {ticket.batch_images} images")
+        if ticket.compiling:
             notes.append("includes compiling for this size, batch and sampler; next time it is cached")
-        status = f"{image_count(len(request))} in {outcome.seconds:.1f} s on {self.service.pipe.device_description}"
+        status = f"{image_count(len(request))} in {result.seconds:.1f} s on {self.service.pipe.device_description}"
         if notes:
             status += f" ({'; '.join(notes)})"
         return gallery, status
@@ -108,18 +108,18 @@ class Demo:
 
     def generate(self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core,
                  sampler, progress=gr.Progress()):
-        return self._handle(lambda: self.service.images(
+        return self._handle(lambda: self.service.request_images(
             prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core, sampler),
             progress)
 
     def compare(self, mode, prompts, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
                 sampler, progress=gr.Progress()):
         if mode == COMPARE_PROMPTS:
-            make = lambda: self.service.compare_prompts(  # noqa: E731
+            make = lambda: self.service.request_prompt_comparison(  # noqa: E731
                 (prompts or "").splitlines(), negative_prompt, style, seed, guidance_scale, steps, width, height,
                 sampler)
         else:
-            make = lambda: self.service.compare_seeds(  # noqa: E731
+            make = lambda: self.service.request_seed_comparison(  # noqa: E731
                 (prompts or "").strip(), negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
                 sampler)
         return self._handle(make, progress)
@@ -156,11 +156,11 @@ def create_demo(demo: Demo) -> gr.Blocks:
                 # precision=None: Gradio would round a fractional seed (1.5 -> 2) before our check sees it.
                 seed = gr.Number(label="Seed", value=0, precision=None, minimum=0, maximum=MAX_SEED)
                 randomize = gr.Checkbox(label="Randomize seed", value=True)
-            guidance = gr.Slider(*GUIDANCE_RANGE, value=DEFAULT_GUIDANCE, step=0.5, label="Guidance scale")
+            guidance = gr.Slider(*GUIDANCE_SCALE_RANGE, value=DEFAULT_GUIDANCE_SCALE, step=0.5, label="Guidance scale")
             steps = gr.Slider(1, pipe.max_steps, value=DEFAULT_STEPS, step=1, label="Steps")
             size = gr.Dropdown([_size_label(w, h) for w, h in service.sizes], value=_size_label(*native), label="Size")
             per_core = gr.Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
-            sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()], value="euler",
+            sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()], value=DEFAULT_SAMPLER,
                                   label="Sampler", info="each sampler compiles once, then stays cached")
             width = gr.Number(value=native[0], precision=None, visible=False)
             height = gr.Number(value=native[1], precision=None, visible=False)
@@ -233,7 +233,7 @@ def main() -> None:
     width, height = service.sizes[0]
     compile_seconds = pipe.warmup(height, width, progress=True)
     warm_start = time.perf_counter()
-    warm_up = service.images("warm-up", "", NO_STYLE, 0, DEFAULT_GUIDANCE, 2, width, height)
+    warm_up = service.request_images("warm-up", "", NO_STYLE, 0, DEFAULT_GUIDANCE_SCALE, 2, width, height)
     service.queue.wait(service.queue.submit(warm_up))
     ready = time.perf_counter()
     print(f"model {model_name} ({pipe.dtype.name}) on {pipe.device_description}; compilation cache {cache}")

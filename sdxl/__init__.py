@@ -1,14 +1,17 @@
 """Stable Diffusion XL in JAX: Flax models, strict checkpoint loading, one sharded compiled generate."""
 
+from .checkpoints import CheckpointError
 from .compilation import CompileCounter, enable_compilation_cache
-from .pipeline import NonFiniteImageError, Pipeline, PromptTruncatedWarning
-from .weights import CheckpointError
+from .pipeline import Generation, NonFiniteImageError, Pipeline, PromptTruncatedWarning
+from .request import Request
 
 __all__ = [
     "CheckpointError",
     "CompileCounter",
+    "Generation",
     "NonFiniteImageError",
     "Pipeline",
     "PromptTruncatedWarning",
+    "Request",
     "enable_compilation_cache",
 ]

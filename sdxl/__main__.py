@@ -1,46 +1,36 @@
-"""Command line: `python -m sdxl generate ...`, `python -m sdxl bench ...`, `python -m sdxl write-checkpoint ...`."""
+"""Command line: `python -m sdxl generate|bench|write-checkpoint ...`."""
 
 import argparse
 import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
+from . import bench
+from .checkpoints import CheckpointError, random_models
+from .compilation import enable_compilation_cache
+from .images import grid, image_count, parameters_text, save_png, to_pil
+from .pipeline import NonFiniteImageError, Pipeline
+from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_SAMPLER, DEFAULT_STEPS, Request
+from .sampling import SAMPLER_NAMES, SAMPLERS
 
 
-def _generate(args: argparse.Namespace) -> None:
-    from .compilation import enable_compilation_cache
-    from .images import grid, image_count, parameters_text, save_png, to_pil
-    from .pipeline import Pipeline
-    from .sampling import SAMPLER_NAMES
-
+def generate_command(args: argparse.Namespace) -> None:
     enable_compilation_cache(args.cache_dir)
     start = time.perf_counter()
     pipe = Pipeline.from_pretrained(args.model, dtype=args.dtype, max_steps=max(100, args.steps))
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s ({pipe.dtype.name}, {pipe.device_description})")
 
-    height = args.height or pipe.spec.native_size
-    width = args.width or pipe.spec.native_size
     num_images = pipe.num_devices if args.num_images is None else args.num_images
     if num_images < 1:
         raise ValueError(f"--num-images must be at least 1, got {num_images}")
-    pipe.validate(
-        height=height, width=width, num_steps=args.steps, seed=args.seed, guidance_scale=args.guidance,
+    request = pipe.validated(Request.from_prompt(
+        args.prompt, args.negative_prompt, num_images=num_images, seed=args.seed, guidance_scale=args.guidance_scale,
+        steps=args.steps, height=args.height or pipe.spec.native_size, width=args.width or pipe.spec.native_size,
         sampler=args.sampler,
-    )
-    compile_seconds = pipe.warmup(height, width, num_images, args.sampler)
-    print(f"compiled for {width}x{height}, batch {num_images}, in {compile_seconds:.1f} s")
-    result = pipe.run(
-        [args.prompt] * num_images,
-        [args.negative_prompt] * num_images,
-        [args.seed] * num_images,
-        list(range(num_images)),
-        [args.guidance] * num_images,
-        steps=args.steps,
-        height=height,
-        width=width,
-        sampler=args.sampler,
-    )
+    ))
+    compile_seconds = pipe.warmup(request.height, request.width, num_images, request.sampler)
+    print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
+    result = pipe.render(request)
     result.raise_if_not_finite()
     for prompt in result.truncated_prompts:
         print(f"warning: prompt truncated to {pipe.spec.max_tokens} tokens: {prompt!r}", file=sys.stderr)
@@ -51,50 +41,69 @@ def _generate(args: argparse.Namespace) -> None:
     images = to_pil(result.images)
     for i, image in enumerate(images):
         text = parameters_text(
-            prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps,
-            sampler=SAMPLER_NAMES[args.sampler], guidance_scale=args.guidance, seed=args.seed, index=i,
-            width=width, height=height, model=args.model,
+            prompt=args.prompt, negative_prompt=args.negative_prompt, steps=request.steps,
+            sampler=SAMPLER_NAMES[request.sampler], guidance_scale=request.guidance_scales[i], seed=request.seeds[i],
+            index=i, width=request.width, height=request.height, model=args.model,
         )
         print(save_png(image, out / f"{args.seed}-{i}.png", text))
     grid(images).save(out / f"{args.seed}-grid.png")
     print(out / f"{args.seed}-grid.png")
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .sampling import SAMPLERS
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="folder, Hub repo id, or 'tiny' (default: %(default)s)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--negative-prompt", default="")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--guidance-scale", "--guidance", type=float, default=DEFAULT_GUIDANCE_SCALE)
+    parser.add_argument("--sampler", default=DEFAULT_SAMPLER, choices=list(SAMPLERS))
+    parser.add_argument("--height", type=int, help="default: the model's native size")
+    parser.add_argument("--width", type=int, help="default: the model's native size")
+    parser.add_argument("--num-images", type=int, help="default: one per device")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16, float32 on CPU")
+    parser.add_argument("--out", default="out", help="output folder (default: %(default)s)")
+    parser.add_argument("--cache-dir", help="persistent compilation cache folder")
 
+
+def write_checkpoint_command(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    if out.exists():
+        raise ValueError(f"{out} already exists")
+    start = time.perf_counter()
+    random_models.write_checkpoint(out, random_models.configs_of(args.config), dtype=args.dtype, seed=args.seed)
+    size = sum(f.stat().st_size for f in out.rglob("*.safetensors"))
+    print(f"wrote {out} ({size / 2**30:.2f} GiB of {args.dtype} weights) in {time.perf_counter() - start:.0f} s")
+
+
+def add_write_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", default="sdxl-base-1.0", help="sdxl-base-1.0, medium, tiny or tiny-sd1 (default: %(default)s)"
+    )
+    parser.add_argument("--out", required=True, help="folder to write (must not exist yet)")
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--seed", type=int, default=0)
+
+
+COMMANDS = {  # name: (help, add its arguments, run it)
+    "generate": ("render images for a prompt and save them as PNGs", add_generate_arguments, generate_command),
+    "bench": ("measure generation speed, optionally beside diffusers", bench.add_arguments, bench.command),
+    "write-checkpoint": (
+        "write a random checkpoint (e.g. full-size SDXL) to benchmark",
+        add_write_checkpoint_arguments,
+        write_checkpoint_command,
+    ),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sdxl", description="Stable Diffusion XL in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
-
-    gen = commands.add_parser("generate", help="render images for a prompt and save them as PNGs")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="folder, Hub repo id, or 'tiny' (default: %(default)s)")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--negative-prompt", default="")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--steps", type=int, default=25)
-    gen.add_argument("--guidance", type=float, default=5.0)
-    gen.add_argument("--sampler", default="euler", choices=list(SAMPLERS))
-    gen.add_argument("--height", type=int, help="default: the model's native size")
-    gen.add_argument("--width", type=int, help="default: the model's native size")
-    gen.add_argument("--num-images", type=int, help="default: one per device")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16, float32 on CPU")
-    gen.add_argument("--out", default="out", help="output folder (default: %(default)s)")
-    gen.add_argument("--cache-dir", help="persistent compilation cache folder")
-    gen.set_defaults(run=_generate)
-
-    from . import bench
-
-    bench_parser = commands.add_parser("bench", help="measure generation speed, optionally beside diffusers")
-    bench.add_bench_arguments(bench_parser)
-    bench_parser.set_defaults(run=bench.bench_command)
-    write = commands.add_parser("write-checkpoint", help="write a random checkpoint (e.g. full-size SDXL) to benchmark")
-    bench.add_write_checkpoint_arguments(write)
-    write.set_defaults(run=bench.write_checkpoint_command)
-
+    for name, (help_text, add_arguments, run) in COMMANDS.items():
+        command = commands.add_parser(name, help=help_text)
+        add_arguments(command)
+        command.set_defaults(run=run)
     args = parser.parse_args(argv)
-    from .pipeline import NonFiniteImageError
-    from .weights import CheckpointError
-
     try:
         args.run(args)
     except (ValueError, CheckpointError, NonFiniteImageError) as e:

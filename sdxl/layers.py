@@ -1,4 +1,8 @@
-"""Layers with PyTorch's numerics, which the model files build on.
+"""The building blocks every model file shares, with PyTorch's numerics and diffusers' parameter names.
+
+The linear, convolution and norm layers; the resnet, attention and resampling blocks that both the
+UNet and the VAE are made of (diffusers keeps them in its shared `resnet.py`, `attention_processor.py`
+and `upsampling.py`/`downsampling.py`); and the step-invariant cache the denoising loop uses.
 
 Flax's `nn.Dense` keeps its kernel as [in, out]; PyTorch's `Linear.weight` is [out, in]. Keeping
 the stored layout means a checkpoint's linear weights (88% of SDXL's parameters) load without a
@@ -13,8 +17,10 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import convolution
+from .attention import dot_product_attention
 
 # The Flax collection of values that every denoising step would compute alike: `Conv3x3`'s
 # Winograd-domain kernels and cross-attention's keys and values of the text. A caller that runs the
@@ -102,3 +108,95 @@ class GroupNorm(nn.Module):
         centered = x - per_channel_group_mean(x)
         inv_std = jax.lax.rsqrt(per_channel_group_mean(jnp.square(centered)) + self.epsilon)
         return (centered * (inv_std * scale.astype(jnp.float32)) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+def group_norm(num_groups: int, epsilon: float, dtype, name: str) -> GroupNorm:
+    return GroupNorm(num_groups=num_groups, epsilon=epsilon, dtype=dtype, name=name)
+
+
+def resize_nearest(x: jax.Array, size: tuple[int, int]) -> jax.Array:
+    """Nearest-neighbour resize of [B, H, W, C] to [B, *size, C] with torch's index rule floor(i * in / out)."""
+    for axis, out in zip((1, 2), size):
+        n = x.shape[axis]
+        if out == 2 * n:
+            x = jnp.repeat(x, 2, axis=axis)
+        else:
+            x = jnp.take(x, (np.arange(out) * n) // out, axis=axis)
+    return x
+
+
+class ResnetBlock2D(nn.Module):
+    """Pre-norm residual block; the time embedding, if any, is added between its two convs.
+
+    Without a time embedding (the VAE's resnets) the block has no `time_emb_proj` layer, as
+    diffusers' `ResnetBlock2D` with `temb_channels=None`.
+    """
+
+    out_channels: int
+    norm_num_groups: int
+    norm_eps: float
+    output_scale_factor: float = 1.0
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, temb=None):  # [B, H, W, C_in], [B, D_t] or None -> [B, H, W, out_channels]
+        h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm1")(x))
+        h = Conv3x3(self.out_channels, dtype=self.dtype, name="conv1")(h)
+        if temb is not None:
+            temb = Linear(self.out_channels, dtype=self.dtype, name="time_emb_proj")(nn.silu(temb))
+            h = h + temb[:, None, None, :]
+        h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm2")(h))
+        h = Conv3x3(self.out_channels, dtype=self.dtype, name="conv2")(h)
+        if x.shape[-1] != self.out_channels:
+            x = nn.Conv(self.out_channels, (1, 1), dtype=self.dtype, name="conv_shortcut")(x)
+        return (x + h) / self.output_scale_factor
+
+
+class Attention(nn.Module):
+    """Multi-head attention of `x` over `context` (over itself when `context` is None).
+
+    The UNet's query/key/value projections have no bias; the VAE's do (`qkv_bias`).
+    """
+
+    num_heads: int
+    qkv_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, context=None):  # [B, T, C], [B, S, D] -> [B, T, C]
+        batch, length, channels = x.shape
+        head_dim = channels // self.num_heads
+
+        def project(name, inputs):  # -> [B, T or S, heads, head_dim]
+            y = Linear(channels, use_bias=self.qkv_bias, dtype=self.dtype, name=name)(inputs)
+            return y.reshape(batch, -1, self.num_heads, head_dim)
+
+        if context is None:
+            key, value = project("to_k", x), project("to_v", x)
+        else:  # the text's keys and values: the same in every denoising step
+            key = step_invariant(self, "key", lambda: project("to_k", context))
+            value = step_invariant(self, "value", lambda: project("to_v", context))
+        out = dot_product_attention(project("to_q", x), key, value)
+        return Linear(channels, dtype=self.dtype, name="to_out.0")(out.reshape(batch, length, channels))
+
+
+class Downsample2D(nn.Module):
+    """Stride-2 3x3 conv; padding 0 means padding only the bottom and right edges."""
+
+    padding: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [B, H, W, C] -> [B, ceil(H/2), ceil(W/2), C]
+        padding = ((0, 1), (0, 1)) if self.padding == 0 else self.padding
+        return nn.Conv(x.shape[-1], (3, 3), strides=2, padding=padding, dtype=self.dtype, name="conv")(x)
+
+
+class Upsample2D(nn.Module):
+    """Nearest-neighbour upsampling to a given size (twice the input for even latents), then a 3x3 conv."""
+
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, size):  # [B, H, W, C] -> [B, *size, C]
+        return Conv3x3(x.shape[-1], dtype=self.dtype, name="conv")(resize_nearest(x, size))

@@ -6,12 +6,14 @@ parametrisation live in the caller that builds the denoiser (see `denoised_from_
 the samplers know nothing of them.
 
 A sampler is its loop's pieces: `init` turns the starting noise into the loop state, `step(i)`
-advances it by one step, `finish` reads the latents out. `sample` runs the whole loop (a
-`lax.fori_loop` with a traced `num_steps`, so one compiled program serves every step count up to the
-schedule's padded length); `run_steps` runs a stretch of it, so a caller can report progress
-between stretches without host callbacks inside the loop. Each sampler reproduces one diffusers
-scheduler's `step`: it starts from standard normal noise times `schedule.init_noise_sigma` and
-finishes with what diffusers hands to the VAE. All arithmetic is float32.
+advances it by one step, `finish` reads the latents out. `run_steps` runs steps start..stop-1 of
+the loop (a `lax.fori_loop` whose bounds and `num_steps` may be traced, so one compiled program
+serves every step count up to the schedule's padded length): all of it, or a stretch at a time, so
+a caller can report progress between stretches without host callbacks inside the loop.
+
+Each sampler reproduces one diffusers scheduler's `step`: it starts from standard normal noise
+times `schedule.init_noise_sigma` and finishes with what diffusers hands to the VAE. All
+arithmetic is float32.
 """
 
 from collections.abc import Callable
@@ -167,24 +169,6 @@ def run_steps(
     return jax.lax.fori_loop(
         start, stop, lambda i, c: sampler.step(denoiser, schedule, num_steps, i, c, keys), carry
     )
-
-
-def sample(sampler: Sampler, denoiser: Denoiser, x: jax.Array, schedule: Schedule, num_steps, keys=None) -> jax.Array:
-    """Runs a whole sampling loop.
-
-    Args:
-      sampler: e.g. `SAMPLERS["euler"]`.
-      denoiser: `denoiser(x, sigma, timestep) -> denoised`.
-      x: [B, ...] standard normal noise times schedule.init_noise_sigma.
-      schedule: from `sampler.schedule`.
-      num_steps: scalar int, possibly traced, at most the schedule's padded length.
-      keys: [B] PRNG keys, for stochastic samplers.
-
-    Returns:
-      [B, ...] float32 latents for the VAE.
-    """
-    carry = run_steps(sampler, denoiser, sampler.init(x), schedule, num_steps, 0, num_steps, keys)
-    return sampler.finish(carry)
 
 
 SAMPLER_NAMES = {  # for people: the names A1111-style UIs and the PNG "parameters" chunk use

@@ -17,11 +17,10 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-import numpy as np
 
-from .checkpoint import HubUnavailableError
-from .pipeline import MAX_SEED, Generation, Pipeline
-from .sampling import SAMPLERS
+from .checkpoints import HubUnavailableError
+from .pipeline import Generation, Pipeline
+from .request import DEFAULT_SAMPLER, MAX_SEED, Request, integer
 from .styles import STYLES
 
 log = logging.getLogger(__name__)
@@ -42,42 +41,6 @@ def size_presets(pipe: Pipeline) -> list[tuple[int, int]]:
     return list(dict.fromkeys(presets))
 
 
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One user's images: per-image prompts, seeds and guidance, one size and step count."""
-
-    prompts: tuple[str, ...]
-    negative_prompts: tuple[str, ...]
-    seeds: tuple[int, ...]
-    image_index: tuple[int, ...]
-    guidance_scales: tuple[float, ...]
-    steps: int
-    height: int
-    width: int
-    sampler: str = "euler"
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    @property
-    def batch_key(self) -> tuple:
-        """Requests with equal keys can share a compiled call."""
-        return (self.height, self.width, self.steps, self.sampler)
-
-
-@dataclasses.dataclass
-class Outcome:
-    """A request's share of a batch."""
-
-    images: np.ndarray  # [n, H, W, 3] uint8
-    finite: np.ndarray  # [n] bool
-    devices: list[str]  # the device that rendered each image
-    truncated_prompts: list[str]
-    seconds: float  # the batch's time, compilation included
-    batch_images: int  # images in the whole batch (this request's and others')
-    compiled: bool  # whether the batch had to compile first (a new size, batch size or sampler)
-
-
 @dataclasses.dataclass(eq=False)
 class Ticket:
     """A queued request: its future result and where it stands."""
@@ -85,7 +48,8 @@ class Ticket:
     request: Request
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     step: int = 0  # denoising steps done, while running
-    compiling: bool = False
+    compiling: bool = False  # whether its batch compiles first (a new size, batch size or sampler)
+    batch_images: int = 0  # images in the batch it runs in (its own and other requests')
 
 
 class DeviceQueue:
@@ -103,7 +67,7 @@ class DeviceQueue:
         threading.Thread(target=self._serve, name="device-queue", daemon=True).start()
 
     def compile_in_background(
-        self, height: int, width: int, num_images: int, sampler: str = "euler"
+        self, height: int, width: int, num_images: int, sampler: str = DEFAULT_SAMPLER
     ) -> concurrent.futures.Future | None:
         """Compiles the programs for a batch size without holding up the devices, once per size.
 
@@ -113,7 +77,7 @@ class DeviceQueue:
         with self._changed:
             if key in self._compiles:
                 return self._compiles[key]
-            if self.pipe.is_compiled(height, width, num_images, sampler):
+            if self.pipe.is_compiled(height, width, num_images, sampler, progress=True):
                 return None
             self._compiles[key] = self._compiler.submit(
                 self.pipe.warmup, height, width, num_images, sampler, progress=True
@@ -148,7 +112,7 @@ class DeviceQueue:
             if ticket.request.batch_key != first.request.batch_key or merged > self.max_batch_images:
                 continue
             grows = self.pipe.padded_batch(merged) > self.pipe.padded_batch(size)
-            if grows and not self.pipe.is_compiled(height, width, merged, sampler):
+            if grows and not self.pipe.is_compiled(height, width, merged, sampler, progress=True):
                 self.compile_in_background(height, width, merged, sampler)
                 continue
             batch.append(ticket)
@@ -170,13 +134,12 @@ class DeviceQueue:
                         ticket.future.set_exception(e)
 
     def _render(self, batch: list[Ticket]) -> None:
-        requests = [t.request for t in batch]
-        height, width, steps, sampler = requests[0].batch_key
-        total = sum(len(r) for r in requests)
-        compiling = not self.pipe.is_compiled(height, width, total, sampler)
+        request = Request.merged([t.request for t in batch])
+        height, width, _, sampler = request.batch_key
+        compiling = not self.pipe.is_compiled(height, width, len(request), sampler, progress=True)
         for ticket in batch:
-            ticket.compiling = compiling
-        background = self._compiles.get((height, width, self.pipe.padded_batch(total), sampler))
+            ticket.compiling, ticket.batch_images = compiling, len(request)
+        background = self._compiles.get((height, width, self.pipe.padded_batch(len(request)), sampler))
         if background is not None:
             background.exception()  # the programs being compiled are this batch's: wait rather than compile twice
 
@@ -184,38 +147,14 @@ class DeviceQueue:
             for ticket in batch:
                 ticket.step = done
 
-        result: Generation = self.pipe.run(
-            [p for r in requests for p in r.prompts],
-            [p for r in requests for p in r.negative_prompts],
-            [s for r in requests for s in r.seeds],
-            [i for r in requests for i in r.image_index],
-            [g for r in requests for g in r.guidance_scales],
-            steps=steps,
-            height=height,
-            width=width,
-            sampler=sampler,
-            on_step=on_step,
-        )
-        devices = self.pipe.devices_of(total)
+        result: Generation = self.pipe.render(request, on_step=on_step)
         start = 0
         for ticket in batch:
-            request = ticket.request
-            end = start + len(request)
-            prompts = set(request.prompts) | set(request.negative_prompts)
-            ticket.future.set_result(
-                Outcome(
-                    images=result.images[start:end],
-                    finite=result.finite[start:end],
-                    devices=devices[start:end],
-                    truncated_prompts=[p for p in result.truncated_prompts if p in prompts],
-                    seconds=result.seconds,
-                    batch_images=total,
-                    compiled=compiling,
-                )
-            )
+            end = start + len(ticket.request)
+            ticket.future.set_result(result.part(start, end, ticket.request))
             start = end
 
-    def wait(self, ticket: Ticket, on_update=None, poll_seconds: float = 0.1) -> Outcome:
+    def wait(self, ticket: Ticket, on_update=None, poll_seconds: float = 0.1) -> Generation:
         """Blocks until the ticket's result is ready, calling `on_update(ticket)` while it waits."""
         while True:
             try:
@@ -223,10 +162,6 @@ class DeviceQueue:
             except concurrent.futures.TimeoutError:
                 if on_update is not None:
                     on_update(ticket)
-
-
-DEFAULT_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
-GUIDANCE_RANGE = (0.0, 20.0)
 
 
 def load_pipeline(model: str, **kwargs) -> tuple[Pipeline, str | None]:
@@ -247,17 +182,6 @@ def load_pipeline(model: str, **kwargs) -> tuple[Pipeline, str | None]:
         return Pipeline.from_pretrained("tiny", **kwargs), notice
 
 
-def _integer(value, label: str, low: int, high: int) -> int:
-    """`value` as an int in [low, high]; integral floats (as JSON clients send) are accepted."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if not number.is_integer() or not low <= number <= high:
-        raise ValueError(f"{label} must be an integer from {low} to {high}, got {value!r}")
-    return int(number)
-
-
 class TextToImage:
     """The demo's requests: turns what a user typed into validated device-queue requests."""
 
@@ -274,73 +198,65 @@ class TextToImage:
     def max_images(self) -> int:
         return self.pipe.num_devices * self.max_images_per_core
 
-    def _common(self, style: str, seed, guidance_scale, steps, width, height, sampler) -> dict:
-        if style not in STYLES:
-            raise ValueError(f"unknown style {style!r}; choose one of: {', '.join(STYLES)}")
-        if sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler {sampler!r}; choose one of: {', '.join(SAMPLERS)}")
-        size = (_integer(width, "width", 1, 8192), _integer(height, "height", 1, 8192))
-        if size not in self.sizes:
+    def _checked(self, request: Request, style: str) -> Request:
+        """The request validated by the pipeline, at one of the demo's sizes, in a known style."""
+        request = self.pipe.validated(request)
+        if (request.width, request.height) not in self.sizes:
             presets = ", ".join(f"{w}x{h}" for w, h in self.sizes)
-            raise ValueError(f"size {size[0]}x{size[1]} is not one of this model's sizes: {presets}")
-        try:
-            guidance = float(guidance_scale)
-        except (TypeError, ValueError):
-            guidance = float("nan")
-        if not GUIDANCE_RANGE[0] <= guidance <= GUIDANCE_RANGE[1]:
-            low, high = GUIDANCE_RANGE
-            raise ValueError(f"guidance scale must be from {low:g} to {high:g}, got {guidance_scale!r}")
-        return dict(
-            seed=_integer(seed, "seed", 0, MAX_SEED),
-            guidance=guidance,
-            steps=_integer(steps, "steps", 1, self.pipe.max_steps),
-            width=size[0],
-            height=size[1],
-            sampler=sampler,
-        )
+            raise ValueError(f"size {request.width}x{request.height} is not one of this model's sizes: {presets}")
+        return request
 
     @staticmethod
-    def _styled(prompt: str, negative_prompt: str, style: str) -> tuple[str, str]:
-        if not prompt or not prompt.strip():
+    def _styled(prompt, negative_prompt, style) -> tuple[str, str]:
+        if style not in STYLES:
+            raise ValueError(f"unknown style {style!r}; choose one of: {', '.join(STYLES)}")
+        if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError("please enter a prompt (an empty prompt would give unguided, random images)")
+        if not isinstance(negative_prompt, (str, type(None))):
+            raise ValueError(f"negative prompt must be text, got {negative_prompt!r:.80}")
         return STYLES[style].apply(prompt, negative_prompt or "")
 
-    def _request(self, prompts, negatives, seeds, index, common) -> Request:
-        n = len(prompts)
-        return Request(
-            tuple(prompts), tuple(negatives), tuple(seeds), tuple(index), (common["guidance"],) * n,
-            steps=common["steps"], height=common["height"], width=common["width"], sampler=common["sampler"],
-        )
-
-    def images(
+    def request_images(
         self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height,
-        images_per_core=1, sampler="euler",
+        images_per_core=1, sampler=DEFAULT_SAMPLER,
     ) -> Request:
         """One prompt, `images_per_core` images on every core: images (seed, 0), (seed, 1), ..."""
-        common = self._common(style, seed, guidance_scale, steps, width, height, sampler)
-        n = self.pipe.num_devices * _integer(images_per_core, "images per core", 1, self.max_images_per_core)
+        n = self.pipe.num_devices * integer(images_per_core, "images per core", 1, self.max_images_per_core)
         text, negative = self._styled(prompt, negative_prompt, style)
-        return self._request([text] * n, [negative] * n, [common["seed"]] * n, range(n), common)
+        request = Request.from_prompt(
+            text, negative, num_images=n, seed=seed, guidance_scale=guidance_scale, steps=steps, height=height,
+            width=width, sampler=sampler,
+        )
+        return self._checked(request, style)
 
-    def compare_prompts(
-        self, prompts: list[str], negative_prompt, style, seed, guidance_scale, steps, width, height, sampler="euler"
+    def request_prompt_comparison(
+        self, prompts: list[str], negative_prompt, style, seed, guidance_scale, steps, width, height,
+        sampler=DEFAULT_SAMPLER,
     ) -> Request:
         """Several prompts from the same starting noise (seed, image 0), side by side."""
-        common = self._common(style, seed, guidance_scale, steps, width, height, sampler)
         prompts = [p for p in prompts if p.strip()]
         if not 1 <= len(prompts) <= self.max_images:
             raise ValueError(f"enter from 1 to {self.max_images} prompts, one per line (got {len(prompts)})")
         styled = [self._styled(p, negative_prompt, style) for p in prompts]
         n = len(styled)
-        return self._request([p for p, _ in styled], [q for _, q in styled], [common["seed"]] * n, [0] * n, common)
+        request = Request(
+            tuple(p for p, _ in styled), tuple(q for _, q in styled), (seed,) * n, (0,) * n, (guidance_scale,) * n,
+            steps, height, width, sampler,
+        )
+        return self._checked(request, style)
 
-    def compare_seeds(
-        self, prompt, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height, sampler="euler"
+    def request_seed_comparison(
+        self, prompt, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
+        sampler=DEFAULT_SAMPLER,
     ) -> Request:
         """One prompt from `num_seeds` consecutive seeds, side by side."""
-        common = self._common(style, seed, guidance_scale, steps, width, height, sampler)
-        n = _integer(num_seeds, "number of seeds", 1, self.max_images)
-        if common["seed"] + n - 1 > MAX_SEED:
-            raise ValueError(f"seeds {common['seed']}..{common['seed'] + n - 1} go past {MAX_SEED}")
+        first = integer(seed, "seed", 0, MAX_SEED)
+        n = integer(num_seeds, "number of seeds", 1, self.max_images)
+        if first + n - 1 > MAX_SEED:
+            raise ValueError(f"seeds {first}..{first + n - 1} go past {MAX_SEED}")
         text, negative = self._styled(prompt, negative_prompt, style)
-        return self._request([text] * n, [negative] * n, range(common["seed"], common["seed"] + n), [0] * n, common)
+        request = Request(
+            (text,) * n, (negative,) * n, tuple(range(first, first + n)), (0,) * n, (guidance_scale,) * n,
+            steps, height, width, sampler,
+        )
+        return self._checked(request, style)

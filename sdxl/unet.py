@@ -8,7 +8,7 @@ Latents are NHWC. Every level of the UNet is a down block (resnets, each optiona
 spatial transformer, then a stride-2 conv) whose intermediate outputs are kept as skips; an up block
 consumes them in reverse, concatenating one skip onto its input before each resnet.
 
-The resnet, attention and resampling layers are diffusers' shared ones; `sdxl.vae` builds on them too.
+The resnet, attention and resampling blocks are the shared ones of `sdxl.layers`.
 """
 
 import dataclasses
@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .attention import dot_product_attention
-from .layers import Conv3x3, GroupNorm, Linear, step_invariant
+from .layers import Attention, Conv3x3, Downsample2D, Linear, ResnetBlock2D, Upsample2D, group_norm
 
 DOWN_BLOCK_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
 UP_BLOCK_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
@@ -210,21 +209,6 @@ def timestep_embedding(timesteps: jax.Array, dim: int, flip_sin_to_cos: bool, fr
     return jnp.pad(jnp.concatenate(waves, axis=-1), ((0, 0), (0, dim % 2)))
 
 
-def group_norm(num_groups: int, epsilon: float, dtype, name: str) -> GroupNorm:
-    return GroupNorm(num_groups=num_groups, epsilon=epsilon, dtype=dtype, name=name)
-
-
-def resize_nearest(x: jax.Array, size: tuple[int, int]) -> jax.Array:
-    """Nearest-neighbour resize of [B, H, W, C] to [B, *size, C] with torch's index rule floor(i * in / out)."""
-    for axis, out in zip((1, 2), size):
-        n = x.shape[axis]
-        if out == 2 * n:
-            x = jnp.repeat(x, 2, axis=axis)
-        else:
-            x = jnp.take(x, (np.arange(out) * n) // out, axis=axis)
-    return x
-
-
 class TimestepEmbedding(nn.Module):
     """Linear -> SiLU -> linear MLP that lifts a sinusoidal (or any) vector to the time-embedding width."""
 
@@ -235,61 +219,6 @@ class TimestepEmbedding(nn.Module):
     def __call__(self, x):  # [B, D] -> [B, features]
         x = nn.silu(Linear(self.features, dtype=self.dtype, name="linear_1")(x))
         return Linear(self.features, dtype=self.dtype, name="linear_2")(x)
-
-
-class ResnetBlock2D(nn.Module):
-    """Pre-norm residual block; the time embedding, if any, is added between its two convs.
-
-    Without a time embedding (the VAE's resnets) the block has no `time_emb_proj` layer, as
-    diffusers' `ResnetBlock2D` with `temb_channels=None`.
-    """
-
-    out_channels: int
-    norm_num_groups: int
-    norm_eps: float
-    output_scale_factor: float = 1.0
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, temb=None):  # [B, H, W, C_in], [B, D_t] or None -> [B, H, W, out_channels]
-        h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm1")(x))
-        h = Conv3x3(self.out_channels, dtype=self.dtype, name="conv1")(h)
-        if temb is not None:
-            temb = Linear(self.out_channels, dtype=self.dtype, name="time_emb_proj")(nn.silu(temb))
-            h = h + temb[:, None, None, :]
-        h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm2")(h))
-        h = Conv3x3(self.out_channels, dtype=self.dtype, name="conv2")(h)
-        if x.shape[-1] != self.out_channels:
-            x = nn.Conv(self.out_channels, (1, 1), dtype=self.dtype, name="conv_shortcut")(x)
-        return (x + h) / self.output_scale_factor
-
-
-class Attention(nn.Module):
-    """Multi-head attention of `x` over `context` (over itself when `context` is None).
-
-    The UNet's query/key/value projections have no bias; the VAE's do (`qkv_bias`).
-    """
-
-    num_heads: int
-    qkv_bias: bool = False
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, context=None):  # [B, T, C], [B, S, D] -> [B, T, C]
-        batch, length, channels = x.shape
-        head_dim = channels // self.num_heads
-
-        def project(name, inputs):  # -> [B, T or S, heads, head_dim]
-            y = Linear(channels, use_bias=self.qkv_bias, dtype=self.dtype, name=name)(inputs)
-            return y.reshape(batch, -1, self.num_heads, head_dim)
-
-        if context is None:
-            key, value = project("to_k", x), project("to_v", x)
-        else:  # the text's keys and values: the same in every denoising step
-            key = step_invariant(self, "key", lambda: project("to_k", context))
-            value = step_invariant(self, "value", lambda: project("to_v", context))
-        out = dot_product_attention(project("to_q", x), key, value)
-        return Linear(channels, dtype=self.dtype, name="to_out.0")(out.reshape(batch, length, channels))
 
 
 class GEGLU(nn.Module):
@@ -355,28 +284,6 @@ class Transformer2DModel(nn.Module):
             h = BasicTransformerBlock(self.spec.num_heads, self.dtype, name=f"transformer_blocks.{i}")(h, context)
         h = projection("proj_out")(h.reshape(batch, height, width, channels))
         return x + h
-
-
-class Downsample2D(nn.Module):
-    """Stride-2 3x3 conv; padding 0 means padding only the bottom and right edges."""
-
-    padding: int
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):  # [B, H, W, C] -> [B, ceil(H/2), ceil(W/2), C]
-        padding = ((0, 1), (0, 1)) if self.padding == 0 else self.padding
-        return nn.Conv(x.shape[-1], (3, 3), strides=2, padding=padding, dtype=self.dtype, name="conv")(x)
-
-
-class Upsample2D(nn.Module):
-    """Nearest-neighbour upsampling to a given size (twice the input for even latents), then a 3x3 conv."""
-
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, size):  # [B, H, W, C] -> [B, *size, C]
-        return Conv3x3(x.shape[-1], dtype=self.dtype, name="conv")(resize_nearest(x, size))
 
 
 def _resnet_and_transformer(block: nn.Module, index: int, x, temb, context):

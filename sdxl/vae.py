@@ -15,8 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .layers import Conv3x3
-from .unet import Attention, Downsample2D, ResnetBlock2D, Upsample2D, group_norm
+from .layers import Attention, Conv3x3, Downsample2D, ResnetBlock2D, Upsample2D, group_norm
 
 # Every norm in the VAE (resnets, mid-block attention, conv_norm_out) uses this epsilon.
 NORM_EPS = 1e-6

@@ -9,7 +9,7 @@ import torch
 from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from sdxl import tiny
+from sdxl.checkpoints import random_models
 from sdxl.tokenizer import write_byte_level_tokenizer
 
 SCHEDULER_JSON = "scheduler/scheduler_config.json"
@@ -68,7 +68,7 @@ def _randomize_and_save(pipe: diffusers.DiffusionPipeline, folder: Path, configs
     (folder / SCHEDULER_JSON).write_text(json.dumps(configs[SCHEDULER_JSON], indent=2))
 
 
-def sdxl_pipeline(folder: Path, configs: dict = tiny.SDXL_CONFIGS, seed: int = 0) -> StableDiffusionXLPipeline:
+def sdxl_pipeline(folder: Path, configs: dict = random_models.SDXL_CONFIGS, seed: int = 0) -> StableDiffusionXLPipeline:
     """A random diffusers SDXL pipeline with `configs`, saved (safetensors) to `folder`."""
     components = _components(folder, configs)
     pipe = StableDiffusionXLPipeline(
@@ -82,7 +82,7 @@ def sdxl_pipeline(folder: Path, configs: dict = tiny.SDXL_CONFIGS, seed: int = 0
     return pipe
 
 
-def sd_pipeline(folder: Path, configs: dict = tiny.SD1_CONFIGS, seed: int = 0) -> StableDiffusionPipeline:
+def sd_pipeline(folder: Path, configs: dict = random_models.SD1_CONFIGS, seed: int = 0) -> StableDiffusionPipeline:
     """A random diffusers SD 1.x/2.x pipeline with `configs`, saved (safetensors) to `folder`.
 
     It has no safety checker: its model_index.json lists `safety_checker` and `feature_extractor`

@@ -28,7 +28,7 @@ from gradio_client.utils import Status, StatusUpdate
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
-from sdxl.tiny import write_checkpoint
+from sdxl.checkpoints.random_models import write_checkpoint
 
 # gradio_client reads these in this process: no telemetry calls to the Hub from the tests.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -234,14 +234,15 @@ def _bad(endpoint: str, message: str, **kwargs):
         _bad("/generate", "seed must be an integer from 0 to 4294967295, got 1.5", seed=1.5),
         _bad("/generate", "seed must be an integer from 0 to 4294967295, got 'abc'", seed="abc"),
         _bad("/generate", "steps must be an integer from 1 to 100, got 'abc'", steps="abc"),
-        _bad("/generate", "guidance scale must be from 0 to 20, got 'abc'", guidance_scale="abc"),
+        _bad("/generate", "guidance scale must be a number from 0 to 20, got 'abc'", guidance_scale="abc"),
         _bad("/generate", "images per core must be an integer from 1 to 4, got 'abc'", images_per_core="abc"),
-        _bad("/generate", "width must be an integer from 1 to 8192, got 'abc'", width="abc"),
+        _bad("/generate", "width must be a multiple of 16 from 16 to 4096, got 'abc'", width="abc"),
+        _bad("/generate", "width must be a multiple of 16 from 16 to 4096, got 100", width=100),
         _bad("/generate", "Value 0 is less than minimum value 1", steps=0),
         _bad("/generate", "Value 101 is greater than maximum value 100", steps=101),
         _bad("/generate", "steps must be an integer from 1 to 100, got 2.5", steps=2.5),
         _bad("/generate", "Value 25 is greater than maximum value 20", guidance_scale=25),
-        _bad("/generate", "size 100x100 is not one of this model's sizes: 128x128, 144x112", width=100, height=100),
+        _bad("/generate", "size 160x160 is not one of this model's sizes: 128x128, 144x112", width=160, height=160),
         _bad("/generate", "Watercolour is not in the list of choices", style="Watercolour"),
         _bad("/generate", "lms is not in the list of choices", sampler="lms"),
         _bad("/generate", "Value 5 is greater than maximum value 4", images_per_core=5),

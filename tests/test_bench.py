@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from sdxl import bench, tiny, unet
+from sdxl import unet
+from sdxl.bench import report, speed
+from sdxl.checkpoints import random_models
 from sdxl.config import config_from_dict
 from sdxl.pipeline import Pipeline
 
@@ -49,7 +51,7 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
 
 def test_load_only_measures_warm_and_cold_loads_into_its_own_table(tmp_path):
     markdown = tmp_path / "BENCHMARKS.md"
-    markdown.write_text(bench.MARKDOWN_HEADER + "| an earlier row |\n\nText after the table.\n")
+    markdown.write_text(report.MARKDOWN_HEADER + "| an earlier row |\n\nText after the table.\n")
     result = subprocess.run(
         [sys.executable, "-m", "sdxl", "bench", "--model", "tiny", "--load-only", "--devices", "1"]
         + ["--json", str(tmp_path / "load.json"), "--markdown", str(markdown)],
@@ -65,12 +67,12 @@ def test_load_only_measures_warm_and_cold_loads_into_its_own_table(tmp_path):
         assert np.isclose(r[f"load_over_raw_read{suffix}"], r[f"load{suffix}_s"] / r[f"raw_read{suffix}_s"])
     assert "images_per_s" not in r and "from the disk" in result.stdout
     text = markdown.read_text()
-    assert text.startswith(bench.MARKDOWN_HEADER + "| an earlier row |\n")  # the speed table is untouched
-    load_table = text[text.index(bench.LOAD_MARKDOWN_HEADER) :].splitlines()
+    assert text.startswith(report.MARKDOWN_HEADER + "| an earlier row |\n")  # the speed table is untouched
+    load_table = text[text.index(report.LOAD_MARKDOWN_HEADER) :].splitlines()
     assert "| tiny into float32 |" in load_table[2] and load_table[2].count("|") == load_table[0].count("|")
 
-    bench.append_markdown(markdown, bench.LOAD_MARKDOWN_HEADER, "| second |\n")
-    rows = markdown.read_text().split(bench.LOAD_MARKDOWN_HEADER)[1].splitlines()
+    report.append_markdown(markdown, report.LOAD_MARKDOWN_HEADER, "| second |\n")
+    rows = markdown.read_text().split(report.LOAD_MARKDOWN_HEADER)[1].splitlines()
     assert rows[1] == "| second |"  # appended to the end of its table, not after the text
 
 
@@ -156,13 +158,13 @@ def _analytic_unet_flops(config: unet.UNetConfig, height: int, width: int, conte
 
 
 def test_unet_flop_count_matches_an_independent_count(monkeypatch):
-    config = config_from_dict(unet.UNetConfig, bench.MEDIUM_CONFIGS["unet/config.json"])
+    config = config_from_dict(unet.UNetConfig, random_models.MEDIUM_CONFIGS["unet/config.json"])
     expected = 2 * _analytic_unet_flops(config, 32, 24, 77)
     monkeypatch.setenv("SDXL_CONV", "xla")  # the analytic count is of direct convolutions
-    counted = bench.unet_flops(config, batch=2, latent_height=32, latent_width=24, context_length=77)
+    counted = speed.unet_flops(config, batch=2, latent_height=32, latent_width=24, context_length=77)
     monkeypatch.delenv("SDXL_CONV")
-    winograd = bench.unet_flops(config, batch=2, latent_height=32, latent_width=24, context_length=77)
-    bfloat16 = bench.unet_flops(config, 2, 32, 24, 77, dtype=jnp.bfloat16)  # direct convolutions, as the pipeline's
+    winograd = speed.unet_flops(config, batch=2, latent_height=32, latent_width=24, context_length=77)
+    bfloat16 = speed.unet_flops(config, 2, 32, 24, 77, dtype=jnp.bfloat16)  # direct convolutions, as the pipeline's
     print(
         f"UNet FLOPs at 2x32x24: cost analysis {counted / 1e9:.3f} G ({winograd / 1e9:.3f} G with this CPU's "
         f"Winograd convolutions), analytic {expected / 1e9:.3f} G, ratio {counted / expected:.4f}"
@@ -175,25 +177,25 @@ def test_unet_flop_count_matches_an_independent_count(monkeypatch):
 
 def test_compile_counter_sees_a_new_size_but_not_new_prompts_seeds_guidance_or_steps():
     pipe = Pipeline.from_pretrained("tiny", max_steps=4, devices=jax.devices()[:1])
-    assert bench.count_compilations(pipe, [bench.batch_request(1, 16, 16, 1)]) >= 1
-    assert bench.count_compilations(pipe, bench.sweep_requests(1, 16, 16, 1)) == 0
-    assert bench.count_compilations(pipe, [bench.batch_request(1, 32, 16, 1)]) >= 1
+    assert speed.count_compilations(pipe, [speed.batch_request(1, 16, 16, 1)]) >= 1
+    assert speed.count_compilations(pipe, speed.sweep_requests(1, 16, 16, 1)) == 0
+    assert speed.count_compilations(pipe, [speed.batch_request(1, 32, 16, 1)]) >= 1
 
 
 def test_write_checkpoint_streams_a_loadable_float16_checkpoint(tmp_path):
-    tiny.write_checkpoint(tmp_path, bench.builtin_configs("tiny"), dtype="float16", seed=3)
+    random_models.write_checkpoint(tmp_path, random_models.configs_of("tiny"), dtype="float16", seed=3)
     path = tmp_path / "unet" / "diffusion_pytorch_model.safetensors"
     with safe_open(str(path), "np") as f:  # the reference parser accepts the layout
         kernel = f.get_tensor("conv_in.weight")
         assert kernel.dtype == np.float16 and kernel.shape == (32, 4, 3, 3)  # PyTorch's OIHW
-        assert abs(kernel.std() * np.sqrt(4 * 3 * 3) - 1) < 0.25  # fan-in scaled, as tiny.random_tensor
+        assert abs(kernel.std() * np.sqrt(4 * 3 * 3) - 1) < 0.25  # fan-in scaled, as random_models.random_tensor
     pipe = Pipeline.from_pretrained(str(tmp_path), dtype="bfloat16", devices=jax.devices()[:1])
     assert pipe.params["unet"]["conv_in"]["kernel"].shape == (3, 3, 4, 32)
 
 
 def test_peak_table_matches_device_kinds():
-    assert bench.peak_tflops("NVIDIA H100 80GB HBM3") == 989
-    assert bench.peak_tflops("NVIDIA H100 PCIe") == 756
-    assert bench.peak_tflops("TPU v5 lite") == 197
-    assert bench.peak_tflops("TPU v5") == 459
-    assert bench.peak_tflops("cpu") is None
+    assert speed.peak_tflops("NVIDIA H100 80GB HBM3") == 989
+    assert speed.peak_tflops("NVIDIA H100 PCIe") == 756
+    assert speed.peak_tflops("TPU v5 lite") == 197
+    assert speed.peak_tflops("TPU v5") == 459
+    assert speed.peak_tflops("cpu") is None

@@ -10,7 +10,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from sdxl import clip
-from sdxl.checkpoint import BUILTIN_CONFIGS
+from sdxl.checkpoints import BUILTIN_CONFIGS
 from sdxl.config import config_from_dict, config_from_file, read_json
 from sdxl.weights import load_params
 

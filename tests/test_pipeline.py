@@ -24,10 +24,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import two_hosts
 from reference import diffusers_images, random_latents, sdxl_pipeline
-from sdxl import checkpoint, tiny, unet
+from sdxl import unet
+from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec, random_models
 from sdxl.compilation import CompileCounter
 from sdxl.layers import STEP_INVARIANTS
-from sdxl.pipeline import ModelSpec, Pipeline, PromptTruncatedWarning, per_image_keys
+from sdxl.pipeline import Pipeline, PromptTruncatedWarning
+from sdxl.program import per_image_keys
+from sdxl.request import Request
 from sdxl.sampling import step_noise
 
 HEIGHT, WIDTH = 64, 96  # non-square, and a multiple of the tiny model's latent factor (16)
@@ -241,7 +244,7 @@ def test_splash_attention_renders_the_same_images_on_four_devices(reference, pip
 def _abstract_sdxl_pipeline() -> Pipeline:
     """The real SDXL configs with abstract bfloat16 parameters on this host's 4 devices: enough to
     lower the full-size program for an accelerator, from this CPU host."""
-    spec = ModelSpec.from_folder(checkpoint.BUILTIN_CONFIGS / "sdxl-base-1.0")
+    spec = ModelSpec.from_folder(BUILTIN_CONFIGS / "sdxl-base-1.0")
     mesh = Mesh(np.array(jax.devices()), ("batch",))
     replicated = NamedSharding(mesh, PartitionSpec())
     params = jax.tree.map(
@@ -254,7 +257,7 @@ def test_sdxl_program_lowers_for_a_tpu_with_a_splash_kernel_per_device(monkeypat
     """The TPU target at full size: 1024x1024, batch 4 on 4 devices. Pallas' Mosaic lowering checks
     each kernel's block shapes and dtypes, which its interpreter (the other splash tests) does not."""
     monkeypatch.setenv("SDXL_ATTENTION", "splash")
-    text = _abstract_sdxl_pipeline().lowered(1024, 1024, batch=4, platforms=("tpu",)).as_text()
+    text = _abstract_sdxl_pipeline().lowered(1024, 1024, num_images=4, platforms=("tpu",)).as_text()
     # One kernel per distinct attention shape. Operand types: two masks, then query, key, value, ...
     operand_types = [types.split(", ") for types in re.findall(r"@tpu_custom_call\(.*? : \(([^)]*)\)", text)]
     assert operand_types, "no splash kernel went through Mosaic (was it interpreted?)"
@@ -277,7 +280,7 @@ def test_sdxl_program_lowers_for_a_gpu_with_a_cudnn_call_per_device(monkeypatch)
     checks (the GPU, its plan for each shape) comes only on a GPU."""
     monkeypatch.setattr(fused_attention_stablehlo, "cuda_versions", SimpleNamespace(cudnn_get_version=lambda: 91000))
     monkeypatch.setenv("SDXL_ATTENTION", "cudnn")
-    text = _abstract_sdxl_pipeline().lowered(1024, 1024, batch=4, platforms=("cuda",)).as_text()
+    text = _abstract_sdxl_pipeline().lowered(1024, 1024, num_images=4, platforms=("cuda",)).as_text()
     # Each device calls the kernel on its own latents: nothing is left for XLA's partitioner to decide.
     assert "CustomSPMDPartitioning" not in text
     calls = re.findall(r"@__cudnn\$fmhaSoftmax\(.*? : \(([^)]*)\)", text)
@@ -304,15 +307,25 @@ def test_progress_reports_every_step_and_changes_no_pixel(reference, pipe, monke
         monkeypatch.setenv("SDXL_CONV", convolution)
         pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
     kwargs = dict(steps=5, height=HEIGHT, width=WIDTH)
-    args = (["a cat"] * 4, ["dog"] * 4, [3] * 4, list(range(4)), [6.0] * 4)
-    whole = pipe.run(*args, **kwargs)
+    request = Request(("a cat",) * 4, ("dog",) * 4, (3,) * 4, tuple(range(4)), (6.0,) * 4, **kwargs)
+    whole = pipe.render(request)
     reported = []
-    staged = pipe.run(*args, **kwargs, on_step=reported.append)
+    staged = pipe.render(request, on_step=reported.append)
     assert reported == [1, 2, 3, 4, 5]
     np.testing.assert_array_equal(staged.images, whole.images)
     every_two = []
-    pipe.run(*args, **kwargs, on_step=every_two.append, steps_per_report=2)
+    pipe.render(request, on_step=every_two.append, steps_per_report=2)
     assert every_two == [2, 4, 5]
+
+
+def test_is_compiled_tells_what_warmup_compiled(reference):
+    pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
+    assert not pipe.is_compiled(HEIGHT, WIDTH, 4) and not pipe.is_compiled(HEIGHT, WIDTH, 4, progress=True)
+    pipe.warmup(HEIGHT, WIDTH, 4)
+    assert pipe.is_compiled(HEIGHT, WIDTH, 4) and not pipe.is_compiled(HEIGHT, WIDTH, 4, progress=True)
+    pipe.warmup(HEIGHT, WIDTH, 4, progress=True)
+    assert pipe.is_compiled(HEIGHT, WIDTH, 4, progress=True)
+    assert not pipe.is_compiled(HEIGHT, WIDTH, 8)
 
 
 def test_denoising_loops_leave_the_step_invariants_outside(reference, monkeypatch):
@@ -328,7 +341,7 @@ def test_denoising_loops_leave_the_step_invariants_outside(reference, monkeypatc
     for invariant in ("attn2/step_invariants/to_k", "attn2/step_invariants/to_v", "conv1/step_invariants"):
         assert any(f"/{invariant}/" in op for op in prepared), invariant
     assert products("denoise") == ([], [])
-    in_loops, in_all = products("generate")
+    in_loops, in_all = products("whole")
     assert in_all and not in_loops
 
 
@@ -399,7 +412,7 @@ def test_bfloat16_is_finite_and_close_to_float32(reference, pipe):
 
 def test_parameter_shapes_are_cached_per_config(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    spec = ModelSpec.from_folder(tiny.ensure_checkpoint("tiny"))
+    spec = ModelSpec.from_folder(random_models.ensure_checkpoint("tiny"))
     traced = spec.abstract_params()
     assert len(list((tmp_path / "sdxl-jax" / "shapes").glob("*.json"))) == 4  # one per component
 

@@ -26,6 +26,13 @@ MAX_STEPS = 30
 PATTERN = np.random.default_rng(1).standard_normal(SHAPE[1:]).astype(np.float32)
 
 
+
+def sample(sampler, denoiser, x, schedule, num_steps, keys=None):
+    """A whole sampling loop, as the pipeline runs it: init, every step, finish."""
+    carry = sampling.run_steps(sampler, denoiser, sampler.init(x), schedule, num_steps, 0, num_steps, keys)
+    return sampler.finish(carry)
+
+
 def toy_model(model_input, timestep, xp):
     """A fixed stand-in for the UNet: linear in its input, smooth in the timestep."""
     return 0.9 * model_input + 0.2 * xp.asarray(PATTERN) * xp.cos(timestep / 300)
@@ -53,7 +60,7 @@ def diffusers_sample(scheduler, noise: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def compiled_sampler(name: str, prediction_type: str):
-    return jax.jit(functools.partial(sampling.sample, SAMPLERS[name], toy_denoiser(prediction_type)))
+    return jax.jit(functools.partial(sample, SAMPLERS[name], toy_denoiser(prediction_type)))
 
 
 def run(name, values, num_steps, noise, keys=None):
@@ -99,17 +106,17 @@ def test_num_steps_is_traced():
     denoiser = toy_denoiser("epsilon")
 
     @jax.jit
-    def sample(x, schedule, num_steps):
+    def euler(x, schedule, num_steps):
         nonlocal traces
         traces += 1
-        return sampling.sample(SAMPLERS["euler"], denoiser, x, schedule, num_steps)
+        return sample(SAMPLERS["euler"], denoiser, x, schedule, num_steps)
 
     noise = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
     for num_steps in (7, 25):
         schedule = sampling.euler_schedule(config, num_steps, MAX_STEPS)
         reference = EulerDiscreteScheduler.from_config(SDXL_SCHEDULER_CONFIG)
         reference.set_timesteps(num_steps)
-        ours = sample(jnp.asarray(noise) * schedule.init_noise_sigma, schedule, jnp.int32(num_steps))
+        ours = euler(jnp.asarray(noise) * schedule.init_noise_sigma, schedule, jnp.int32(num_steps))
         np.testing.assert_allclose(ours, diffusers_sample(reference, noise), atol=1e-5, rtol=0)
     assert traces == 1
 
@@ -123,7 +130,7 @@ def test_padding_is_not_read():
     sigmas[8:], timesteps[7:] = np.nan, np.nan
     garbage = padded.replace(sigmas=jnp.asarray(sigmas), timesteps=jnp.asarray(timesteps))
     denoiser = toy_denoiser("epsilon")
-    results = [sampling.sample(SAMPLERS["euler"], denoiser, x, s, 7) for s in (exact, padded, garbage)]
+    results = [sample(SAMPLERS["euler"], denoiser, x, s, 7) for s in (exact, padded, garbage)]
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], results[2])
 
@@ -137,7 +144,7 @@ def test_running_the_loop_in_chunks_gives_the_same_latents(name):
     keys = jax.random.split(jax.random.key(0), SHAPE[0])
     x = jnp.asarray(np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)) * schedule.init_noise_sigma
     denoiser = toy_denoiser("epsilon")
-    whole = sampling.sample(sampler, denoiser, x, schedule, 7, keys)
+    whole = sample(sampler, denoiser, x, schedule, 7, keys)
     carry = sampler.init(x)
     for start, stop in ((0, 3), (3, 4), (4, 7)):
         carry = sampling.run_steps(sampler, denoiser, carry, schedule, 7, start, stop, keys)

@@ -14,14 +14,15 @@ from diffusers import (
     EulerDiscreteScheduler,
 )
 
-from sdxl import schedulers, tiny
+from sdxl import schedulers
+from sdxl.checkpoints import random_models
 from sdxl.config import config_from_dict, config_from_file, read_json
 from sdxl.schedulers import SchedulerConfig
 
 SDXL_SCHEDULER_JSON = Path(__file__).parent.parent / "sdxl/configs/sdxl-base-1.0/scheduler/scheduler_config.json"
 SDXL_SCHEDULER_CONFIG = read_json(SDXL_SCHEDULER_JSON)
 # stable-diffusion-v1-5's scheduler/scheduler_config.json: a PNDM config without timestep_spacing.
-SD15_SCHEDULER_CONFIG = tiny.SD1_CONFIGS["scheduler/scheduler_config.json"]
+SD15_SCHEDULER_CONFIG = random_models.SD1_CONFIGS["scheduler/scheduler_config.json"]
 VARIANTS = {
     "as shipped": {},
     "leading": {"timestep_spacing": "leading"},

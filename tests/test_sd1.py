@@ -15,8 +15,8 @@ from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from reference import diffusers_images, random_latents, sd_pipeline
-from sdxl import tiny
-from sdxl.checkpoint import resolve
+from sdxl.checkpoints import random_models
+from sdxl.checkpoints import locate
 from sdxl.pipeline import Pipeline
 
 ROOT = Path(__file__).parents[1]
@@ -27,10 +27,10 @@ NEGATIVES = ["blurry", "low quality, watermark"]
 # stable-diffusion-2-1's layout in miniature: a gelu (OpenCLIP) encoder, linear attention
 # projections, a head count per level, upcast attention, and its v-prediction DDIM scheduler config.
 SD2_CONFIGS = {
-    **tiny.SD1_CONFIGS,
-    "text_encoder/config.json": {**tiny.SD1_CONFIGS["text_encoder/config.json"], "hidden_act": "gelu"},
+    **random_models.SD1_CONFIGS,
+    "text_encoder/config.json": {**random_models.SD1_CONFIGS["text_encoder/config.json"], "hidden_act": "gelu"},
     "unet/config.json": {
-        **tiny.SD1_CONFIGS["unet/config.json"],
+        **random_models.SD1_CONFIGS["unet/config.json"],
         "use_linear_projection": True,
         "attention_head_dim": [2, 4],
         "upcast_attention": True,
@@ -165,7 +165,7 @@ def test_safety_checker_and_feature_extractor_are_ignored(reference, pipe, tmp_p
 
 def test_tiny_sd1_is_an_sd1_checkpoint_that_diffusers_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    folder = resolve("tiny-sd1")
+    folder = locate("tiny-sd1")
     assert folder.is_relative_to(tmp_path)
     spec = Pipeline.from_pretrained("tiny-sd1", dtype="float32").spec
     assert not spec.is_sdxl and len(spec.text_encoders) == 1 and not spec.unet.use_linear_projection

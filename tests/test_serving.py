@@ -3,7 +3,8 @@
 import pytest
 
 from sdxl.pipeline import Pipeline
-from sdxl.serving import DeviceQueue, Request
+from sdxl.request import Request
+from sdxl.serving import DeviceQueue
 
 HEIGHT, WIDTH, STEPS = 64, 64, 2
 
@@ -20,25 +21,28 @@ def _request(seed: int) -> Request:
 
 
 def _render_at_once(queue: DeviceQueue, seeds) -> list:
+    """The tickets of requests submitted together, once they are done."""
     tickets = [queue.submit(_request(seed)) for seed in seeds]
-    return [queue.wait(ticket) for ticket in tickets]
+    for ticket in tickets:
+        queue.wait(ticket)
+    return tickets
 
 
 def test_requests_merge_only_into_compiled_batch_sizes(pipe):
     queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
-    assert pipe.num_devices == 4 and not pipe.is_compiled(HEIGHT, WIDTH, 8)
+    assert pipe.num_devices == 4 and not pipe.is_compiled(HEIGHT, WIDTH, 8, progress=True)
 
-    outcomes = _render_at_once(queue, range(3))
+    tickets = _render_at_once(queue, range(3))
     # Batch 8 was not compiled, so the requests ran one by one, and it compiled in the background.
-    assert [o.batch_images for o in outcomes] == [4, 4, 4]
-    assert not any(o.compiled for o in outcomes)
+    assert [t.batch_images for t in tickets] == [4, 4, 4]
+    assert not any(t.compiling for t in tickets)
     queue.compile_in_background(HEIGHT, WIDTH, 8).result(timeout=300)
-    assert pipe.is_compiled(HEIGHT, WIDTH, 8)
+    assert pipe.is_compiled(HEIGHT, WIDTH, 8, progress=True)
 
     # While the first of three renders, the other two wait, and now they share a compiled call.
-    outcomes = _render_at_once(queue, range(3, 6))
-    assert 8 in [o.batch_images for o in outcomes]
-    assert not any(o.compiled for o in outcomes)
+    tickets = _render_at_once(queue, range(3, 6))
+    assert 8 in [t.batch_images for t in tickets]
+    assert not any(t.compiling for t in tickets)
     assert DeviceQueue(pipe, max_batch_images=16, max_queued=8).compile_in_background(HEIGHT, WIDTH, 8) is None
 
 
@@ -49,7 +53,8 @@ def test_a_batch_being_compiled_in_the_background_waits_for_it(pipe):
     assert compiling is not None
     request = Request(("a dog",) * 16, ("",) * 16, (7,) * 16, tuple(range(16)), (5.0,) * 16, STEPS, HEIGHT, WIDTH)
     updates = []
-    outcome = queue.wait(queue.submit(request), on_update=lambda ticket: updates.append(ticket.compiling))
-    assert compiling.done() and outcome.batch_images == 16 and outcome.compiled
+    ticket = queue.submit(request)
+    result = queue.wait(ticket, on_update=lambda ticket: updates.append(ticket.compiling))
+    assert compiling.done() and ticket.batch_images == 16 and ticket.compiling
     assert updates and all(updates), "while it waits for the compile, the request must say it is compiling"
-    assert len(outcome.images) == 16
+    assert len(result.images) == 16

@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel as TorchUNet
 
-from sdxl.checkpoint import BUILTIN_CONFIGS
+from sdxl.checkpoints import BUILTIN_CONFIGS
 from sdxl.config import config_from_dict, config_from_file, read_json
 from sdxl.unet import UNet2DConditionModel, UNetConfig, abstract_params
 from sdxl.weights import flatten, load_params

@@ -9,7 +9,7 @@ import torch
 from diffusers import AutoencoderKL as TorchAutoencoderKL
 from safetensors.numpy import load_file, save_file
 
-from sdxl.checkpoint import BUILTIN_CONFIGS
+from sdxl.checkpoints import BUILTIN_CONFIGS
 from sdxl.config import config_from_dict, config_from_file, read_json
 from sdxl.vae import AutoencoderKL, VAEConfig, abstract_params, rename_key
 from sdxl.weights import CheckpointError, load_params

@@ -7,8 +7,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors.numpy import load_file, save_file
 
-from sdxl import tiny
-from sdxl.pipeline import ModelSpec, Pipeline, load_checkpoint_params, place
+from sdxl.checkpoints import random_models
+from sdxl.checkpoints import ModelSpec, load_weights
+from sdxl.pipeline import Pipeline, place
 from sdxl.weights import CheckpointError, SafetensorsFile
 
 UNET = "unet/diffusion_pytorch_model.safetensors"
@@ -16,7 +17,7 @@ UNET = "unet/diffusion_pytorch_model.safetensors"
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
-    return tiny.write_checkpoint(tmp_path_factory.mktemp("tiny"))
+    return random_models.write_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture
@@ -108,7 +109,7 @@ def test_cpu_devices_adopt_the_loaded_arrays_without_a_copy(pristine, dtype):
         host_and_device.append((array, place(array, replicated)))
         return host_and_device[-1][1]
 
-    load_checkpoint_params(pristine, ModelSpec.from_folder(pristine), np.dtype(dtype), put)
+    load_weights(pristine, ModelSpec.from_folder(pristine).abstract_params(), np.dtype(dtype), put)
     assert len(host_and_device) > 100
     for host, device in host_and_device:
         assert len(device.addressable_shards) == 4

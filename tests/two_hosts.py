@@ -14,16 +14,21 @@ import numpy as np
 
 def render(pipe, request: dict) -> dict[str, np.ndarray]:
     """`request` {prompt, seed, steps, guidance_scale, height, width} as 4 images, by the one-program
-    `generate` and by `run` with progress reports (the demo's path), with the steps it reported."""
+    `generate` and by `render` with progress reports (the demo's path), with the steps it reported."""
+    from sdxl.request import Request
+
     n, size = 4, dict(height=request["height"], width=request["width"])
     images = pipe.generate(
         request["prompt"], seed=request["seed"], steps=request["steps"], guidance_scale=request["guidance_scale"],
         num_images=n, output_type="np", **size,
     )
     reported = []
-    staged = pipe.run(
-        [request["prompt"]] * n, [""] * n, [request["seed"]] * n, list(range(n)), [request["guidance_scale"]] * n,
-        steps=request["steps"], on_step=reported.append, **size,
+    staged = pipe.render(
+        Request.from_prompt(
+            request["prompt"], num_images=n, seed=request["seed"], steps=request["steps"],
+            guidance_scale=request["guidance_scale"], **size,
+        ),
+        on_step=reported.append,
     )
     return dict(generate=images, run=staged.images, reported=np.array(reported))
 

@@ -1,8 +1,9 @@
-"""The built-in tiny models: small random checkpoints in the SDXL and SD 1.x layouts, written on first use.
+"""The built-in random models: checkpoints with random weights in the real diffusers layout.
 
-Each has the real diffusers layout (model_index.json, unet/, vae/, text_encoder*/, tokenizer*/,
-scheduler/, safetensors weights) and is loaded through the same `from_pretrained` path as a
-downloaded checkpoint, so the demo, the CLI and the tests run end to end with no download:
+Each is written on first use (into the project cache) with model_index.json, unet/, vae/,
+text_encoder*/, tokenizer*/ and scheduler/ folders and safetensors weights, and loads through the
+same path as a downloaded checkpoint, so the demo, the CLI, the tests and the benchmark run end to
+end with no download. Their images are noise-like patterns: the weights are random.
 
 - "tiny": SDXL's layout. Two text encoders (the second with a projection and plain gelu), their
   penultimate states as context, the pooled text and size ids as extra conditioning, linear
@@ -11,9 +12,11 @@ downloaded checkpoint, so the demo, the CLI and the tests run end to end with no
   conditioning, convolutional attention projections, one head count for every level, and
   stable-diffusion-v1-5's (PNDM) scheduler config. Like a checkpoint saved without its safety
   checker, its model_index.json lists `safety_checker` and `feature_extractor` as null.
+- "medium": SDXL's layout at a fifth of its width, for the benchmark on a CPU.
+- A folder of published configs in `BUILTIN_CONFIGS` ("sdxl-base-1.0"): full size, for the
+  benchmark on accelerators (`python -m sdxl write-checkpoint`).
 
-Both are 128 pixels native and share the tiny VAE. Their images are noise-like patterns: the weights
-are random.
+The tiny models are 128 pixels native and share the tiny VAE.
 """
 
 import functools
@@ -26,12 +29,17 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from .checkpoint import BUILTIN_CONFIGS
-from .config import cache_root, read_json
-from .weights import write_params
+from ..config import cache_root, read_json
+from ..tokenizer import write_byte_level_tokenizer
+from ..weights import write_params
+from .spec import ModelSpec
 
-# Bump when the configs or the weight recipe change, so stale caches are not reused.
+# Published configs, shipped with the package (see the folder's README for their source and licence).
+BUILTIN_CONFIGS = Path(__file__).parents[1] / "configs"
+
+# Bump when the configs or the weight recipe (`random_tensor`) change, so stale caches are not reused.
 VERSION = 4
+MEDIUM_VERSION = 2
 NATIVE_SIZE = 128
 
 _TEXT_ENCODER = {  # CLIP ViT-L's text encoder in miniature: SD 1.x's only encoder, SDXL's first
@@ -51,18 +59,19 @@ _TEXT_ENCODER = {  # CLIP ViT-L's text encoder in miniature: SD 1.x's only encod
 _TEXT_ENCODER_2 = {**_TEXT_ENCODER, "architectures": ["CLIPTextModelWithProjection"], "hidden_act": "gelu"}
 
 
-def _vae(scaling_factor: float) -> dict:
+def _vae(scaling_factor: float, block_out_channels=(8, 16, 16, 16), norm_num_groups=4, sample_size=NATIVE_SIZE):
+    """A 4-level VAE config (8x downscaling, as SD's and SDXL's)."""
     return {
         "_class_name": "AutoencoderKL",
         "in_channels": 3,
         "out_channels": 3,
         "down_block_types": ["DownEncoderBlock2D"] * 4,
         "up_block_types": ["UpDecoderBlock2D"] * 4,
-        "block_out_channels": [8, 16, 16, 16],
+        "block_out_channels": list(block_out_channels),
         "layers_per_block": 1,
         "latent_channels": 4,
-        "norm_num_groups": 4,
-        "sample_size": NATIVE_SIZE,
+        "norm_num_groups": norm_num_groups,
+        "sample_size": sample_size,
         "scaling_factor": scaling_factor,
     }
 
@@ -145,7 +154,86 @@ SD1_CONFIGS = {
     },
 }
 
-MODELS = {"tiny": SDXL_CONFIGS, "tiny-sd1": SD1_CONFIGS}
+MEDIUM_SIZE = 256
+_MEDIUM_TEXT_ENCODER = {  # CLIP ViT-L's text encoder scaled down; 64-wide heads as in SDXL
+    "architectures": ["CLIPTextModel"],
+    "vocab_size": 514,  # the byte-level tokenizer's
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "max_position_embeddings": 77,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-05,
+    "projection_dim": 128,
+    "bos_token_id": 512,
+    "eos_token_id": 513,
+    "pad_token_id": 513,
+}
+_MEDIUM_TEXT_ENCODER_2 = {  # ... and OpenCLIP bigG's, with its projection and plain gelu
+    **_MEDIUM_TEXT_ENCODER,
+    "architectures": ["CLIPTextModelWithProjection"],
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_attention_heads": 4,
+    "projection_dim": 256,
+    "hidden_act": "gelu",
+}
+# SDXL's layout at a fifth of its width: three levels, no attention at the top one, the deepest
+# transformers at the bottom, 64-wide attention heads, two text encoders whose states concatenate
+# into the context, and a 4-level VAE. The UNet has 34M parameters and a 256x256 image costs 0.18
+# TFLOP at 10 steps: a batch of 4 takes seconds on 2 CPU cores.
+MEDIUM_CONFIGS = {
+    **SDXL_CONFIGS,
+    "unet/config.json": {
+        "_class_name": "UNet2DConditionModel",
+        "sample_size": MEDIUM_SIZE // 8,
+        "in_channels": 4,
+        "out_channels": 4,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+        "block_out_channels": [64, 128, 256],
+        "layers_per_block": 2,
+        "norm_num_groups": 32,
+        "cross_attention_dim": _MEDIUM_TEXT_ENCODER["hidden_size"] + _MEDIUM_TEXT_ENCODER_2["hidden_size"],
+        "attention_head_dim": [1, 2, 4],
+        "transformer_layers_per_block": [1, 1, 2],
+        "use_linear_projection": True,
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": 64,
+        "projection_class_embeddings_input_dim": _MEDIUM_TEXT_ENCODER_2["projection_dim"] + 6 * 64,
+    },
+    "vae/config.json": _vae(0.13025, (32, 64, 128, 128), norm_num_groups=32, sample_size=MEDIUM_SIZE),
+    "text_encoder/config.json": _MEDIUM_TEXT_ENCODER,
+    "text_encoder_2/config.json": _MEDIUM_TEXT_ENCODER_2,
+}
+
+# The random models by name; `configs_of` also takes the folders in `BUILTIN_CONFIGS` ("sdxl-base-1.0").
+MODELS = {"tiny": SDXL_CONFIGS, "tiny-sd1": SD1_CONFIGS, "medium": MEDIUM_CONFIGS}
+# The ones small enough to be written on first use by `Pipeline.from_pretrained(name)`.
+ON_DEMAND = {"tiny": VERSION, "tiny-sd1": VERSION, "medium": MEDIUM_VERSION}
+
+
+def configs_of(name: str) -> dict:
+    """{relative path: JSON} of a random model: a key of `MODELS`, or a published config folder.
+
+    A published folder's text encoders name CLIP's real special tokens; they are set to those of the
+    byte-level tokenizer a random checkpoint gets, so that the pooled text is taken at the end token.
+    """
+    if name in MODELS:
+        return MODELS[name]
+    folder = BUILTIN_CONFIGS / name
+    if not folder.is_dir():
+        known = sorted([*MODELS, *(p.name for p in BUILTIN_CONFIGS.iterdir())])
+        raise ValueError(f"unknown config {name!r}; choose one of: {', '.join(known)}")
+    found = {str(p.relative_to(folder)): read_json(p) for p in sorted(folder.rglob("*.json"))}
+    special_tokens = {
+        k: SDXL_CONFIGS["text_encoder/config.json"][k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+    }
+    for path, config in found.items():
+        if path.startswith("text_encoder"):
+            found[path] = {**config, **special_tokens}
+    return found
 
 
 def random_tensor(rng: np.random.Generator, path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
@@ -179,9 +267,6 @@ def write_checkpoint(folder: Path, configs: dict = SDXL_CONFIGS, *, dtype="float
     Returns:
       `folder`.
     """
-    from .pipeline import ModelSpec
-    from .tokenizer import write_byte_level_tokenizer
-
     folder = Path(folder)
     for name, config in configs.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
@@ -193,25 +278,22 @@ def write_checkpoint(folder: Path, configs: dict = SDXL_CONFIGS, *, dtype="float
         filename = "model.safetensors" if library == "transformers" else "diffusion_pytorch_model.safetensors"
         draw = functools.partial(random_tensor, np.random.default_rng([seed, i]))
         write_params(folder / component / filename, abstract, jnp.dtype(dtype), draw)
-    for encoder in spec.text_encoder_names:
-        write_byte_level_tokenizer(folder / encoder.replace("text_encoder", "tokenizer"), spec.max_tokens)
+    for tokenizer in spec.tokenizer_names:
+        write_byte_level_tokenizer(folder / tokenizer, spec.max_tokens)
     return folder
 
 
 def ensure_checkpoint(name: str = "tiny") -> Path:
-    """The folder of the built-in model `name` (a key of `MODELS`), written on first use."""
-    return ensure_cached(f"{name}-v{VERSION}", MODELS[name])
-
-
-def ensure_cached(folder_name: str, configs: dict) -> Path:
-    """A random checkpoint with `configs` in the project cache, written (atomically) on first use."""
+    """The folder of the random model `name` (a key of `ON_DEMAND`) in the project cache, written
+    (atomically) on first use."""
+    folder_name = f"{name}-v{ON_DEMAND[name]}"
     folder = cache_root() / folder_name
     if (folder / "model_index.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f"{folder_name}-", dir=folder.parent))
     try:
-        write_checkpoint(staging, configs)
+        write_checkpoint(staging, MODELS[name])
         os.replace(staging, folder)
     except OSError:
         if not (folder / "model_index.json").is_file():  # not just another process winning the race

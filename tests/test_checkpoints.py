@@ -2,10 +2,8 @@ import jax
 import numpy as np
 import pytest
 
-from sdxl import checkpoint
-from sdxl.checkpoint import BUILTIN_CONFIGS, HubUnavailableError, resolve
-from sdxl.pipeline import ModelSpec
-from sdxl.weights import CheckpointError
+from sdxl.checkpoints import BUILTIN_CONFIGS, CheckpointError, HubUnavailableError, ModelSpec, hub, locate
+from sdxl.checkpoints import random_models
 
 # Every file of stabilityai/stable-diffusion-xl-base-1.0 that could match our patterns.
 SDXL_REPO_FILES = [
@@ -36,12 +34,12 @@ def test_published_sdxl_base_configs_give_the_published_parameter_counts():
 
 
 def test_hub_download_picks_one_variant_per_component_and_never_pickles():
-    fp16 = checkpoint._hub_weight_patterns(SDXL_REPO_FILES, "fp16")
+    fp16 = hub._hub_weight_patterns(SDXL_REPO_FILES, "fp16")
     assert fp16 == [
         "text_encoder/*.fp16*.safetensors", "text_encoder_2/*.fp16*.safetensors", "unet/*.fp16*.safetensors",
         "vae/*.fp16*.safetensors",
     ]
-    full = checkpoint._hub_weight_patterns(SDXL_REPO_FILES, None)
+    full = hub._hub_weight_patterns(SDXL_REPO_FILES, None)
     assert "unet/diffusion_pytorch_model.safetensors" in full
     assert not any("fp16" in p or p.endswith((".bin", ".msgpack", ".onnx")) for p in full)
     # Neither single-file checkpoints nor components the pipeline never loads are downloaded.
@@ -53,26 +51,24 @@ def test_offline_hub_model_missing_from_the_cache_is_reported(monkeypatch, tmp_p
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
     expected = r"nobody/no-model: not in the local Hugging Face cache.*HF_HUB_OFFLINE"
     with pytest.raises(HubUnavailableError, match=expected):
-        resolve("nobody/no-model")
+        locate("nobody/no-model")
 
 
 @pytest.mark.parametrize("name", ["./nowhere", "/nowhere/at/all", "a/b/c", "just-a-word"])
 def test_names_that_are_neither_folders_nor_repo_ids_are_refused(name):
     with pytest.raises(CheckpointError, match="not a checkpoint folder"):
-        resolve(name)
+        locate(name)
 
 
 def test_builtin_names_resolve_without_a_download():
-    assert (resolve("tiny") / "unet" / "diffusion_pytorch_model.safetensors").is_file()
-    assert resolve("sdxl-base-1.0") == BUILTIN_CONFIGS / "sdxl-base-1.0"
+    assert (locate("tiny") / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    assert locate("sdxl-base-1.0") == BUILTIN_CONFIGS / "sdxl-base-1.0"
 
 
 def test_tiny_checkpoint_is_deterministic(tmp_path):
     from safetensors.numpy import load_file
 
-    from sdxl import tiny
-
-    a = load_file(tiny.write_checkpoint(tmp_path / "a") / "unet" / "diffusion_pytorch_model.safetensors")
-    b = load_file(tiny.write_checkpoint(tmp_path / "b") / "unet" / "diffusion_pytorch_model.safetensors")
+    a = load_file(random_models.write_checkpoint(tmp_path / "a") / "unet" / "diffusion_pytorch_model.safetensors")
+    b = load_file(random_models.write_checkpoint(tmp_path / "b") / "unet" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys()
     assert all(np.array_equal(a[k], b[k]) for k in a)

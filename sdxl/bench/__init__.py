@@ -1,0 +1,91 @@
+"""`python -m sdxl bench`: how fast generation is, measured honestly, side by side with diffusers.
+
+One run measures one model at one image size, step count and batch size:
+
+- load: `Pipeline.from_pretrained` in a fresh process, against a raw read of the same weight files
+  in that process (both with the files in the page cache), and the host's peak RSS against the
+  parameters' bytes in bfloat16;
+- compile: cold (in this process, with an empty persistent cache), and warm (in a fresh process
+  that finds the persistent cache this process filled);
+- time from process start to the first image, in this process (cold) and in the fresh one (warm);
+- steady state: the median of `--runs` (default 5) timed `Pipeline.render` calls after warm-up. `render`
+  returns the images on the host, so a timing covers the whole request: tokenization, transfers,
+  the compiled program to completion, and the fetch;
+- achieved TFLOP/s from XLA's cost analysis, and MFU against the device's peak;
+- the cost of progress reporting (`render(..., on_step=...)`, a chain of staged programs) against the
+  single program;
+- the compilations over a sweep of prompt, seed, guidance and step count (expected: none);
+- peak device memory, where the backend reports it.
+
+With `--compare diffusers`, diffusers' pipeline loads the same saved folder and renders the same
+batch (size, steps, guidance, sampler); its timed runs alternate with ours, so that a machine that
+gets busier part-way slows both alike.
+
+Models: a folder or Hub id, "tiny", "medium" (an SDXL-shaped model small enough for a CPU, built
+here), or "sdxl-base" (SDXL base 1.0's published configs with random weights, about 7 GB in
+float16, written to a temporary folder). `python -m sdxl write-checkpoint` writes such random
+checkpoints, one tensor at a time.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..checkpoints.random_models import MEDIUM_SIZE
+from .loading import run_load_benchmark
+from .report import (
+    LOAD_MARKDOWN_HEADER, MARKDOWN_HEADER, append_markdown, format_load_table, format_table, load_markdown_row,
+    markdown_row,
+)
+from .speed import run_benchmark
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="medium", help="tiny, medium, sdxl-base, a folder or a Hub id (default: %(default)s)"
+    )
+    parser.add_argument("--height", type=int, default=MEDIUM_SIZE)
+    parser.add_argument("--width", type=int, default=MEDIUM_SIZE)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, help="images per call (default: one per device)")
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per median (default: %(default)s)")
+    parser.add_argument("--devices", type=int, help="use the first N devices (default: all)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16, float32 on CPU")
+    parser.add_argument("--compare", choices=["diffusers"], help="also time diffusers' pipeline on the same weights")
+    parser.add_argument(
+        "--load-only", action="store_true", help="measure only the loading (for checkpoints too big to run here)"
+    )
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--markdown", help="append the results as a row to this Markdown file (e.g. BENCHMARKS.md)")
+
+
+def command(args: argparse.Namespace) -> None:
+    def log(message: str) -> None:
+        print(message, file=sys.stderr)
+
+    if args.load_only:
+        result = run_load_benchmark(args.model, dtype=args.dtype, num_devices=args.devices, log=log)
+        table, header, row = format_load_table(result), LOAD_MARKDOWN_HEADER, load_markdown_row(result)
+    else:
+        if args.runs < 1:
+            raise ValueError(f"--runs must be at least 1, got {args.runs}")
+        result = run_benchmark(
+            args.model,
+            height=args.height,
+            width=args.width,
+            steps=args.steps,
+            batch=args.batch,
+            runs=args.runs,
+            num_devices=args.devices,
+            dtype=args.dtype,
+            compare=args.compare,
+            log=log,
+        )
+        table, header, row = format_table(result), MARKDOWN_HEADER, markdown_row(result)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.markdown:
+        append_markdown(Path(args.markdown), header, row)
+
+

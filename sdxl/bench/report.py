@@ -1,0 +1,140 @@
+"""The benchmark's results as an aligned table for the terminal and as BENCHMARKS.md rows."""
+
+from pathlib import Path
+
+
+def _number(value, unit="") -> str:
+    return "n/a" if value is None else f"{value:.3g}{unit}"
+
+
+def _mib(value) -> str:
+    return "n/a" if value is None else f"{value / 2**20:.0f} MiB"
+
+
+def _load_rows(r: dict) -> list[tuple[str, str]]:
+    def against(raw: str, load: str = "load_s") -> str:
+        return f"{r[load]:.2f} s / {r[raw]:.2f} s = {r[load] / r[raw]:.2f}x"
+
+    rss = f"{_mib(r['load_peak_rss_bytes'])} / {_mib(r['param_bytes_bf16'])} = {r['load_rss_over_bf16']:.2f}x"
+    return [
+        (f"load / raw read of {_mib(r['weight_bytes'])}, page cache", against("raw_read_s")),
+        ("load / raw read, from the disk", against("raw_read_cold_s", "load_cold_s")),
+        ("load / raw read into fresh memory", against("raw_read_fresh_s")),
+        ("peak RSS loading / bf16 params", f"{rss} (+{r['load_rss_increase_over_bf16']:.2f}x)"),
+    ]
+
+
+def _aligned(rows: list[tuple[str, str]]) -> str:
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def format_load_table(r: dict) -> str:
+    return _aligned([("model", f"{r['model']} into {r['dtype']}"), ("device", r["machine"]), *_load_rows(r)])
+
+
+def format_table(r: dict) -> str:
+    """The results as an aligned two-column table."""
+    mfu = "n/a (no known peak)" if r["mfu"] is None else f"{r['mfu']:.1%} of {r['peak_tflops']:g} TFLOP/s per device"
+    rows = [
+        (
+            "model",
+            f"{r['model']} {r['width']}x{r['height']}, {r['steps']} steps, batch {r['batch']}, {r['dtype']}, "
+            f"{r['attention']} attention, {r['convolution']} convolutions",
+        ),
+        ("device", f"{r['n_devices']}x {r['device']} ({r['machine']})"),
+        ("images/s", _number(r["images_per_s"])),
+        ("s/image", f"{_number(r['s_per_image'])} (median of {r['runs']}; {_number(r['cpu_s_per_image'])} CPU s)"),
+    ]
+    if "ratio" in r:
+        rows += [
+            ("diffusers images/s", f"{_number(r['ref_images_per_s'])} ({r['reference']})"),
+            ("ratio (ours / diffusers)", _number(r["ratio"])),
+        ]
+    rows += [
+        ("achieved TFLOP/s", f"{_number(r['tflops'])} ({_number(r['flops_per_image'] / 1e12)} TFLOP/image)"),
+        ("MFU", mfu),
+        ("compile cold / warm cache", f"{_number(r['compile_s'], ' s')} / {_number(r['warm_compile_s'], ' s')}"),
+        (
+            "start to first image cold / warm",
+            f"{_number(r['first_image_s'], ' s')} / {_number(r['first_image_warm_s'], ' s')}",
+        ),
+        *_load_rows(r),
+        ("peak host RSS (fresh process)", _mib(r["peak_rss_bytes"])),
+        ("peak device memory", _mib(r["peak_device_memory_bytes"])),
+        ("progress overhead", f"{r['progress_overhead']:+.1%} ({_number(r['progress_s_per_image'])} s/image)"),
+        ("recompilations over the sweep", f"{r['recompiles']} in {r['sweep_runs']} calls"),
+        ("load average before / after", " / ".join(f"{x:.1f}" for x in r["load_average"])),
+    ]
+    return _aligned(rows)
+
+
+MARKDOWN_HEADER = (
+    "| Date | Machine | Devices | Model | Size, steps, batch | img/s | diffusers img/s | Ratio "
+    "| TFLOP/s (MFU) | Compile cold / warm | Load / raw read | Load RSS / bf16 | Progress overhead | Recompiles |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+)
+
+
+def markdown_row(r: dict) -> str:
+    """One BENCHMARKS.md table row for a result."""
+    mfu = "" if r["mfu"] is None else f" ({r['mfu']:.0%})"
+    cells = [
+        r["date"],
+        f"{r['machine']}; load {r['load_average'][0]:.1f} to {r['load_average'][1]:.1f}",
+        f"{r['n_devices']}x {r['device']}",
+        f"{r['model']} {r['dtype']}, {r['attention']} attention, {r['convolution']} convolutions",
+        f"{r['width']}x{r['height']}, {r['steps']}, {r['batch']}",
+        f"{r['images_per_s']:.3g}",
+        f"{r['ref_images_per_s']:.3g}" if "ratio" in r else "",
+        f"{r['ratio']:.2f}x" if "ratio" in r else "",
+        f"{r['tflops']:.3g}{mfu}",
+        f"{r['compile_s']:.1f} / {r['warm_compile_s']:.1f} s",
+        _load_cell(r),
+        f"{r['load_rss_over_bf16']:.2f}x",
+        f"{r['progress_overhead']:+.1%}",
+        str(r["recompiles"]),
+    ]
+    return "| " + " | ".join(cells) + " |\n"
+
+
+def _load_cell(r: dict) -> str:
+    return (
+        f"{r['load_s']:.2f} / {r['raw_read_s']:.2f} s ({r['load_over_raw_read']:.1f}x); "
+        f"disk {r['load_cold_s']:.2f} / {r['raw_read_cold_s']:.2f} s ({r['load_over_raw_read_cold']:.1f}x); "
+        f"into fresh memory {r['raw_read_fresh_s']:.2f} s ({r['load_over_raw_read_fresh']:.1f}x)"
+    )
+
+
+LOAD_MARKDOWN_HEADER = (
+    "| Date | Machine | Model | Weights | Load / raw read: page cache; disk; into fresh memory "
+    "| Load RSS / bf16 (increase) |\n"
+    "|---|---|---|---|---|---|\n"
+)
+
+
+def load_markdown_row(r: dict) -> str:
+    cells = [
+        r["date"],
+        r["machine"],
+        f"{r['model']} into {r['dtype']}",
+        _mib(r["weight_bytes"]),
+        _load_cell(r),
+        f"{r['load_rss_over_bf16']:.2f}x ({r['load_rss_increase_over_bf16']:+.2f}x)",
+    ]
+    return "| " + " | ".join(cells) + " |\n"
+
+
+def append_markdown(path: Path, header: str, row: str) -> None:
+    """Appends a row to the table with `header` (starting one at the end of `path` if there is none)."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else ""
+    end = text.find(header)
+    if end < 0:
+        text += ("\n" if text and not text.endswith("\n\n") else "") + header + row
+    else:
+        end += len(header)
+        while end < len(text) and text.startswith("|", end):  # past the table's rows
+            end = text.index("\n", end) + 1
+        text = text[:end] + row + text[end:]
+    path.write_text(text)

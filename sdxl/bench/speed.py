@@ -1,0 +1,411 @@
+"""Measuring generation: speed against diffusers, FLOPs and MFU, compile times, recompilations."""
+
+import datetime
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from .. import attention, convolution, unet
+from ..compilation import CompileCounter, enable_compilation_cache
+from ..request import DEFAULT_GUIDANCE_SCALE, Request
+from .loading import (
+    bf16_bytes, default_dtype, in_fresh_process, load_pipeline, memory_status, process_start_time, scratch_dir,
+    disk_and_fresh_memory_loads, load_ratios, machine_description, measure_load, resolve_model,
+)
+
+PROMPT = "a photograph of an astronaut riding a horse on the moon, detailed, sharp focus"
+NEGATIVE_PROMPT = "blurry, low quality"
+GUIDANCE_SCALE = DEFAULT_GUIDANCE_SCALE
+SAMPLER = "euler"  # diffusers' EulerDiscreteScheduler is the reference's counterpart
+
+# Dense (no sparsity) bfloat16 peak TFLOP/s per chip, from the vendors' spec pages: Google Cloud
+# TPU docs (v4, v5e, v5p, v6e system architecture) and NVIDIA's H100/H200/A100 datasheets, whose
+# "with sparsity" figures are twice these. Matched in order against `device_kind`.
+PEAK_BF16_TFLOPS = (
+    ("TPU v4", 275.0),
+    ("TPU v5 lite", 197.0),  # v5e
+    ("TPU v5e", 197.0),
+    ("TPU v5p", 459.0),
+    ("TPU v5", 459.0),  # v5p reports itself as "TPU v5"
+    ("TPU v6 lite", 918.0),  # v6e (Trillium)
+    ("TPU v6e", 918.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),  # SXM
+    ("H200", 989.0),
+    ("A100", 312.0),
+)
+
+def peak_tflops(device_kind: str) -> float | None:
+    """The device's dense bf16 peak in TFLOP/s, or None when it is not in `PEAK_BF16_TFLOPS`."""
+    return next((peak for name, peak in PEAK_BF16_TFLOPS if name in device_kind), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def unet_flops(
+    config: unet.UNetConfig,
+    batch: int,
+    latent_height: int,
+    latent_width: int,
+    context_length: int,
+    dtype=jnp.float32,
+) -> float:
+    """XLA's FLOP count of one UNet evaluation on a batch (from the lowered program's cost analysis).
+
+    The pipeline's denoising loop is a `while` loop with a traced trip count, whose body XLA's cost
+    analysis counts once; this is the body's main cost, to count the other steps. It is traced in
+    the pipeline's `dtype`, which picks the convolution algorithm (`sdxl.convolution`).
+    """
+    model = unet.UNet2DConditionModel(config, dtype)
+
+    def arg(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    inputs = [
+        arg(batch, latent_height, latent_width, config.in_channels),
+        arg(batch),
+        arg(batch, context_length, config.cross_attention_dim),
+    ]
+    if config.addition_embed_type == "text_time":
+        time_ids = 6  # original size, crop top-left, target size
+        pooled = config.projection_class_embeddings_input_dim - time_ids * config.addition_time_embed_dim
+        inputs += [arg(batch, pooled), arg(batch, time_ids)]
+    lowered = jax.jit(lambda params, *xs: model.apply({"params": params}, *xs)).lower(
+        unet.abstract_params(config), *inputs
+    )
+    return float(_cost(lowered)["flops"])
+
+
+def generation_flops(pipe, height: int, width: int, batch: int, steps: int) -> float:
+    """FLOPs of one `steps`-step generation of a batch over all devices (padding images included).
+
+    The compiled program's cost analysis is per device and counts the denoising loop's body once;
+    the other `steps - 1` guided UNet evaluations are added from `unet_flops`.
+    """
+    per_device = float(_cost(pipe.compiled(height, width, batch, SAMPLER))["flops"])
+    padded = pipe.padded_batch(batch)
+    spec = pipe.spec
+    latent_h, latent_w, _ = spec.latent_shape(height, width)
+    step = unet_flops(spec.unet, 2 * padded, latent_h, latent_w, spec.max_tokens, pipe.dtype)  # x2: guidance
+    return per_device * pipe.num_devices + (steps - 1) * step
+
+
+def _cost(stage) -> dict:
+    analysis = stage.cost_analysis()
+    return analysis[0] if isinstance(analysis, list) else analysis  # older JAX: one dict per module
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+def batch_request(
+    batch: int,
+    height: int,
+    width: int,
+    steps: int,
+    *,
+    prompt=PROMPT,
+    negative_prompt=NEGATIVE_PROMPT,
+    seed=0,
+    guidance_scale=GUIDANCE_SCALE,
+) -> Request:
+    """One batch of images (seed, 0), (seed, 1), ... of one prompt."""
+    return Request.from_prompt(
+        prompt, negative_prompt, num_images=batch, seed=seed, guidance_scale=guidance_scale, steps=steps,
+        height=height, width=width, sampler=SAMPLER,
+    )
+
+
+def sweep_requests(batch: int, height: int, width: int, steps: int) -> list[Request]:
+    """Requests that change everything a user changes between calls except the image size and
+    batch: prompts (including an empty negative prompt and one past the token limit), seed,
+    guidance (including <= 1, which skips guidance) and the step count."""
+    return [
+        batch_request(batch, height, width, 1, prompt="a red cube", negative_prompt=""),
+        batch_request(batch, height, width, 2, seed=123, prompt=" ".join(["a very long prompt"] * 40)),
+        batch_request(batch, height, width, 1, guidance_scale=1.0),
+        batch_request(batch, height, width, steps + 1, guidance_scale=9.0, seed=7),
+    ]
+
+
+def count_compilations(pipe, requests: list[Request]) -> int:
+    """How many XLA compilations `pipe.render` needs over `requests`."""
+    with CompileCounter() as compiles:
+        for request in requests:
+            pipe.render(request)
+    return compiles.count
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def probe(
+    folder: str,
+    cache_dir: str,
+    dtype: str,
+    max_steps: int,
+    num_devices: int | None,
+    height: int,
+    width: int,
+    batch: int,
+    steps: int,
+) -> dict:
+    """What a restarted server sees; run in a fresh process (`python -m sdxl.bench probe OPTIONS_JSON`).
+
+    Loads the pipeline (`measure_load`, warm), compiles it with the persistent cache that the
+    benchmark process filled, and renders the first image.
+    """
+    enable_compilation_cache(cache_dir)
+    pipe, load = measure_load(folder, dtype, max_steps, num_devices)
+    warm_compile_s = pipe.warmup(height, width, batch, SAMPLER)
+    pipe.render(batch_request(batch, height, width, steps))
+    return dict(
+        **load,
+        warm_compile_s=warm_compile_s,
+        first_image_warm_s=time.time() - process_start_time(),
+        peak_rss_bytes=memory_status()["VmHWM"],
+    )
+
+
+def _require_diffusers() -> None:
+    """torch and diffusers are development dependencies (requirements-dev.txt), needed only here."""
+    try:
+        import diffusers  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"error: --compare diffusers needs torch and diffusers ({e}); see requirements-dev.txt") from e
+
+
+def diffusers_reference(folder: Path, spec, dtype: str, request: Request) -> tuple[Callable[[], object], str]:
+    """diffusers' pipeline for `folder`, set up like ours; returns (render one batch, device name).
+
+    torch runs on CUDA in `dtype` when it can (diffusers' default attention is SDPA), else on all
+    CPU cores. On CPU, denormal floats are flushed to zero: random weights produce many, and
+    without flushing a torch UNet step is up to 10x slower (XLA flushes them already).
+    """
+    _require_diffusers()
+    import torch
+    from diffusers import DiffusionPipeline, EulerDiscreteScheduler
+    from diffusers.utils import logging as diffusers_logging
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_flush_denormal(True)
+    diffusers_logging.disable_progress_bar()
+    extra = {"add_watermarker": False} if spec.is_sdxl else {"safety_checker": None, "requires_safety_checker": False}
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=getattr(torch, dtype), **extra).to(device)
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+
+    def render():
+        with torch.inference_mode():
+            # output_type="np" copies the images to the host, which waits for the GPU.
+            return pipe(
+                prompt=list(request.prompts),
+                negative_prompt=list(request.negative_prompts),
+                height=request.height,
+                width=request.width,
+                num_inference_steps=request.steps,
+                guidance_scale=request.guidance_scales[0],
+                generator=torch.Generator(device).manual_seed(0),
+                output_type="np",
+            )
+
+    name = torch.cuda.get_device_name() if device == "cuda" else f"{os.cpu_count()} CPU threads"
+    return render, f"torch {torch.__version__} {name} {dtype}"
+
+
+def _peak_device_memory(pipe) -> int | None:
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in pipe.mesh.devices.flat]
+    return max(peaks) if all(p is not None for p in peaks) else None
+
+
+def run_benchmark(
+    model: str,
+    *,
+    height: int,
+    width: int,
+    steps: int,
+    batch: int | None = None,
+    runs: int = 5,
+    num_devices: int | None = None,
+    dtype: str | None = None,
+    compare: str | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> dict:
+    """Measures generation as the package docstring (`sdxl.bench`) describes; returns a flat dict.
+
+    Args:
+      model: "tiny", "medium", "sdxl-base", a checkpoint folder or a Hub repo id.
+      batch: images per call (default: one per device).
+      runs: timed runs for each median.
+      num_devices: use the first this many devices (default: all).
+      dtype: "float32" or "bfloat16" (default: float32 on CPU, else bfloat16).
+      compare: "diffusers" to time diffusers' pipeline on the same weights.
+      log: receives progress messages.
+    """
+    process_start = process_start_time()
+    if compare not in (None, "diffusers"):
+        raise ValueError(f"--compare: only 'diffusers' is supported, got {compare!r}")
+    if compare:
+        _require_diffusers()  # before minutes of measuring
+    # On a GPU, JAX would otherwise take most of its memory up front, and leave none to the fresh
+    # process or to torch. It is read when the backend starts, which nothing has done yet.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    dtype = dtype or default_dtype()
+    max_steps = max(100, steps + 1)
+    load_before = os.getloadavg()[0]
+    with scratch_dir() as scratch:
+        write_start = time.perf_counter()
+        folder = resolve_model(model, scratch)
+        write_s = time.perf_counter() - write_start
+        cache_dir = scratch / "xla-cache"
+        enable_compilation_cache(cache_dir)  # empty: the first compile is cold
+
+        log(f"loading {folder}")
+        pipe = load_pipeline(folder, dtype, max_steps, num_devices)
+        request = pipe.validated(batch_request(batch or pipe.num_devices, height, width, steps))
+        first = _first_run(pipe, request, log, started=process_start + write_s)
+        flops = first.pop("flops")
+
+        log("measuring load, warm compile and first image in a fresh process")
+        options = dict(folder=str(folder), dtype=dtype, max_steps=max_steps, num_devices=num_devices)
+        probe_options = dict(cache_dir=str(cache_dir), height=height, width=width, batch=len(request), steps=steps)
+        fresh = in_fresh_process("probe", **options, **probe_options)
+        log("measuring the load from the disk and a read into fresh memory, in fresh processes")
+        fresh |= disk_and_fresh_memory_loads(**options)
+
+        calls = {
+            "ours": lambda: pipe.render(request),
+            "progress": lambda: pipe.render(request, on_step=lambda done: None),
+        }
+        reference = {}
+        if compare:
+            log("loading diffusers' pipeline")
+            start = time.perf_counter()
+            calls["reference"], reference["reference"] = diffusers_reference(folder, pipe.spec, dtype, request)
+            reference["ref_load_s"] = time.perf_counter() - start
+        log(f"timing {runs} runs each of: {', '.join(calls)}")
+        timings = _interleaved_timings(calls, runs)
+
+        log("counting compilations over a sweep of prompts, seeds, guidance and steps")
+        sweep = sweep_requests(len(request), height, width, steps)
+        recompiles = count_compilations(pipe, sweep)
+        peak_device_memory = _peak_device_memory(pipe)
+
+    result = dict(
+        date=datetime.date.today().isoformat(),
+        machine=machine_description(),
+        model=model,
+        load_average=[load_before, os.getloadavg()[0]],
+        runs=runs,
+        recompiles=recompiles,
+        sweep_runs=len(sweep),
+        peak_device_memory_bytes=peak_device_memory,
+        **first,
+        **fresh,  # load warm and cold, raw reads, RSS, warm compile, first image warm
+        **_speed(pipe, request, timings, flops),
+        param_bytes_bf16=bf16_bytes(pipe.spec),
+    )
+    result |= load_ratios(result)
+    if compare:
+        result |= reference | _reference_speed(request, timings, flops)
+    return result
+
+
+def _first_run(pipe, request: Request, log: Callable[[str], None], started: float) -> dict:
+    """Compiles (cold) and renders the first batch, timed from `started` (a `time.time()`); then the
+    kernels and FLOPs of the compiled program, and the progress programs' compile time."""
+    height, width, batch = request.height, request.width, len(request)
+    log(f"compiling for {width}x{height}, batch {batch}, on {pipe.device_description}")
+    compile_s = pipe.warmup(height, width, batch, SAMPLER)
+    pipe.render(request)
+    first_image_s = time.time() - started
+    latent_h, latent_w, _ = pipe.spec.latent_shape(height, width)
+    unet_convolution = {
+        convolution.implementation(latent_h >> level, latent_w >> level, channels, pipe.dtype)
+        for level, channels in enumerate(pipe.spec.unet.block_out_channels)
+    }
+    return dict(
+        compile_s=compile_s,
+        first_image_s=first_image_s,
+        flops=generation_flops(pipe, height, width, batch, request.steps),
+        # read off the compiled program (sdxl.attention)
+        attention="+".join(sorted(attention.kernels_in(pipe.compiled(height, width, batch, SAMPLER)))),
+        convolution="+".join(sorted(unet_convolution)),  # its resnets' (sdxl.convolution)
+        progress_compile_s=pipe.warmup(height, width, batch, SAMPLER, progress=True),
+    )
+
+
+def _interleaved_timings(calls: dict[str, Callable[[], object]], runs: int) -> dict[str, list[tuple[float, float]]]:
+    """`runs` (wall, CPU) timings of each call, taking turns so that drifting machine load hits all alike."""
+    # Warm-up: ours ran once already (the first image); torch's CPU kernels take a few calls to settle.
+    for name, call in calls.items():
+        for _ in range({"ours": 0, "progress": 1, "reference": 2}[name]):
+            call()
+    timings = {name: [] for name in calls}
+    for _ in range(runs):
+        for name, call in calls.items():
+            timings[name].append(_timed(call))
+    return timings
+
+
+def _median_s(timings: list[tuple[float, float]], index: int = 0) -> float:
+    return statistics.median(t[index] for t in timings)
+
+
+def _speed(pipe, request: Request, timings: dict, flops: float) -> dict:
+    """Our images/s, TFLOP/s and MFU, and the progress overhead, from the timed runs."""
+    batch, ours = len(request), timings["ours"]
+    device = pipe.mesh.devices.flat[0]
+    kind = getattr(device, "device_kind", device.platform)
+    peak = None if device.platform == "cpu" else peak_tflops(kind)
+    tflops = flops / _median_s(ours) / 1e12
+    return dict(
+        height=request.height,
+        width=request.width,
+        steps=request.steps,
+        batch=batch,
+        dtype=str(pipe.dtype),
+        device=kind,
+        platform=device.platform,
+        n_devices=pipe.num_devices,
+        jax_version=jax.__version__,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        images_per_s=batch / _median_s(ours),
+        s_per_image=_median_s(ours) / batch,
+        cpu_s_per_image=_median_s(ours, 1) / batch,
+        run_s=[t[0] for t in ours],
+        flops_per_image=flops / batch,
+        tflops=tflops,
+        peak_tflops=peak,
+        mfu=None if peak is None else tflops / (peak * pipe.num_devices),
+        progress_s_per_image=_median_s(timings["progress"]) / batch,
+        progress_overhead=_median_s(timings["progress"]) / _median_s(ours) - 1,
+    )
+
+
+def _reference_speed(request: Request, timings: dict, flops: float) -> dict:
+    """diffusers' images/s and TFLOP/s, and the ratio of its time to ours."""
+    batch, theirs = len(request), timings["reference"]
+    return dict(
+        ref_images_per_s=batch / _median_s(theirs),
+        ref_s_per_image=_median_s(theirs) / batch,
+        ref_cpu_s_per_image=_median_s(theirs, 1) / batch,
+        ref_run_s=[t[0] for t in theirs],
+        ref_tflops=flops / _median_s(theirs) / 1e12,
+        ratio=_median_s(theirs) / _median_s(timings["ours"]),
+    )

@@ -1,0 +1,193 @@
+"""The pure program of text-to-image: every stage a function of arrays, compiled by `sdxl.pipeline`.
+
+`GenerateProgram` holds only static, hashable fields (the model's spec, the sampler, the image size,
+the dtype), so it can be a static argument of `jax.jit`; its methods are the stages. The array
+inputs of one batch travel together as `Inputs`; the denoising loop's state as `State`.
+
+The whole generation runs as one program (`whole`): text encoding, the denoising loop
+(`lax.fori_loop` over a traced step count), VAE decoding and the conversion to uint8. For progress
+reports the same stages compile separately (`prepare`, then `denoise` over a few steps at a time,
+then `finish`), so the host learns how far the loop is without callbacks inside it: host callbacks
+would keep JAX from writing the program to the persistent compilation cache on multi-device machines.
+
+Only the batch size, the image size and the sampler are static. Prompts, seeds, guidance scales and
+the number of steps are array inputs, so changing them reuses the compiled program.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from . import clip, unet, vae
+from .checkpoints import ModelSpec
+from .layers import STEP_INVARIANTS
+from .sampling import SAMPLERS, denoised_from_model_output, run_steps
+from .schedulers import Schedule
+
+
+# The stages, by their method names: the whole generation, or its three parts for progress reports.
+STAGES = ("whole", "prepare", "denoise", "finish")
+
+
+@struct.dataclass
+class Inputs:
+    """One batch's array inputs, B images (padded to a multiple of the device count)."""
+
+    ids: jax.Array  # [B, 2, E, T] int32 token ids; axis 1 is (negative, positive), axis 2 the text encoders
+    zero_negative: jax.Array  # [B] bool: all-zero negative conditioning (SDXL's empty negative prompt)
+    seeds: jax.Array  # [B] uint32; image b's noise depends only on (seeds[b], image_index[b])
+    image_index: jax.Array  # [B] uint32
+    guidance_scale: jax.Array  # [B] float32 classifier-free guidance weights
+    schedule: Schedule  # the sampler's padded noise schedule
+    num_steps: jax.Array  # scalar int32, at most the schedule's length
+    noise: jax.Array | None  # optional [B, h, w, C] float32 latents that replace the sampled noise
+
+
+@struct.dataclass
+class State:
+    """The denoising loop's state: what every step reads alike, and the sampler's carry it advances."""
+
+    cond: dict  # the UNet's text conditioning, [2B, ...] as (negative, positive) pairs
+    carry: Any  # the sampler's loop state (`sdxl.sampling`)
+    keys: jax.Array | None  # [B] PRNG keys for the noise a stochastic sampler adds, else None
+
+
+def encode_text(spec: ModelSpec, params: dict, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
+    """Text conditioning as the diffusers pipelines compute it.
+
+    Args:
+      ids: [B, E, T] token ids, one row per text encoder.
+
+    Returns:
+      context: [B, T, D] cross-attention states. SDXL: both encoders' penultimate hidden states,
+        concatenated; SD 1.x/2.x: the single encoder's last (final-normed) hidden state.
+      pooled: [B, P] the last encoder's projected pooled output (SDXL), else None.
+    """
+    states, pooled = [], None
+    for e, (name, config) in enumerate(zip(spec.text_encoder_names, spec.text_encoders)):
+        out = clip.CLIPTextModel(config, dtype=dtype).apply({"params": params[name]}, ids[:, e])
+        states.append(out.hidden_states[-2] if spec.is_sdxl else out.last_hidden_state)
+        pooled = out.text_embeds
+    return jnp.concatenate(states, axis=-1), (pooled if spec.is_sdxl else None)
+
+
+def per_image_keys(seeds: jax.Array, image_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The PRNG keys of each image, from its (seed, index) alone.
+
+    Args:
+      seeds, image_index: [B] uint32.
+
+    Returns:
+      ([B] keys for the starting noise, [B] keys for the noise a stochastic sampler adds).
+    """
+    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(seeds, image_index)
+    noise_keys = jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys)
+    sampler_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys)
+    return noise_keys, sampler_keys
+
+
+def _interleave(negative: jax.Array, positive: jax.Array) -> jax.Array:
+    """[B, ...] x2 -> [2B, ...] as (neg_0, pos_0, neg_1, pos_1, ...).
+
+    Keeping each image's two guidance branches adjacent keeps them on the same device, so the
+    batched CFG call needs no cross-device traffic.
+    """
+    return jnp.stack([negative, positive], axis=1).reshape(-1, *negative.shape[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateProgram:
+    """What one compiled program is specialised to; its methods are the pure stages of generation.
+
+    Work that every step would repeat alike, the UNet's step invariants (`sdxl.layers.STEP_INVARIANTS`:
+    cross-attention's keys and values of the text, and the transformed kernels of the convolutions
+    that use Winograd), is `prepare`'s output and every `denoise` call's input. `whole` leaves it
+    to XLA's loop-invariant code motion, which hoists it out of the program's loop (a test checks on
+    the CPU), and so saves tracing the UNet a second time.
+
+    `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"]} parameter tree.
+    """
+
+    spec: ModelSpec
+    sampler: str  # a name in `sampling.SAMPLERS`
+    height: int
+    width: int
+    dtype: jnp.dtype
+    as_uint8: bool
+
+    def initial_state(self, params, inputs: Inputs) -> State:
+        """Text conditioning, the starting noise and the sampler's state."""
+        spec, batch = self.spec, inputs.ids.shape[0]
+        ids = inputs.ids.reshape(2 * batch, *inputs.ids.shape[2:])
+        context, pooled = encode_text(spec, params, ids, self.dtype)
+        keep = _interleave(~inputs.zero_negative, jnp.ones_like(inputs.zero_negative))  # [2B]
+        cond = {"encoder_hidden_states": context * keep[:, None, None].astype(context.dtype)}
+        if spec.is_sdxl:
+            # (original size, crop top-left, target size), as diffusers' _get_add_time_ids.
+            time_ids = jnp.array([self.height, self.width, 0, 0, self.height, self.width], jnp.float32)
+            cond["text_embeds"] = pooled * keep[:, None].astype(pooled.dtype)
+            cond["time_ids"] = jnp.broadcast_to(time_ids, (2 * batch, 6))
+
+        noise_keys, sampler_keys = per_image_keys(inputs.seeds, inputs.image_index)
+        noise = inputs.noise
+        if noise is None:
+            shape = spec.latent_shape(self.height, self.width)
+            noise = jax.vmap(lambda key: jax.random.normal(key, shape))(noise_keys)
+        method = SAMPLERS[self.sampler]
+        carry = method.init(noise.astype(jnp.float32) * inputs.schedule.init_noise_sigma)
+        return State(cond, carry, sampler_keys if method.stochastic else None)
+
+    def prepare(self, params, inputs: Inputs) -> tuple[State, dict]:
+        """The initial state and the UNet's step invariants."""
+        state = self.initial_state(params, inputs)
+        batch = 2 * inputs.ids.shape[0]
+        x_in = jnp.zeros((batch, *self.spec.latent_shape(self.height, self.width)), self.dtype)
+        # The model's output is unused, so the compiled program keeps only what computes the invariants.
+        _, invariants = self._unet().apply(
+            {"params": params["unet"]}, x_in, jnp.zeros(batch), **state.cond, mutable=[STEP_INVARIANTS]
+        )
+        return state, invariants
+
+    def _unet(self) -> unet.UNet2DConditionModel:
+        return unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
+
+    def denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop) -> Any:
+        """Sampler steps start..stop-1 with the guided UNet as the denoiser; returns the new carry."""
+        model, variables = self._unet(), {"params": params["unet"], **invariants}
+        g = inputs.guidance_scale[:, None, None, None]
+
+        def denoiser(x, sigma, timestep):
+            batch = x.shape[0]
+            x_in = x / jnp.sqrt(sigma**2 + 1)
+            x_in = _interleave(x_in, x_in).astype(self.dtype)
+            t = jnp.broadcast_to(timestep, (2 * batch,))
+            out = model.apply(variables, x_in, t, **state.cond).astype(jnp.float32)
+            out = out.reshape(batch, 2, *out.shape[1:])
+            uncond, positive = out[:, 0], out[:, 1]
+            # diffusers skips guidance for scales <= 1 and uses the conditional prediction alone.
+            guided = jnp.where(g > 1, uncond + g * (positive - uncond), positive)
+            return denoised_from_model_output(x, guided, sigma, self.spec.scheduler.prediction_type)
+
+        method = SAMPLERS[self.sampler]
+        return run_steps(method, denoiser, state.carry, inputs.schedule, inputs.num_steps, start, stop, state.keys)
+
+    def finish(self, params, state: State) -> tuple[jax.Array, jax.Array]:
+        """VAE decoding. Returns images [B, H, W, 3] (uint8, or float32 in [0, 1]) and finite [B]."""
+        latents = SAMPLERS[self.sampler].finish(state.carry) / self.spec.vae.scaling_factor
+        decoder = vae.AutoencoderKL(self.spec.vae, dtype=self.dtype)
+        images = decoder.apply({"params": params["vae"]}, latents.astype(self.dtype), method=decoder.decode)
+        images = images.astype(jnp.float32)
+        finite = jnp.isfinite(images).all(axis=(1, 2, 3))
+        images = jnp.clip(images / 2 + 0.5, 0.0, 1.0)
+        if self.as_uint8:
+            images = jnp.round(images * 255).astype(jnp.uint8)
+        return images, finite
+
+    def whole(self, params, inputs: Inputs) -> tuple[jax.Array, jax.Array]:
+        """All stages in one program."""
+        state = self.initial_state(params, inputs)
+        carry = self.denoise(params, {}, state, inputs, 0, inputs.num_steps)
+        return self.finish(params, state.replace(carry=carry))

@@ -1,0 +1,61 @@
+"""One validation for every caller: the limits and messages of `Request.validated`."""
+
+import numpy as np
+import pytest
+
+from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec
+from sdxl.request import MAX_SEED, Request
+
+SPEC = ModelSpec.from_folder(BUILTIN_CONFIGS / "sdxl-base-1.0")  # latent factor 32, 4 latent channels
+
+
+def _request(**changes) -> Request:
+    values = dict(prompt="a fox", negative_prompt="", num_images=2, seed=1, steps=10, height=1024, width=768)
+    return Request.from_prompt(**(values | changes))
+
+
+def test_values_from_json_clients_are_converted():
+    request = Request(("a",), ("",), (3.0,), (0,), ("7.5",), "12", 1024.0, 768, "ddim")
+    checked = request.validated(SPEC, max_steps=50)
+    assert (checked.seeds, checked.guidance_scales, checked.steps, checked.height) == ((3,), (7.5,), 12, 1024)
+    assert all(type(v) is int for v in (*checked.seeds, checked.steps, checked.height, checked.width))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(steps=0), "steps must be an integer from 1 to 50, got 0"),
+        (dict(steps=51), "steps must be an integer from 1 to 50, got 51"),
+        (dict(steps=2.5), "steps must be an integer from 1 to 50, got 2.5"),
+        (dict(seed=-1), f"seed must be an integer from 0 to {MAX_SEED}, got -1"),
+        (dict(seed=True), "seed must be an integer"),
+        (dict(guidance_scale=float("nan")), "guidance scale must be a number from 0 to 20, got nan"),
+        (dict(guidance_scale=21), "guidance scale must be a number from 0 to 20, got 21"),
+        (dict(height=1000), "height must be a multiple of 32 from 32 to 4096, got 1000"),
+        (dict(width="abc"), "width must be a multiple of 32 from 32 to 4096, got 'abc'"),
+        (dict(width=8192), "width must be a multiple of 32 from 32 to 4096, got 8192"),
+        (dict(sampler="lms"), "unknown sampler 'lms'"),
+        (dict(prompt=["a fox", 3]), "prompt must be text, got int 3"),
+        (dict(noise=np.zeros((2, 4, 4, 4))), "noise must have shape (2, 128, 96, 4)"),
+    ],
+)
+def test_a_bad_value_is_named_with_what_is_allowed(changes, message):
+    with pytest.raises(ValueError) as error:
+        _request(**changes).validated(SPEC, max_steps=50)
+    assert message in str(error.value)
+
+
+def test_per_image_lists_must_agree():
+    with pytest.raises(ValueError, match="got 2 prompts and 1 negative prompts for 2 images"):
+        _request(prompt=["a", "b"], negative_prompt=["c"])
+    uneven = Request(("a", "b"), ("",), (1, 2), (0, 0), (5.0, 5.0), 10, 1024, 1024)
+    with pytest.raises(ValueError, match="same, non-zero, number"):
+        uneven.validated(SPEC, max_steps=50)
+
+
+def test_requests_merge_in_order_and_keep_their_batch_key():
+    first, second = _request(seed=1), _request(prompt="a cat", seed=9, num_images=1, guidance_scale=7.0)
+    merged = Request.merged([first, second])
+    assert merged.prompts == ("a fox", "a fox", "a cat") and merged.seeds == (1, 1, 9)
+    assert merged.image_index == (0, 1, 0) and merged.guidance_scales == (5.0, 5.0, 7.0)
+    assert merged.batch_key == first.batch_key == second.batch_key
