@@ -17,7 +17,7 @@ from PIL import Image
 from sdxl import CheckpointError, enable_compilation_cache
 from sdxl.images import image_count, parameters_text
 from sdxl.request import (
-    DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_SAMPLER, DEFAULT_STEPS, GUIDANCE_SCALE_RANGE, MAX_SEED, Request,
+    DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_STEPS, GUIDANCE_SCALE_RANGE, MAX_SEED, Request,
 )
 from sdxl.sampling import SAMPLER_NAMES
 from sdxl.serving import QueueFullError, TextToImage, load_pipeline
@@ -160,7 +160,7 @@ def create_demo(demo: Demo) -> gr.Blocks:
             steps = gr.Slider(1, pipe.max_steps, value=DEFAULT_STEPS, step=1, label="Steps")
             size = gr.Dropdown([_size_label(w, h) for w, h in service.sizes], value=_size_label(*native), label="Size")
             per_core = gr.Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
-            sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()], value=DEFAULT_SAMPLER,
+            sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()], value=pipe.spec.default_sampler,
                                   label="Sampler", info="each sampler compiles once, then stays cached")
             width = gr.Number(value=native[0], precision=None, visible=False)
             height = gr.Number(value=native[1], precision=None, visible=False)

@@ -10,7 +10,7 @@ from .checkpoints import CheckpointError, random_models
 from .compilation import enable_compilation_cache
 from .images import grid, image_count, parameters_text, save_png, to_pil
 from .pipeline import NonFiniteImageError, Pipeline
-from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_SAMPLER, DEFAULT_STEPS, Request
+from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_STEPS, Request
 from .sampling import SAMPLER_NAMES, SAMPLERS
 
 
@@ -57,7 +57,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--guidance-scale", "--guidance", type=float, default=DEFAULT_GUIDANCE_SCALE)
-    parser.add_argument("--sampler", default=DEFAULT_SAMPLER, choices=list(SAMPLERS))
+    parser.add_argument("--sampler", choices=list(SAMPLERS), help="default: the one of the checkpoint's scheduler")
     parser.add_argument("--height", type=int, help="default: the model's native size")
     parser.add_argument("--width", type=int, help="default: the model's native size")
     parser.add_argument("--num-images", type=int, help="default: one per device")

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import checkpoints
 from .checkpoints import ModelSpec
 from .program import GenerateProgram, Inputs
-from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_SAMPLER, DEFAULT_STEPS, Request
+from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request
 from .sampling import SAMPLERS
 from .schedulers import Schedule, SchedulerConfig
 from .tokenizer import load_tokenizer, tokenize
@@ -113,7 +113,7 @@ class Pipeline:
         """
         devices = list(devices or jax.devices())
         dtype = jnp.dtype(dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16"))
-        folder = checkpoints.locate(path_or_repo_id, prefer_variant=checkpoints.preferred_variant(dtype))
+        folder = checkpoints.locate(path_or_repo_id, dtype=dtype)
         spec = ModelSpec.from_folder(folder)
         tokenizers = [load_tokenizer(folder / name) for name in spec.tokenizer_names]
         mesh = Mesh(np.array(devices), (BATCH_AXIS,))
@@ -141,6 +141,7 @@ class Pipeline:
         return -(-num_images // self.num_devices) * self.num_devices
 
     def schedule(self, sampler: str, steps: int) -> Schedule:
+        """The sampler's noise schedule for `steps` steps, padded to `max_steps`."""
         return _padded_schedule(sampler, self.spec.scheduler, steps, self.max_steps)
 
     def validated(self, request: Request) -> Request:
@@ -149,7 +150,9 @@ class Pipeline:
 
     # Compiling: every program is compiled once, on first use or ahead of time by `warmup`.
 
-    def _program(self, sampler: str, height: int, width: int, as_uint8: bool = True) -> GenerateProgram:
+    def _program(self, sampler: str | None, height: int, width: int, as_uint8: bool = True) -> GenerateProgram:
+        """The program for a sampler (None: the model's default sampler), size and output type."""
+        sampler = self.spec.default_sampler if sampler is None else sampler
         return GenerateProgram(self.spec, sampler, height, width, self.dtype, as_uint8)
 
     def _compiled_stage(
@@ -208,7 +211,7 @@ class Pipeline:
         height: int,
         width: int,
         num_images: int | None = None,
-        sampler: str = DEFAULT_SAMPLER,
+        sampler: str | None = None,
         stage: str = "whole",
     ) -> jax.stages.Compiled:
         """The whole-generation program (uint8 output) for a size and batch, compiled on first request,
@@ -221,7 +224,7 @@ class Pipeline:
         height: int,
         width: int,
         num_images: int | None = None,
-        sampler: str = DEFAULT_SAMPLER,
+        sampler: str | None = None,
         platforms: tuple[str, ...] | None = None,
     ) -> jax.stages.Lowered:
         """The whole-generation program, lowered for `platforms` (default: the devices'), not compiled.
@@ -238,7 +241,7 @@ class Pipeline:
         height: int,
         width: int,
         num_images: int | None = None,
-        sampler: str = DEFAULT_SAMPLER,
+        sampler: str | None = None,
         *,
         progress: bool = False,
     ) -> float:
@@ -254,7 +257,7 @@ class Pipeline:
         return time.perf_counter() - start
 
     def is_compiled(
-        self, height: int, width: int, num_images: int, sampler: str = DEFAULT_SAMPLER, *, progress: bool = False
+        self, height: int, width: int, num_images: int, sampler: str | None = None, *, progress: bool = False
     ) -> bool:
         """Whether `warmup` with the same arguments has nothing left to compile."""
         program, batch = self._program(sampler, height, width), self.padded_batch(num_images)
@@ -326,7 +329,9 @@ class Pipeline:
         if on_step is None:
             images, finite = stage("whole")(self.params, inputs)
         else:
-            images, finite = _run_in_stages(stage, self.params, inputs, request.steps, on_step, steps_per_report)
+            evaluations = SAMPLERS[request.sampler].evaluations(request.steps)
+            reports = _ProgressReports(on_step, request.steps)
+            images, finite = _run_in_stages(stage, self.params, inputs, evaluations, reports, steps_per_report)
         images, finite = _fetch(images)[:n], _fetch(finite)[:n]
         return Generation(images, finite, self.devices_of(n), truncated, time.perf_counter() - start)
 
@@ -341,7 +346,7 @@ class Pipeline:
         height: int | None = None,
         width: int | None = None,
         num_images: int | None = None,
-        sampler: str = DEFAULT_SAMPLER,
+        sampler: str | None = None,
         latents: np.ndarray | None = None,
         output_type: str = "pil",
     ):
@@ -354,7 +359,8 @@ class Pipeline:
           height, width: default to the model's native resolution (1024 for SDXL, 512 for SD 1.x).
           num_images: defaults to the prompt list's length, else one image per device.
           sampler: a name in `sampling.SAMPLERS` ("euler", "euler_ancestral", "dpmpp_2m",
-            "dpmpp_2m_karras", "ddim"). Each sampler compiles once.
+            "dpmpp_2m_karras", "ddim", "pndm"); by default the one that reproduces the checkpoint's
+            scheduler (`ModelSpec.default_sampler`). Each sampler compiles once.
           latents: [N, C, h, w] noise in diffusers' layout, replacing the seeded noise.
           output_type: "pil" for PIL images, "np" for a float32 [N, H, W, 3] array in [0, 1].
 
@@ -393,15 +399,30 @@ def _stages(progress: bool) -> tuple[str, ...]:
     return ("prepare", "denoise", "finish") if progress else ("whole",)
 
 
-def _run_in_stages(stage, params, inputs: Inputs, steps: int, on_step, steps_per_report: int):
-    """The whole program's work as prepare, denoise over `steps_per_report` steps at a time, finish."""
+class _ProgressReports:
+    """Reports model evaluations as steps done: one each, but for PLMS's second step, which takes two
+    (its last report is then the step count again, which is not repeated)."""
+
+    def __init__(self, on_step: Callable[[int], None], steps: int):
+        self.on_step, self.steps, self.reported = on_step, steps, 0
+
+    def __call__(self, evaluations: int) -> None:
+        done = min(evaluations, self.steps)
+        if done > self.reported:
+            self.reported = done
+            self.on_step(done)
+
+
+def _run_in_stages(stage, params, inputs: Inputs, evaluations: int, on_step, steps_per_report: int):
+    """The whole program's work as prepare, denoise over `steps_per_report` model evaluations at a
+    time, finish; `on_step` hears the evaluations done."""
     state, invariants = stage("prepare")(params, inputs)
     denoise = stage("denoise")
     replicated = inputs.num_steps.sharding
     in_flight = []  # (steps done when it finishes, its output)
     carry = state.carry
-    for start in range(0, steps, steps_per_report):
-        stop = min(start + steps_per_report, steps)
+    for start in range(0, evaluations, steps_per_report):
+        stop = min(start + steps_per_report, evaluations)
         bounds = [place(np.int32(i), replicated) for i in (start, stop)]
         carry = denoise(params, invariants, state.replace(carry=carry), inputs, *bounds)
         in_flight.append((stop, carry))
@@ -411,7 +432,7 @@ def _run_in_stages(stage, params, inputs: Inputs, steps: int, on_step, steps_per
             on_step(done)
     images = stage("finish")(params, state.replace(carry=carry))
     jax.block_until_ready(carry)
-    on_step(steps)
+    on_step(evaluations)
     return images
 
 

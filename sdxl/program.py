@@ -74,6 +74,17 @@ def encode_text(spec: ModelSpec, params: dict, ids: jax.Array, dtype) -> tuple[j
     return jnp.concatenate(states, axis=-1), (pooled if spec.is_sdxl else None)
 
 
+def unscaled_latents(spec: ModelSpec, latents: jax.Array) -> jax.Array:
+    """The VAE's latents from the diffusion model's, [B, h, w, C], as the diffusers pipelines undo the
+    scaling: SDXL with the VAE's per-channel `latents_mean` and `latents_std` where it has them
+    (Playground v2.5), else (and SD 1.x/2.x always) dividing by `scaling_factor`."""
+    config = spec.vae
+    if spec.is_sdxl and config.latents_mean is not None and config.latents_std is not None:
+        mean, std = jnp.asarray(config.latents_mean), jnp.asarray(config.latents_std)
+        return latents * std / config.scaling_factor + mean
+    return latents / config.scaling_factor
+
+
 def per_image_keys(seeds: jax.Array, image_index: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The PRNG keys of each image, from its (seed, index) alone.
 
@@ -155,7 +166,8 @@ class GenerateProgram:
         return unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
 
     def denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop) -> Any:
-        """Sampler steps start..stop-1 with the guided UNet as the denoiser; returns the new carry."""
+        """Sampler iterations start..stop-1 (one model evaluation each; `Sampler.evaluations` of the
+        step count in all) with the guided UNet as the denoiser; returns the new carry."""
         model, variables = self._unet(), {"params": params["unet"], **invariants}
         g = inputs.guidance_scale[:, None, None, None]
 
@@ -176,9 +188,12 @@ class GenerateProgram:
 
     def finish(self, params, state: State) -> tuple[jax.Array, jax.Array]:
         """VAE decoding. Returns images [B, H, W, 3] (uint8, or float32 in [0, 1]) and finite [B]."""
-        latents = SAMPLERS[self.sampler].finish(state.carry) / self.spec.vae.scaling_factor
-        decoder = vae.AutoencoderKL(self.spec.vae, dtype=self.dtype)
-        images = decoder.apply({"params": params["vae"]}, latents.astype(self.dtype), method=decoder.decode)
+        latents = unscaled_latents(self.spec, SAMPLERS[self.sampler].finish(state.carry))
+        # diffusers' SDXL pipeline decodes in float32 a float16 VAE that says it overflows (force_upcast).
+        upcast = self.spec.is_sdxl and self.spec.vae.force_upcast and self.dtype == jnp.float16
+        dtype = jnp.float32 if upcast else self.dtype
+        decoder = vae.AutoencoderKL(self.spec.vae, dtype=dtype)
+        images = decoder.apply({"params": params["vae"]}, latents.astype(dtype), method=decoder.decode)
         images = images.astype(jnp.float32)
         finite = jnp.isfinite(images).all(axis=(1, 2, 3))
         images = jnp.clip(images / 2 + 0.5, 0.0, 1.0)
@@ -189,5 +204,6 @@ class GenerateProgram:
     def whole(self, params, inputs: Inputs) -> tuple[jax.Array, jax.Array]:
         """All stages in one program."""
         state = self.initial_state(params, inputs)
-        carry = self.denoise(params, {}, state, inputs, 0, inputs.num_steps)
+        evaluations = SAMPLERS[self.sampler].evaluations(inputs.num_steps)
+        carry = self.denoise(params, {}, state, inputs, 0, evaluations)
         return self.finish(params, state.replace(carry=carry))

@@ -20,7 +20,6 @@ from .sampling import SAMPLERS
 DEFAULT_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
 DEFAULT_STEPS = 25
 DEFAULT_GUIDANCE_SCALE = 5.0
-DEFAULT_SAMPLER = "euler"
 MAX_SEED = 2**32 - 1
 GUIDANCE_SCALE_RANGE = (0.0, 20.0)
 MAX_SIZE = 4096
@@ -75,7 +74,7 @@ class Request:
     steps: int
     height: int
     width: int
-    sampler: str = DEFAULT_SAMPLER
+    sampler: str | None = None  # a name in `sampling.SAMPLERS`; None: the model's (`ModelSpec.default_sampler`)
     # [N, h, w, C] float32 latents (NHWC) that replace the seeded starting noise.
     noise: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -91,7 +90,7 @@ class Request:
         steps: int = DEFAULT_STEPS,
         height: int,
         width: int,
-        sampler: str = DEFAULT_SAMPLER,
+        sampler: str | None = None,
         noise: np.ndarray | None = None,
     ) -> "Request":
         """Images (seed, 0), (seed, 1), ... of one prompt, or of one prompt per image when given lists.
@@ -142,8 +141,9 @@ class Request:
         n = len(self)
         if n == 0 or any(len(getattr(self, f)) != n for f in _PER_IMAGE):
             raise ValueError("every per-image value needs the same, non-zero, number of entries")
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler {self.sampler!r}; choose one of: {', '.join(SAMPLERS)}")
+        sampler = spec.default_sampler if self.sampler is None else self.sampler
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; choose one of: {', '.join(SAMPLERS)}")
         f = spec.latent_factor
         sizes = {}
         for label in ("height", "width"):
@@ -167,6 +167,7 @@ class Request:
             image_index=tuple(integer(i, "image index", 0, MAX_SEED) for i in self.image_index),
             guidance_scales=tuple(guidance_scale(g) for g in self.guidance_scales),
             steps=integer(self.steps, "steps", 1, max_steps),
+            sampler=sampler,
             **sizes,
         )
 

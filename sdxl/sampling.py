@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from .schedulers import (
     DDIMSchedule,
+    PNDMSchedule,
     Schedule,
     SchedulerConfig,
     ddim_schedule,
@@ -31,6 +32,7 @@ from .schedulers import (
     dpmpp_2m_schedule,
     euler_ancestral_schedule,
     euler_schedule,
+    pndm_schedule,
 )
 
 Denoiser = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -142,6 +144,32 @@ def ddim_step(denoiser: Denoiser, schedule: DDIMSchedule, num_steps, i, x_vp: ja
     return _euler_step(x, denoised, sigma, sigma_next) * _vp_scale(sigma_next)
 
 
+def pndm_step(denoiser: Denoiser, schedule: PNDMSchedule, num_steps, i, carry: Carry, keys) -> Carry:
+    """PLMS (Liu et al. 2022, "Pseudo Numerical Methods for Diffusion Models", eq. 9 with the linear
+    multistep noise estimate), as PNDMScheduler with skip_prk_steps: a trapezoidal start, then
+    Adams-Bashforth of growing order over the kept noise predictions.
+
+    The state is (diffusers' variance-preserving sample, [B, 3, ...] the last three kept noise
+    predictions, the first evaluation's sample, which the second re-steps from).
+    """
+    x_vp, history, first_sample = carry
+    sigma = schedule.sigmas[i]
+    x = x_vp / _vp_scale(sigma)
+    eps = (x - denoiser(x, sigma, schedule.timesteps[i])) / sigma
+    weights = schedule.eps_weights[i]
+    eps_used = weights[0] * eps + jnp.einsum("k,bk...->b...", weights[1:], history)
+    restart = schedule.restart[i] > 0
+    sample = jnp.where(restart, first_sample, x_vp)
+    x_next = schedule.sample_coeffs[i] * sample - schedule.eps_coeffs[i] * eps_used
+    kept = jnp.where(schedule.keep[i] > 0, jnp.concatenate([eps[:, None], history[:, :2]], axis=1), history)
+    return x_next, kept, jnp.where(i == 0, x_vp, first_sample)
+
+
+def _pndm_init(x: jax.Array) -> Carry:
+    x = x.astype(jnp.float32)
+    return x, jnp.zeros((x.shape[0], 3, *x.shape[1:]), jnp.float32), x  # batch first, as the mesh splits it
+
+
 def _dpmpp_2m_init(x: jax.Array) -> Carry:
     return x.astype(jnp.float32), jnp.zeros(x.shape, jnp.float32)
 
@@ -160,6 +188,8 @@ class Sampler(NamedTuple):
     stochastic: bool = False
     init: Callable[[jax.Array], Carry] = lambda x: x.astype(jnp.float32)
     finish: Callable[[Carry], jax.Array] = lambda carry: carry
+    # The model evaluations, so loop iterations, of a `num_steps`-step run (an int or a traced one).
+    evaluations: Callable = lambda num_steps: num_steps
 
 
 def run_steps(
@@ -177,6 +207,7 @@ SAMPLER_NAMES = {  # for people: the names A1111-style UIs and the PNG "paramete
     "dpmpp_2m": "DPM++ 2M",
     "dpmpp_2m_karras": "DPM++ 2M Karras",
     "ddim": "DDIM",
+    "pndm": "PLMS",
 }
 SAMPLERS = {
     "euler": Sampler(euler_schedule, euler_step),
@@ -186,4 +217,50 @@ SAMPLERS = {
         dpmpp_2m_karras_schedule, dpmpp_2m_step, init=_dpmpp_2m_init, finish=_dpmpp_2m_finish
     ),
     "ddim": Sampler(ddim_schedule, ddim_step),
+    "pndm": Sampler(
+        pndm_schedule, pndm_step, init=_pndm_init, finish=lambda carry: carry[0],
+        evaluations=lambda num_steps: num_steps + (num_steps > 1),  # the second step evaluates twice
+    ),
 }
+
+# diffusers' scheduler classes, and the sampler that reproduces each.
+SCHEDULER_SAMPLERS = {
+    "EulerDiscreteScheduler": "euler",
+    "EulerAncestralDiscreteScheduler": "euler_ancestral",
+    "DPMSolverMultistepScheduler": "dpmpp_2m",
+    "DDIMScheduler": "ddim",
+    "PNDMScheduler": "pndm",
+}
+# DPMSolverMultistepScheduler's settings that `dpmpp_2m_step` implements (its defaults).
+_DPMPP_2M_SETTINGS = {
+    "algorithm_type": "dpmsolver++",
+    "solver_order": 2,
+    "solver_type": "midpoint",
+    "lower_order_final": True,
+    "euler_at_final": False,
+    "variance_type": None,
+    "use_lu_lambdas": False,
+}
+
+
+def sampler_for_scheduler(config: dict) -> str:
+    """The sampler that reproduces a checkpoint's scheduler (`scheduler_config.json`, by its
+    `_class_name` and settings): the checkpoint's default sampler.
+
+    Raises:
+      ValueError: no sampler here reproduces that class with those settings; it is never replaced
+        by another silently.
+    """
+    name = config.get("_class_name", "EulerDiscreteScheduler")
+    if name not in SCHEDULER_SAMPLERS:
+        known = ", ".join(SCHEDULER_SAMPLERS)
+        raise ValueError(f"scheduler {name} is not implemented (the samplers here reproduce {known})")
+    if name == "DPMSolverMultistepScheduler":
+        for key, value in _DPMPP_2M_SETTINGS.items():
+            if config.get(key, value) != value:
+                raise ValueError(f"scheduler {name} with {key}={config[key]!r} is not implemented (only {value!r})")
+        return "dpmpp_2m_karras" if config.get("use_karras_sigmas") else "dpmpp_2m"
+    plms = config.get("skip_prk_steps") and config.get("prediction_type", "epsilon") == "epsilon"
+    if name == "PNDMScheduler" and not plms:
+        raise ValueError(f"scheduler {name} is implemented only with skip_prk_steps and epsilon prediction (PLMS)")
+    return SCHEDULER_SAMPLERS[name]

@@ -51,6 +51,8 @@ class SchedulerConfig:
     set_alpha_to_one: bool = True
     clip_sample: bool = True
     thresholding: bool = False
+    # PNDM's: whether it starts with Runge-Kutta steps (False, its class default) or not (SD 1.x's).
+    skip_prk_steps: bool = False
 
     def __post_init__(self):
         supported = {
@@ -99,6 +101,28 @@ class DDIMSchedule(Schedule):
     """
 
     target_sigmas: jax.Array
+
+
+@struct.dataclass
+class PNDMSchedule(Schedule):
+    """PNDM's pseudo linear multistep (PLMS) schedule: `num_steps + 1` model evaluations (1 for one
+    step), whose timesteps are `timesteps`; evaluation i turns the variance-preserving sample x into
+    `sample_coeffs[i] * x - eps_coeffs[i] * eps`, diffusers' `PNDMScheduler._get_prev_sample`.
+
+    Attributes ([max_steps + 1] each, padded):
+      sample_coeffs, eps_coeffs: the step's coefficients.
+      eps_weights: [max_steps + 1, 4] the weights of the new noise prediction and the last three
+        kept ones in the prediction the step uses (Adams-Bashforth of growing order).
+      keep: 1 where the new prediction joins the history (all but the second evaluation, which
+        averages with the first and re-steps from the first one's sample: `restart`).
+      restart: 1 at the second evaluation only.
+    """
+
+    sample_coeffs: jax.Array
+    eps_coeffs: jax.Array
+    eps_weights: jax.Array
+    keep: jax.Array
+    restart: jax.Array
 
 
 def alphas_cumprod(config: SchedulerConfig) -> np.ndarray:
@@ -273,4 +297,47 @@ def ddim_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> DD
     return DDIMSchedule(
         **_schedule_fields(np.append(sigmas, target_sigmas[-1]), timesteps, 1.0, max_steps),
         target_sigmas=_padded(target_sigmas, max_steps),
+    )
+
+
+# PLMS's weights of (the new noise prediction, the three kept before it), by how many are kept.
+_PLMS_WEIGHTS = {
+    1: (1, 0, 0, 0),
+    2: (3 / 2, -1 / 2, 0, 0),
+    3: (23 / 12, -16 / 12, 5 / 12, 0),
+    4: (55 / 24, -59 / 24, 37 / 24, -9 / 24),
+}
+
+
+def pndm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> PNDMSchedule:
+    """PNDMScheduler.set_timesteps(num_steps) with skip_prk_steps (the PLMS sampler SD 1.x ships
+    with), padded to max_steps + 1 evaluations."""
+    _check_steps(num_steps, max_steps)
+    if config.prediction_type != "epsilon":
+        raise ValueError("scheduler config: PNDM with prediction_type 'v_prediction' is not implemented")
+    if not config.skip_prk_steps:
+        raise ValueError("scheduler config: PNDM's Runge-Kutta steps (skip_prk_steps=false) are not implemented")
+    ascending = _spaced_timesteps(config, config.timestep_spacing or "leading", num_steps, True)[::-1]
+    ascending = ascending.astype(np.int64)
+    timesteps = np.concatenate([ascending[:-1], ascending[-2:-1], ascending[-1:]])[::-1]
+    ratio = config.num_train_timesteps // num_steps
+    cumprod = alphas_cumprod(config).astype(np.float64)
+    final_cumprod = 1.0 if config.set_alpha_to_one else cumprod[0]
+    fields = {name: [] for name in ("sample_coeffs", "eps_coeffs", "eps_weights", "keep", "restart")}
+    for i, t in enumerate(timesteps):
+        # The second evaluation steps again from the first's sample and timestep (diffusers' counter == 1).
+        t_from, t_to = (t + ratio, t) if i == 1 else (t, t - ratio)
+        a, a_next = cumprod[t_from], (cumprod[t_to] if t_to >= 0 else final_cumprod)
+        fields["sample_coeffs"].append(np.sqrt(a_next / a))
+        fields["eps_coeffs"].append((a_next - a) / (a * np.sqrt(1 - a_next) + np.sqrt(a * (1 - a) * a_next)))
+        fields["eps_weights"].append((0.5, 0.5, 0, 0) if i == 1 else _PLMS_WEIGHTS[min(max(i, 1), 4)])
+        fields["keep"].append(float(i != 1))
+        fields["restart"].append(float(i == 1))
+    length = max_steps + 1
+    sigmas = _sigmas_from_alphas_cumprod(cumprod[timesteps])
+    weights = np.asarray(fields.pop("eps_weights"), np.float32)
+    return PNDMSchedule(
+        **_schedule_fields(np.append(sigmas, 0), timesteps, 1.0, length),
+        **{name: _padded(values, length) for name, values in fields.items()},
+        eps_weights=jnp.asarray(np.pad(weights, ((0, length - len(weights)), (0, 0)), mode="edge")),
     )

@@ -20,7 +20,7 @@ import threading
 
 from .checkpoints import HubUnavailableError
 from .pipeline import Generation, Pipeline
-from .request import DEFAULT_SAMPLER, MAX_SEED, Request, integer
+from .request import MAX_SEED, Request, integer
 from .styles import STYLES
 
 log = logging.getLogger(__name__)
@@ -67,12 +67,13 @@ class DeviceQueue:
         threading.Thread(target=self._serve, name="device-queue", daemon=True).start()
 
     def compile_in_background(
-        self, height: int, width: int, num_images: int, sampler: str = DEFAULT_SAMPLER
+        self, height: int, width: int, num_images: int, sampler: str | None = None
     ) -> concurrent.futures.Future | None:
         """Compiles the programs for a batch size without holding up the devices, once per size.
 
         Returns a future of the seconds it took (the same one while it runs), or None if compiled.
         """
+        sampler = self.pipe.spec.default_sampler if sampler is None else sampler
         key = (height, width, self.pipe.padded_batch(num_images), sampler)
         with self._changed:
             if key in self._compiles:
@@ -85,7 +86,9 @@ class DeviceQueue:
             return self._compiles[key]
 
     def submit(self, request: Request) -> Ticket:
-        """Queues a (validated) request. Raises QueueFullError when the queue is at capacity."""
+        """Queues a request, checked first (`Pipeline.validated`: a ValueError names a bad value).
+        Raises QueueFullError when the queue is at capacity."""
+        request = self.pipe.validated(request)
         if len(request) > self.max_batch_images:
             raise ValueError(f"at most {self.max_batch_images} images per request, got {len(request)}")
         ticket = Ticket(request)
@@ -218,7 +221,7 @@ class TextToImage:
 
     def request_images(
         self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height,
-        images_per_core=1, sampler=DEFAULT_SAMPLER,
+        images_per_core=1, sampler=None,
     ) -> Request:
         """One prompt, `images_per_core` images on every core: images (seed, 0), (seed, 1), ..."""
         n = self.pipe.num_devices * integer(images_per_core, "images per core", 1, self.max_images_per_core)
@@ -231,7 +234,7 @@ class TextToImage:
 
     def request_prompt_comparison(
         self, prompts: list[str], negative_prompt, style, seed, guidance_scale, steps, width, height,
-        sampler=DEFAULT_SAMPLER,
+        sampler=None,
     ) -> Request:
         """Several prompts from the same starting noise (seed, image 0), side by side."""
         prompts = [p for p in prompts if p.strip()]
@@ -247,7 +250,7 @@ class TextToImage:
 
     def request_seed_comparison(
         self, prompt, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
-        sampler=DEFAULT_SAMPLER,
+        sampler=None,
     ) -> Request:
         """One prompt from `num_seeds` consecutive seeds, side by side."""
         first = integer(seed, "seed", 0, MAX_SEED)

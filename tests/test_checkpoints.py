@@ -1,25 +1,26 @@
+import json
+import time
+
 import jax
 import numpy as np
 import pytest
+from fake_hub import SD15_FILES, SDXL_BASE_FILES, FakeHub, fake_repo, hub_at
 
-from sdxl.checkpoints import BUILTIN_CONFIGS, CheckpointError, HubUnavailableError, ModelSpec, hub, locate
-from sdxl.checkpoints import random_models
+from sdxl.checkpoints import BUILTIN_CONFIGS, CheckpointError, HubUnavailableError, ModelSpec, locate, random_models
+from sdxl.checkpoints.folder import choose_weight_files, weight_variant
+from sdxl.pipeline import Pipeline
+from sdxl.weights import flatten
 
-# Every file of stabilityai/stable-diffusion-xl-base-1.0 that could match our patterns.
-SDXL_REPO_FILES = [
-    "model_index.json", "sd_xl_base_1.0.safetensors", "sd_xl_offset_example-lora_1.0.safetensors",
-    "scheduler/scheduler_config.json",
-    "text_encoder/config.json", "text_encoder/model.fp16.safetensors", "text_encoder/model.safetensors",
-    "text_encoder/model.onnx", "text_encoder/openvino_model.bin",
-    "text_encoder_2/config.json", "text_encoder_2/model.fp16.safetensors", "text_encoder_2/model.safetensors",
-    "tokenizer/merges.txt", "tokenizer/special_tokens_map.json", "tokenizer/tokenizer_config.json",
-    "tokenizer/vocab.json",
-    "unet/config.json", "unet/diffusion_pytorch_model.fp16.safetensors", "unet/diffusion_pytorch_model.safetensors",
-    "unet/diffusion_flax_model.msgpack", "unet/model.onnx",
-    "vae/config.json", "vae/diffusion_pytorch_model.fp16.safetensors", "vae/diffusion_pytorch_model.safetensors",
-    "vae_1_0/diffusion_pytorch_model.fp16.safetensors", "safety_checker/model.safetensors",
-]
-
+SDXL_REPO = "stabilityai/stable-diffusion-xl-base-1.0"
+SD15_REPO = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+REFINER_FILES = (
+    "model_index.json", "scheduler/scheduler_config.json", "sd_xl_refiner_1.0.safetensors",
+    "text_encoder_2/config.json", "text_encoder_2/model.safetensors", "text_encoder_2/model.fp16.safetensors",
+    "tokenizer_2/merges.txt", "tokenizer_2/special_tokens_map.json", "tokenizer_2/tokenizer_config.json",
+    "tokenizer_2/vocab.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
+    "unet/diffusion_pytorch_model.fp16.safetensors", "vae/config.json", "vae/diffusion_pytorch_model.safetensors",
+    "vae/diffusion_pytorch_model.fp16.safetensors",
+)
 
 def test_published_sdxl_base_configs_give_the_published_parameter_counts():
     spec = ModelSpec.from_folder(BUILTIN_CONFIGS / "sdxl-base-1.0")
@@ -31,19 +32,6 @@ def test_published_sdxl_base_configs_give_the_published_parameter_counts():
         "vae": 83_653_863,
     }
     assert spec.is_sdxl and spec.native_size == 1024 and spec.latent_factor == 32
-
-
-def test_hub_download_picks_one_variant_per_component_and_never_pickles():
-    fp16 = hub._hub_weight_patterns(SDXL_REPO_FILES, "fp16")
-    assert fp16 == [
-        "text_encoder/*.fp16*.safetensors", "text_encoder_2/*.fp16*.safetensors", "unet/*.fp16*.safetensors",
-        "vae/*.fp16*.safetensors",
-    ]
-    full = hub._hub_weight_patterns(SDXL_REPO_FILES, None)
-    assert "unet/diffusion_pytorch_model.safetensors" in full
-    assert not any("fp16" in p or p.endswith((".bin", ".msgpack", ".onnx")) for p in full)
-    # Neither single-file checkpoints nor components the pipeline never loads are downloaded.
-    assert not any(p.startswith(("sd_xl", "vae_1_0", "safety_checker")) for p in fp16 + full)
 
 
 def test_offline_hub_model_missing_from_the_cache_is_reported(monkeypatch, tmp_path):
@@ -72,3 +60,189 @@ def test_tiny_checkpoint_is_deterministic(tmp_path):
     b = load_file(random_models.write_checkpoint(tmp_path / "b") / "unet" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys()
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    "filename, variant",
+    [
+        ("diffusion_pytorch_model.safetensors", None),
+        ("model.fp16.safetensors", "fp16"),
+        ("diffusion_pytorch_model.non_ema.safetensors", "non_ema"),
+        ("diffusion_pytorch_model-00001-of-00002.safetensors", None),
+        ("diffusion_pytorch_model.fp16-00002-of-00002.safetensors", "fp16"),
+    ],
+)
+def test_weight_variants_are_read_from_file_names(filename, variant):
+    assert weight_variant(filename) == variant
+
+
+def test_one_weight_set_is_chosen_per_component():
+    sd15_unet = [f.removeprefix("unet/") for f in SD15_FILES if f.startswith("unet/")]
+    assert choose_weight_files(sd15_unet, "float32", "unet") == ["diffusion_pytorch_model.safetensors"]
+    assert choose_weight_files(sd15_unet, "bfloat16", "unet") == ["diffusion_pytorch_model.fp16.safetensors"]
+    sharded = ["a-00001-of-00002.safetensors", "a-00002-of-00002.safetensors", "a.safetensors.index.json"]
+    assert choose_weight_files(sharded, "bfloat16", "unet") == sharded[:2]
+    assert choose_weight_files(["model.fp16.safetensors"], "float32", "x") == ["model.fp16.safetensors"]
+    with pytest.raises(CheckpointError, match="no plain or fp16 safetensors weights, only model.ema.safetensors"):
+        choose_weight_files(["model.ema.safetensors", "config.json"], "float32", "x")
+    with pytest.raises(CheckpointError, match="only pickled weights"):
+        choose_weight_files(["pytorch_model.bin"], "float32", "x")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hub, through huggingface_hub itself, against a local stand-in with the real repos' file lists
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    """Tiny random SDXL and SD 1.x checkpoints, each in float32 and float16 (the fp16 variant)."""
+    root = tmp_path_factory.mktemp("tiny-weights")
+    write = random_models.write_checkpoint
+    return {
+        (family, dtype): write(root / f"{family}-{dtype}", configs, dtype=dtype)
+        for family, configs in (("sdxl", random_models.SDXL_CONFIGS), ("sd1", random_models.SD1_CONFIGS))
+        for dtype in ("float32", "float16")
+    }
+
+
+def _repo(tiny_weights, family: str, file_list, configs: dict | None = None) -> dict[str, bytes]:
+    """The real repo's files: the tiny checkpoint's configs, tokenizers and weights under their real
+    names (float16 ones as the fp16 variant), `configs` {path: JSON} over them, placeholders elsewhere."""
+    contents = {}
+    for dtype, suffix in (("float32", ".safetensors"), ("float16", ".fp16.safetensors")):
+        folder = tiny_weights[family, dtype]
+        for path in folder.rglob("*"):
+            name = str(path.relative_to(folder))
+            if path.is_file() and name in file_list or name.replace(".safetensors", suffix) in file_list:
+                contents[name.replace(".safetensors", suffix)] = path.read_bytes()
+    contents |= {name: b"{}" for name in file_list if name.endswith("special_tokens_map.json")}
+    contents |= {name: json.dumps(config).encode() for name, config in (configs or {}).items()}
+    return fake_repo(file_list, contents)
+
+
+def _weights(fetched: list[str]) -> list[str]:
+    return sorted(f for f in fetched if f.endswith((".safetensors", ".bin", ".ckpt", ".onnx", ".msgpack")))
+
+
+def _params(pipe) -> dict:
+    return {k: np.asarray(v) for k, v in flatten(pipe.params).items()}
+
+
+def _load(name, dtype="float32"):
+    return Pipeline.from_pretrained(name, dtype=dtype, devices=jax.devices()[:1])
+
+
+def test_a_hub_download_fetches_configs_then_one_weight_set_and_serves_offline(tiny_weights, tmp_path, monkeypatch):
+    cache = tmp_path / "hf"
+    with FakeHub({SDXL_REPO: _repo(tiny_weights, "sdxl", SDXL_BASE_FILES)}) as fake:
+        with hub_at(fake, cache, monkeypatch):
+            online = _load(SDXL_REPO)
+        fetched = fake.downloaded(SDXL_REPO)
+        assert _weights(fetched) == [
+            "text_encoder/model.safetensors", "text_encoder_2/model.safetensors",
+            "unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
+        ]
+        assert all(f.endswith(".json") or f.startswith("tokenizer") or f in _weights(fetched) for f in fetched)
+        assert fetched.index("unet/config.json") < fetched.index("unet/diffusion_pytorch_model.safetensors")
+
+        # The same cache later, with HF_HUB_OFFLINE=1 and with no network: nothing is asked of the Hub.
+        fake.reset_log()
+        with hub_at(fake, cache, monkeypatch, offline=True):
+            offline = _load(SDXL_REPO)
+        assert fake.requests == []
+    with hub_at(None, cache, monkeypatch):
+        start = time.perf_counter()
+        unreachable = _load(SDXL_REPO)
+        assert time.perf_counter() - start < 60
+    expected = _params(_load(str(tiny_weights["sdxl", "float32"])))
+    for pipe in (online, offline, unreachable):
+        got = _params(pipe)
+        assert got.keys() == expected.keys() and all(np.array_equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_16_bit_load_fetches_only_the_fp16_variant(tiny_weights, tmp_path, monkeypatch):
+    with FakeHub({SDXL_REPO: _repo(tiny_weights, "sdxl", SDXL_BASE_FILES)}) as fake:
+        with hub_at(fake, tmp_path / "hf", monkeypatch):
+            pipe = _load(SDXL_REPO, dtype="bfloat16")
+        assert _weights(fake.downloaded(SDXL_REPO)) == [
+            "text_encoder/model.fp16.safetensors", "text_encoder_2/model.fp16.safetensors",
+            "unet/diffusion_pytorch_model.fp16.safetensors", "vae/diffusion_pytorch_model.fp16.safetensors",
+        ]
+    assert pipe.dtype == "bfloat16"
+
+
+def test_sd15_never_fetches_its_non_ema_or_pickled_weights(tiny_weights, tmp_path, monkeypatch):
+    """The repo's non_ema UNet beside the plain one once cost 3.4 GB and then 'stored twice'."""
+    repo = _repo(tiny_weights, "sd1", SD15_FILES)
+    repo["unet/diffusion_pytorch_model.non_ema.safetensors"] = repo["unet/diffusion_pytorch_model.safetensors"]
+    with FakeHub({SD15_REPO: repo}) as fake:
+        with hub_at(fake, tmp_path / "hf", monkeypatch):
+            pipe = _load(SD15_REPO)
+        assert _weights(fake.downloaded(SD15_REPO)) == [
+            "text_encoder/model.safetensors", "unet/diffusion_pytorch_model.safetensors",
+            "vae/diffusion_pytorch_model.safetensors",
+        ]
+    assert pipe.spec.default_sampler == "pndm"  # SD 1.5's PNDMScheduler, as PLMS
+
+
+def test_a_diffusers_filled_cache_serves_offline(tiny_weights, tmp_path, monkeypatch):
+    """What an earlier `StableDiffusionXLPipeline.from_pretrained(repo)` left in the cache is enough."""
+    import diffusers
+
+    cache = tmp_path / "hf"
+    with FakeHub({SDXL_REPO: _repo(tiny_weights, "sdxl", SDXL_BASE_FILES)}) as fake:
+        with hub_at(fake, cache, monkeypatch):
+            diffusers.StableDiffusionXLPipeline.from_pretrained(SDXL_REPO)
+        assert "sd_xl_base_1.0.safetensors" not in fake.downloaded(SDXL_REPO)
+        fake.reset_log()
+        with hub_at(fake, cache, monkeypatch, offline=True):
+            pipe = _load(SDXL_REPO)
+        assert fake.requests == []
+    assert pipe.spec.is_sdxl
+
+
+def _sdxl_configs(**changes) -> dict:
+    """The tiny SDXL configs with some fields changed: {path: {field: value}} merged over them."""
+    return {path: {**random_models.SDXL_CONFIGS[path], **fields} for path, fields in changes.items()}
+
+
+REFINER_INDEX = {
+    "_class_name": "StableDiffusionXLImg2ImgPipeline", "requires_aesthetics_score": True,
+    "force_zeros_for_empty_prompt": False, "text_encoder": [None, None], "tokenizer": [None, None],
+}
+
+
+@pytest.mark.parametrize(
+    "file_list, configs, reason",
+    [
+        (REFINER_FILES, _sdxl_configs(**{"model_index.json": REFINER_INDEX}), "StableDiffusionXLImg2ImgPipeline"),
+        (
+            SDXL_BASE_FILES,
+            _sdxl_configs(**{"model_index.json": {"_class_name": "StableDiffusionXLInpaintPipeline"},
+                             "unet/config.json": {"in_channels": 9}}),
+            "an inpainting model",
+        ),
+        (SDXL_BASE_FILES, _sdxl_configs(**{"unet/config.json": {"in_channels": 8}}), "8 input channels"),
+        (SDXL_BASE_FILES, _sdxl_configs(**{"scheduler/scheduler_config.json": {"_class_name": "LCMScheduler"}}),
+         "scheduler LCMScheduler is not implemented"),
+        (SDXL_BASE_FILES, _sdxl_configs(**{"scheduler/scheduler_config.json": {
+            "_class_name": "EDMDPMSolverMultistepScheduler"}}), "EDMDPMSolverMultistepScheduler is not implemented"),
+        (SDXL_BASE_FILES, _sdxl_configs(**{"unet/config.json": {"transformer_layers_per_block": [[1], [1, 2]]}}),
+         "transformer_layers_per_block must be an int or one int per level"),
+        (SDXL_BASE_FILES, _sdxl_configs(**{"vae/config.json": {"shift_factor": 0.1159}}), "shift_factor"),
+    ],
+    ids=["refiner", "inpainting", "9-channel-unet", "lcm", "playground-edm", "ssd-1b-style-unet", "vae-shift"],
+)
+def test_an_unsupported_model_is_refused_before_its_weights_are_fetched(
+    tiny_weights, tmp_path, monkeypatch, file_list, configs, reason
+):
+    repo = "someone/some-model"
+    with FakeHub({repo: _repo(tiny_weights, "sdxl", file_list, configs)}) as fake:
+        with hub_at(fake, tmp_path / "hf", monkeypatch), pytest.raises(CheckpointError, match=reason):
+            _load(repo)
+        assert fake.downloaded(repo) and _weights(fake.downloaded(repo)) == []
+
+
+def test_a_model_missing_from_the_cache_without_network_is_hub_unavailable(tmp_path, monkeypatch):
+    with hub_at(None, tmp_path / "hf", monkeypatch), pytest.raises(HubUnavailableError, match="unreachable"):
+        locate("nobody/no-model")

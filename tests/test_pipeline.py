@@ -81,6 +81,23 @@ def test_images_match_diffusers(reference, pipe):
     assert diff <= 1e-4
 
 
+def test_a_vae_with_latents_mean_and_std_decodes_like_diffusers(tmp_path):
+    """Playground v2.5's VAE config: SDXL's pipeline unscales its latents per channel."""
+    vae = {
+        **random_models.SDXL_CONFIGS["vae/config.json"],
+        "latents_mean": [0.1, -0.3, 0.2, 0.05], "latents_std": [0.9, 1.2, 0.7, 1.1], "scaling_factor": 0.5,
+    }
+    ref = sdxl_pipeline(tmp_path, {**random_models.SDXL_CONFIGS, "vae/config.json": vae})
+    pipe = Pipeline.from_pretrained(tmp_path, dtype="float32", max_steps=8)
+    assert pipe.spec.vae.latents_mean == (0.1, -0.3, 0.2, 0.05)
+    latents = _latents(2, seed=5)
+    expected = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=2, guidance=5.0)
+    got = pipe.generate(
+        PROMPTS, NEGATIVES, steps=2, guidance_scale=5.0, height=HEIGHT, width=WIDTH, latents=latents, output_type="np"
+    )
+    assert np.abs(got - expected).max() <= 1e-4
+
+
 @pytest.mark.parametrize(
     "sampler, scheduler_cls, options",
     [

@@ -12,6 +12,7 @@ from diffusers import (
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
+    PNDMScheduler,
 )
 from diffusers.schedulers import scheduling_euler_ancestral_discrete
 from test_schedulers import SD15_SCHEDULER_CONFIG, SDXL_SCHEDULER_CONFIG
@@ -26,10 +27,10 @@ MAX_STEPS = 30
 PATTERN = np.random.default_rng(1).standard_normal(SHAPE[1:]).astype(np.float32)
 
 
-
 def sample(sampler, denoiser, x, schedule, num_steps, keys=None):
-    """A whole sampling loop, as the pipeline runs it: init, every step, finish."""
-    carry = sampling.run_steps(sampler, denoiser, sampler.init(x), schedule, num_steps, 0, num_steps, keys)
+    """A whole sampling loop, as the pipeline runs it: init, every model evaluation, finish."""
+    evaluations = sampler.evaluations(num_steps)
+    carry = sampling.run_steps(sampler, denoiser, sampler.init(x), schedule, num_steps, 0, evaluations, keys)
     return sampler.finish(carry)
 
 
@@ -83,6 +84,39 @@ def check_against_diffusers(name, reference_cls, values, num_steps, keys=None):
     print(f"{name} {num_steps} steps: max abs diff {diff:.2e} (output std {expected.std():.2f})")
     assert expected.std() > 0.01  # SD 1.5 with 1 step starts at sigma 0.03: "linspace" puts it at t = 0
     assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 3, 4, 7, 25])
+@pytest.mark.parametrize(
+    "values",
+    [SD15_SCHEDULER_CONFIG, {**SD15_SCHEDULER_CONFIG, "timestep_spacing": "trailing", "set_alpha_to_one": True}],
+    ids=["sd15", "trailing"],
+)
+def test_plms_matches_diffusers_pndm(values, num_steps):
+    """SD 1.x's own scheduler: the second step evaluates the model twice, then Adams-Bashforth."""
+    check_against_diffusers("pndm", PNDMScheduler, values, num_steps)
+
+
+@pytest.mark.parametrize(
+    "config, sampler",
+    [
+        ({"_class_name": "EulerDiscreteScheduler"}, "euler"),
+        ({"_class_name": "EulerAncestralDiscreteScheduler", "timestep_spacing": "trailing"}, "euler_ancestral"),
+        ({"_class_name": "DPMSolverMultistepScheduler"}, "dpmpp_2m"),
+        ({"_class_name": "DPMSolverMultistepScheduler", "use_karras_sigmas": True}, "dpmpp_2m_karras"),
+        ({"_class_name": "DDIMScheduler"}, "ddim"),
+        ({"_class_name": "PNDMScheduler", "skip_prk_steps": True}, "pndm"),
+        ({"_class_name": "LCMScheduler"}, "scheduler LCMScheduler is not implemented"),
+        ({"_class_name": "PNDMScheduler", "skip_prk_steps": False}, "only with skip_prk_steps"),
+        ({"_class_name": "DPMSolverMultistepScheduler", "solver_order": 3}, "solver_order=3 is not implemented"),
+    ],
+)
+def test_the_checkpoints_scheduler_class_picks_the_sampler_or_is_refused(config, sampler):
+    if sampler in SAMPLERS:
+        assert sampling.sampler_for_scheduler(config) == sampler
+    else:
+        with pytest.raises(ValueError, match=sampler):
+            sampling.sampler_for_scheduler(config)
 
 
 @pytest.mark.parametrize("num_steps", [1, 7, 25])
@@ -146,7 +180,7 @@ def test_running_the_loop_in_chunks_gives_the_same_latents(name):
     denoiser = toy_denoiser("epsilon")
     whole = sample(sampler, denoiser, x, schedule, 7, keys)
     carry = sampler.init(x)
-    for start, stop in ((0, 3), (3, 4), (4, 7)):
+    for start, stop in ((0, 3), (3, 4), (4, sampler.evaluations(7))):
         carry = sampling.run_steps(sampler, denoiser, carry, schedule, 7, start, stop, keys)
     np.testing.assert_allclose(sampler.finish(carry), whole, rtol=1e-6, atol=1e-6)
 

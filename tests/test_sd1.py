@@ -113,6 +113,20 @@ def test_images_match_diffusers_with_euler(reference, pipe):
     assert np.abs(with_leading - expected).max() > 1e-2, "the spacing must matter for the comparison to settle it"
 
 
+def test_the_default_sampler_is_the_checkpoints_pndm_and_matches_diffusers(reference, pipe):
+    """SD 1.5 ships PNDMScheduler (PLMS): that is what renders when no sampler is named, as in diffusers."""
+    _, ref = reference
+    assert pipe.spec.default_sampler == "pndm" and type(ref.scheduler).__name__ == "PNDMScheduler"
+    latents = _latents(2, seed=4)
+    expected = _diffusers(ref, ref.scheduler, latents, 5, negative_prompt=NEGATIVES)
+    ours = pipe.generate(
+        PROMPTS, NEGATIVES, steps=5, guidance_scale=5.0, height=HEIGHT, width=WIDTH, latents=latents, output_type="np"
+    )
+    assert _max_diff("SD1 PNDM (PLMS)", ours, expected) <= 1e-4
+    euler = _ours(pipe, NEGATIVES, latents, 5)
+    assert np.abs(euler - expected).max() > 1e-2, "the sampler must matter for the comparison to settle it"
+
+
 def test_empty_negative_prompt_encodes_the_empty_text_like_diffusers(reference, pipe):
     """diffusers' StableDiffusionPipeline encodes "" for a missing negative prompt (SDXL's zeroes it)."""
     _, ref = reference

@@ -21,13 +21,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..checkpoints import ModelSpec, locate, preferred_variant, random_models
+from ..checkpoints import ModelSpec, locate, random_models
 from ..checkpoints.folder import weight_files
 from ..pipeline import Pipeline
 from ..weights import flatten
 
 
-def resolve_model(name: str, scratch: Path) -> Path:
+def resolve_model(name: str, scratch: Path, dtype: str) -> Path:
     """The checkpoint folder `bench --model name` measures.
 
     "sdxl-base" (SDXL base 1.0's published configs with random weights, about 7 GB) is written into
@@ -37,7 +37,7 @@ def resolve_model(name: str, scratch: Path) -> Path:
     if name == "sdxl-base":
         configs = random_models.configs_of("sdxl-base-1.0")
         return random_models.write_checkpoint(scratch / "sdxl-base", configs, dtype="float16")
-    return locate(name)
+    return locate(name, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -74,7 +74,7 @@ def read_files(files: list[Path], buffer_bytes: int = 16 << 20) -> tuple[float, 
 def _loaded_files(folder: Path, spec, dtype: str) -> list[Path]:
     """The weight files `Pipeline.from_pretrained` reads for `dtype`."""
     components = ("unet", "vae", *spec.text_encoder_names)
-    return [f for name in components for f in weight_files(folder / name, prefer_variant=preferred_variant(dtype))]
+    return [f for name in components for f in weight_files(folder / name, dtype)]
 
 
 def memory_status() -> dict[str, int]:
@@ -218,7 +218,7 @@ def run_load_benchmark(
     checkpoints on a machine too slow to run them."""
     dtype = dtype or default_dtype()
     with scratch_dir() as scratch:
-        folder = resolve_model(model, scratch)
+        folder = resolve_model(model, scratch, dtype)
         log(f"loading {folder} with the page cache warm, then from the disk")
         options = dict(folder=str(folder), dtype=dtype, max_steps=100, num_devices=num_devices)
         result = in_fresh_process("load", **options, cold=False) | disk_and_fresh_memory_loads(**options)

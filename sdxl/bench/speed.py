@@ -270,7 +270,7 @@ def run_benchmark(
     load_before = os.getloadavg()[0]
     with scratch_dir() as scratch:
         write_start = time.perf_counter()
-        folder = resolve_model(model, scratch)
+        folder = resolve_model(model, scratch, dtype)
         write_s = time.perf_counter() - write_start
         cache_dir = scratch / "xla-cache"
         enable_compilation_cache(cache_dir)  # empty: the first compile is cold

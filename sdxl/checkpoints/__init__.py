@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..weights import CheckpointError
 from . import hub, random_models
-from .folder import load_weights, preferred_variant
+from .folder import load_weights
 from .hub import HubUnavailableError
 from .random_models import BUILTIN_CONFIGS
 from .spec import ModelSpec
@@ -26,15 +26,15 @@ __all__ = [
     "ModelSpec",
     "load_weights",
     "locate",
-    "preferred_variant",
 ]
 
 
-def locate(name_or_path: str | os.PathLike, *, prefer_variant: str | None = "fp16") -> Path:
+def locate(name_or_path: str | os.PathLike, *, dtype="bfloat16") -> Path:
     """The local folder of a checkpoint given as a folder, a built-in name, or a Hub repo id.
 
     Built-in names are the random models that `random_models.ensure_checkpoint` writes on first use
-    ("tiny", "tiny-sd1", "medium") and the configs-only folders in `BUILTIN_CONFIGS`.
+    ("tiny", "tiny-sd1", "medium") and the configs-only folders in `BUILTIN_CONFIGS`. From a Hub
+    repo, the weights to load in `dtype` are fetched (`hub.download`).
 
     Raises:
       CheckpointError: the name is none of these, or the Hub repo cannot be had
@@ -50,4 +50,4 @@ def locate(name_or_path: str | os.PathLike, *, prefer_variant: str | None = "fp1
         return path
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise CheckpointError(f"{name}: not a checkpoint folder, a built-in model, or a Hub repo id (owner/name)")
-    return hub.download(name, prefer_variant=prefer_variant)
+    return hub.download(name, dtype)

@@ -8,6 +8,7 @@
 Loading checks every key and shape of every component (`sdxl.weights.load_params`).
 """
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +36,13 @@ def read_model_index(folder: Path) -> dict:
     return read_json(index)
 
 
-def is_variant(path: Path, variant: str) -> bool:
-    """Whether a weight file belongs to a variant (`diffusion_pytorch_model.fp16.safetensors`)."""
-    return f".{variant}." in path.name or f".{variant}-" in path.name
+def weight_variant(filename: str) -> str | None:
+    """The variant a safetensors file belongs to: "fp16" for `diffusion_pytorch_model.fp16.safetensors`,
+    "non_ema" for `diffusion_pytorch_model.non_ema.safetensors`, None for the plain files (also when
+    sharded: `model-00001-of-00002.safetensors`, `model.fp16-00001-of-00002.safetensors` is "fp16")."""
+    stem = re.sub(r"-\d{5}-of-\d{5}$", "", filename.removesuffix(".safetensors"))
+    _, _, variant = stem.partition(".")
+    return variant or None
 
 
 def preferred_variant(dtype) -> str | None:
@@ -45,28 +50,44 @@ def preferred_variant(dtype) -> str | None:
     return None if np.dtype(dtype) == np.float32 else "fp16"
 
 
-def weight_files(folder: Path, *, prefer_variant: str | None = "fp16") -> list[Path]:
-    """The safetensors files of one component folder, choosing the `prefer_variant` files if present.
+def choose_weight_files(filenames: list[str], dtype, where: str) -> list[str]:
+    """Exactly one set of weights of one component: the fp16 variant for a 16-bit `dtype` where the
+    component has one, else the plain files; the fp16 files for float32 only when there are no plain
+    ones. Other variants (`ema`, `non_ema`, `bf16`, ...) are never read.
 
     Raises:
-      CheckpointError: if the folder has no safetensors files (with a specific message when it only
-        has pickled `.bin`/`.ckpt` weights, which are never loaded: unpickling runs arbitrary code).
+      CheckpointError: `where` (the component) has neither plain nor fp16 safetensors weights.
+    """
+    weights = sorted(f for f in filenames if f.endswith(".safetensors"))
+    by_variant = {}
+    for name in weights:
+        by_variant.setdefault(weight_variant(name), []).append(name)
+    preferred = preferred_variant(dtype)
+    for variant in (preferred, None, "fp16"):
+        if variant in by_variant:
+            return by_variant[variant]
+    pickled = sorted(f for f in filenames if Path(f).suffix in (".bin", ".ckpt", ".pt", ".pth"))
+    if pickled:
+        raise CheckpointError(
+            f"{where}: only pickled weights ({', '.join(pickled)}); they are never loaded because "
+            "unpickling can run arbitrary code. Use a checkpoint with .safetensors files."
+        )
+    if weights:
+        raise CheckpointError(f"{where}: no plain or fp16 safetensors weights, only {', '.join(weights)}")
+    raise CheckpointError(f"{where}: no .safetensors weights")
+
+
+def weight_files(folder: Path, dtype) -> list[Path]:
+    """The safetensors files of one component folder to load for `dtype` (`choose_weight_files`).
+
+    Raises:
+      CheckpointError: the folder is missing or has no weights to load.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: component folder is missing")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".ckpt", ".pt", ".pth"))
-        if pickled:
-            raise CheckpointError(
-                f"{folder}: only pickled weights ({', '.join(pickled)}); they are never loaded because "
-                "unpickling can run arbitrary code. Use a checkpoint with .safetensors files."
-            )
-        raise CheckpointError(f"{folder}: no .safetensors weights")
-    variant_files = [f for f in files if prefer_variant and is_variant(f, prefer_variant)]
-    plain_files = [f for f in files if not any(is_variant(f, v) for v in ("fp16", "bf16", "fp32"))]
-    return variant_files or plain_files or files
+    names = [p.name for p in folder.iterdir() if p.is_file()]
+    return [folder / name for name in choose_weight_files(names, dtype, str(folder))]
 
 
 def load_weights(folder: Path, abstract_params: dict, dtype, put) -> dict:
@@ -75,6 +96,6 @@ def load_weights(folder: Path, abstract_params: dict, dtype, put) -> dict:
     params = {}
     for name, tree in abstract_params.items():
         rename, ignore = _KEY_RULES[name]
-        files = weight_files(folder / name, prefer_variant=preferred_variant(dtype))
+        files = weight_files(folder / name, dtype)
         params[name] = load_params(files, tree, dtype=dtype, rename=rename, ignore=ignore, put=put)
     return params

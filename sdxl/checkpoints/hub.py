@@ -1,64 +1,105 @@
-"""The Hugging Face Hub: downloading exactly the files a pipeline reads, or finding them in the cache."""
+"""The Hugging Face Hub: a repo's configs first, then exactly the weight files a pipeline reads.
 
-import socket
+Configs and tokenizers come first (kilobytes): the model's spec is built from them, so a model this
+package cannot run is refused before gigabytes of weights are fetched. Then, per component the
+pipeline loads, the one weight set `folder.choose_weight_files` picks for the dtype; single-file
+checkpoints, pickled weights, ONNX/OpenVINO/Flax exports and unused components are never fetched.
+
+Without the Hub (unreachable, or `HF_HUB_OFFLINE=1`) the same files come from the local cache, as
+an earlier online run, ours or diffusers', left them; huggingface_hub's own HTTP client decides
+whether the Hub answers, so proxies and `HF_ENDPOINT` are honoured.
+"""
+
+import logging
 from pathlib import Path
-from urllib.parse import urlparse
 
 from ..weights import CheckpointError
-from .folder import WEIGHT_COMPONENTS, is_variant
+from .folder import WEIGHT_COMPONENTS, choose_weight_files
+from .spec import ModelSpec
 
-# What a pipeline needs from a Hub repo: configs, tokenizers and safetensors weights. Pickled
-# weights, ONNX/OpenVINO exports and single-file checkpoints are never downloaded.
-_HUB_CONFIG_PATTERNS = ["model_index.json", "*/config.json", "*/scheduler_config.json", "tokenizer*/*"]
+log = logging.getLogger(__name__)
+
+# Everything a pipeline reads besides its weights, and nothing else: not the configs of exports
+# (`vae_decoder/`, ...) that an earlier download, diffusers' say, had no reason to fetch.
+CONFIG_PATTERNS = [
+    "model_index.json",
+    "scheduler/scheduler_config.json",
+    *(f"{component}/config.json" for component in WEIGHT_COMPONENTS),
+    "tokenizer/*",
+    "tokenizer_2/*",
+]
+# How long to wait for the Hub to say which commit a repo is at, before using the cache instead.
+HUB_TIMEOUT_S = 10.0
 
 
 class HubUnavailableError(CheckpointError):
     """A Hub checkpoint is not in the local cache and the Hub cannot be reached (or is switched off)."""
 
 
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hub endpoint accepts a TCP connection: a quick check, so that a machine without
-    network fails in seconds instead of waiting out huggingface_hub's retries."""
-    import huggingface_hub
+def download(repo_id: str, dtype) -> Path:
+    """The snapshot folder of `repo_id` with its configs, tokenizers and the weights to load in
+    `dtype`, downloaded into the user's Hugging Face cache where they are not there yet.
 
-    url = urlparse(huggingface_hub.constants.ENDPOINT)
+    Raises:
+      CheckpointError: the repo is unknown or not accessible, or its model is not supported (before
+        any weights are fetched); `HubUnavailableError` when files it needs are neither cached nor
+        downloadable.
+    """
+    online = _hub_answers(repo_id)
+    folder = _snapshot(repo_id, CONFIG_PATTERNS, online, "configs")
+    spec = ModelSpec.from_folder(folder)
+    files = _repo_files(repo_id, online, folder)
+    weights = []
+    for component in ("unet", "vae", *spec.text_encoder_names):
+        names = [f.removeprefix(component + "/") for f in files if f.rpartition("/")[0] == component]
+        weights += [f"{component}/{name}" for name in choose_weight_files(names, dtype, f"{repo_id}/{component}")]
+    _snapshot(repo_id, weights, online, "weights")
+    return folder
+
+
+def _hub_answers(repo_id: str) -> bool:
+    """Whether the Hub answers for the repo: False when it is switched off or out of reach.
+
+    A quick question with a short time-out, so that a machine without network falls back to the
+    cache in seconds instead of waiting out huggingface_hub's retries.
+    """
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return False
     try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        huggingface_hub.HfApi().repo_info(repo_id, timeout=HUB_TIMEOUT_S)
         return True
-    except OSError:
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
+        raise CheckpointError(f"{repo_id}: not available on the Hugging Face Hub ({type(e).__name__})") from e
+    except Exception as e:  # no network, a proxy or DNS failure, a time-out, the Hub down: try the cache
+        reason = f"{type(e).__name__}: {e}"
+        log.warning("the Hugging Face Hub did not answer for %s (%s); using the local cache", repo_id, reason)
         return False
 
 
-def _hub_weight_patterns(repo_files: list[str], prefer_variant: str | None) -> list[str]:
-    """Per component folder: the variant's safetensors when the repo has them, else the plain ones."""
-    patterns = []
-    for folder in WEIGHT_COMPONENTS:
-        names = [Path(f) for f in repo_files if f.startswith(folder + "/") and f.endswith(".safetensors")]
-        if prefer_variant and any(is_variant(n, prefer_variant) for n in names):
-            patterns.append(f"{folder}/*.{prefer_variant}*.safetensors")
-        else:
-            patterns += [f"{folder}/{n.name}" for n in names if not is_variant(n, "fp16")]
-    return patterns
-
-
-def download(repo_id: str, *, prefer_variant: str | None = "fp16") -> Path:
-    """Fetches the files a pipeline needs from the Hub into the user's HF cache (honours HF_HUB_OFFLINE)."""
+def _snapshot(repo_id: str, patterns: list[str], online: bool, what: str) -> Path:
+    """`snapshot_download` of the files matching `patterns`, from the Hub or from the cache alone."""
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    if huggingface_hub.constants.HF_HUB_OFFLINE or not hub_reachable():
-        try:
-            # Whatever an earlier online run cached; weight_files() then picks the variant.
-            return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True))
-        except LocalEntryNotFoundError as e:
-            raise HubUnavailableError(
-                f"{repo_id}: not in the local Hugging Face cache, and the Hub is "
-                f"{'switched off (HF_HUB_OFFLINE=1)' if huggingface_hub.constants.HF_HUB_OFFLINE else 'unreachable'}"
-            ) from e
     try:
-        repo_files = huggingface_hub.list_repo_files(repo_id)
-        patterns = _HUB_CONFIG_PATTERNS + _hub_weight_patterns(repo_files, prefer_variant)
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
-    except Exception as e:  # a missing repo, no access, a dropped connection: all end here for the caller
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=not online))
+    except LocalEntryNotFoundError as e:  # also IncompleteSnapshotError: some of the files are missing
+        hub = "switched off (HF_HUB_OFFLINE=1)" if huggingface_hub.constants.HF_HUB_OFFLINE else "unreachable"
+        message = f"{repo_id}: not in the local Hugging Face cache (its {what} are missing), and the Hub is {hub}"
+        raise HubUnavailableError(message) from e
+    except Exception as e:  # no access, a dropped connection, a full disk: all end here for the caller
         reason = f"{type(e).__name__}: {e}"
         raise CheckpointError(f"{repo_id}: could not download from the Hugging Face Hub ({reason})") from e
+
+
+def _repo_files(repo_id: str, online: bool, folder: Path) -> list[str]:
+    """The repo's files: online, the whole listing (which the config download cached); from the
+    cache alone, the files that are there, so that whatever weight set an earlier run fetched serves."""
+    import huggingface_hub
+
+    if online:
+        return [f.path for f in huggingface_hub.get_cached_repo_tree(repo_id)]
+    return [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]

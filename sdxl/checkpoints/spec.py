@@ -12,13 +12,27 @@ import jax
 import jax.numpy as jnp
 
 from .. import clip, layers, unet, vae
-from ..config import cache_root, config_from_file
+from ..config import cache_root, config_from_dict, read_json
+from ..sampling import sampler_for_scheduler
 from ..schedulers import SchedulerConfig
 from ..weights import CheckpointError, flatten, unflatten
 from .folder import read_model_index
 
 # The text encoders in the order the UNet's context concatenates them.
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+# The pipelines whose checkpoints this package runs: text-to-image SDXL and SD 1.x/2.x.
+PIPELINE_CLASSES = ("StableDiffusionXLPipeline", "StableDiffusionPipeline")
+# What other pipeline classes are, for the message that refuses them.
+_OTHER_PIPELINES = {
+    "StableDiffusionXLImg2ImgPipeline": "the SDXL refiner or an image-to-image model",
+    "StableDiffusionXLInpaintPipeline": "an inpainting model",
+    "StableDiffusionInpaintPipeline": "an inpainting model",
+    "StableDiffusionInstructPix2PixPipeline": "an instruct-pix2pix model",
+    "StableDiffusionXLInstructPix2PixPipeline": "an instruct-pix2pix model",
+    "StableDiffusionDepth2ImgPipeline": "a depth-to-image model",
+    "StableDiffusionUpscalePipeline": "an upscaler",
+    "StableDiffusionLatentUpscalePipeline": "an upscaler",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +49,8 @@ class ModelSpec:
     text_encoders: tuple[clip.CLIPTextConfig, ...]
     scheduler: SchedulerConfig
     force_zeros_for_empty_prompt: bool
+    # The sampler that matches the checkpoint's scheduler class (`sampling.sampler_for_scheduler`).
+    default_sampler: str = "euler"
 
     @property
     def is_sdxl(self) -> bool:
@@ -70,7 +86,7 @@ class ModelSpec:
 
     @classmethod
     def from_folder(cls, folder: Path) -> "ModelSpec":
-        """Reads the configs of a diffusers pipeline folder.
+        """Reads the configs of a diffusers pipeline folder, and refuses what this package cannot run.
 
         Only the text encoders, UNet, VAE and scheduler are read. Other entries of model_index.json
         are ignored, whether they name a component or are null: SD 1.x's `safety_checker` and
@@ -78,24 +94,56 @@ class ModelSpec:
         built with safety_checker=None), `requires_safety_checker`, `image_encoder`.
 
         Raises:
-          CheckpointError: model_index.json or a config is missing, or no text encoder is named.
+          CheckpointError: a config is missing or unreadable, or names something unsupported (the
+            message says what): read before any weights, so that a download can stop in time.
         """
+        folder = Path(folder)
         index = read_model_index(folder)
+        _check_pipeline(folder, index)
         names = [n for n in TEXT_ENCODERS if index.get(n) and index[n][0] is not None]
-        if not names:
-            raise CheckpointError(f"{folder}: model_index.json names no text encoder")
+        configs = {
+            "unet": _read(folder, "unet/config.json"),
+            "vae": _read(folder, "vae/config.json"),
+            "scheduler": _read(folder, "scheduler/scheduler_config.json"),
+            **{name: _read(folder, f"{name}/config.json") for name in names},
+        }
         try:
-            return cls(
-                unet=config_from_file(unet.UNetConfig, folder / "unet" / "config.json"),
-                vae=config_from_file(vae.VAEConfig, folder / "vae" / "config.json"),
-                text_encoders=tuple(
-                    config_from_file(clip.CLIPTextConfig, folder / name / "config.json") for name in names
-                ),
-                scheduler=config_from_file(SchedulerConfig, folder / "scheduler" / "scheduler_config.json"),
+            spec = cls(
+                unet=config_from_dict(unet.UNetConfig, configs["unet"]),
+                vae=config_from_dict(vae.VAEConfig, configs["vae"]),
+                text_encoders=tuple(config_from_dict(clip.CLIPTextConfig, configs[name]) for name in names),
+                scheduler=config_from_dict(SchedulerConfig, configs["scheduler"]),
                 force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", False)),
+                default_sampler=sampler_for_scheduler(configs["scheduler"]),
             )
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{folder}: missing config file {e.filename}") from e
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{folder}: {e}") from e
+        spec.check_supported(folder, names)
+        return spec
+
+    def check_supported(self, where, text_encoder_names: list[str]) -> None:
+        """Raises CheckpointError naming what in these configs this package cannot run."""
+        if not text_encoder_names:
+            raise CheckpointError(f"{where}: model_index.json names no text encoder")
+        if self.is_sdxl and text_encoder_names != list(TEXT_ENCODERS):
+            raise CheckpointError(
+                f"{where}: an SDXL UNet with only {', '.join(text_encoder_names)} (the SDXL refiner's layout) "
+                "is not supported; SDXL base needs text_encoder and text_encoder_2"
+            )
+        if self.unet.in_channels != self.vae.latent_channels:
+            raise CheckpointError(
+                f"{where}: the UNet takes {self.unet.in_channels} input channels for "
+                f"{self.vae.latent_channels}-channel latents (an inpainting, depth or instruct-pix2pix model); "
+                "only text-to-image UNets are supported"
+            )
+        if self.vae.shift_factor:
+            raise CheckpointError(f"{where}: a VAE with shift_factor={self.vae.shift_factor} is not supported")
+        width = sum(config.hidden_size for config in self.text_encoders) if self.is_sdxl else None
+        if width is not None and width != self.unet.cross_attention_dim:
+            raise CheckpointError(
+                f"{where}: the text encoders give {width}-wide states, the UNet attends to "
+                f"{self.unet.cross_attention_dim}"
+            )
 
     def abstract_params(self) -> dict:
         """The parameter tree's shapes, with nothing allocated."""
@@ -103,6 +151,26 @@ class ModelSpec:
         for name, config in zip(self.text_encoder_names, self.text_encoders):
             params[name] = _shapes(clip.abstract_params, config)
         return params
+
+
+def _read(folder: Path, path: str) -> dict:
+    try:
+        return read_json(folder / path)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{folder}: missing config file {path}") from e
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+
+
+def _check_pipeline(folder: Path, index: dict) -> None:
+    """Refuses a pipeline class other than text-to-image SD/SDXL, and the refiner's conditioning."""
+    name = index.get("_class_name", PIPELINE_CLASSES[0])
+    if name not in PIPELINE_CLASSES:
+        what = _OTHER_PIPELINES.get(name, "not a text-to-image Stable Diffusion pipeline")
+        supported = " and ".join(PIPELINE_CLASSES)
+        raise CheckpointError(f"{folder}: {name} ({what}) is not supported; this package runs {supported} checkpoints")
+    if index.get("requires_aesthetics_score"):
+        raise CheckpointError(f"{folder}: aesthetic-score conditioning (the SDXL refiner's) is not supported")
 
 
 @functools.cache
