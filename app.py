@@ -160,8 +160,9 @@ def create_demo(demo: Demo) -> gr.Blocks:
             steps = gr.Slider(1, pipe.max_steps, value=DEFAULT_STEPS, step=1, label="Steps")
             size = gr.Dropdown([_size_label(w, h) for w, h in service.sizes], value=_size_label(*native), label="Size")
             per_core = gr.Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
-            sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()], value=pipe.spec.default_sampler,
-                                  label="Sampler", info="each sampler compiles once, then stays cached")
+            sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()],
+                                  value=pipe.spec.default_sampler, label="Sampler",
+                                  info="the model's own by default; each sampler compiles once, then stays cached")
             width = gr.Number(value=native[0], precision=None, visible=False)
             height = gr.Number(value=native[1], precision=None, visible=False)
         for field in (num_seeds, seed, guidance, steps, per_core, width, height):
