@@ -210,7 +210,14 @@ def main() -> None:
     env = os.environ.get
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", default=env("SDXL_MODEL", DEFAULT_MODEL), help="Hub repo id, folder, 'tiny' or 'tiny-sd1'"
+        "--model", default=env("SDXL_MODEL", DEFAULT_MODEL),
+        help="Hub repo id, diffusers folder, single .safetensors file (local, or owner/name/file on the Hub), "
+        "'tiny' or 'tiny-sd1'",
+    )
+    parser.add_argument(
+        "--config", default=env("SDXL_CONFIG"),
+        help="for a single file: sdxl-base-1.0, sd-1.5, sd-2.1, sd-2.1-base or a diffusers folder "
+        "(default: the published one of the family its keys show)",
     )
     parser.add_argument("--host", default=env("SDXL_HOST"), help="default: 127.0.0.1 (Gradio's own default)")
     parser.add_argument("--port", type=_integer_from(1, 65535), default=env("SDXL_PORT", "7860"))
@@ -225,7 +232,7 @@ def main() -> None:
     cache = enable_compilation_cache(args.cache_dir)
     start = time.perf_counter()
     try:
-        pipe, notice = load_pipeline(args.model, dtype=args.dtype)
+        pipe, notice = load_pipeline(args.model, config=args.config, dtype=args.dtype)
     except CheckpointError as e:  # missing, corrupt or not downloadable: the reason in a line, as the CLI says it
         parser.exit(2, f"error: {e}\n")
     loaded = time.perf_counter()

@@ -17,7 +17,7 @@ from .sampling import SAMPLER_NAMES, SAMPLERS
 def generate_command(args: argparse.Namespace) -> None:
     enable_compilation_cache(args.cache_dir)
     start = time.perf_counter()
-    pipe = Pipeline.from_pretrained(args.model, dtype=args.dtype, max_steps=max(100, args.steps))
+    pipe = Pipeline.from_pretrained(args.model, dtype=args.dtype, max_steps=max(100, args.steps), config=args.config)
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s ({pipe.dtype.name}, {pipe.device_description})")
 
     num_images = pipe.num_devices if args.num_images is None else args.num_images
@@ -51,7 +51,15 @@ def generate_command(args: argparse.Namespace) -> None:
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="folder, Hub repo id, or 'tiny' (default: %(default)s)")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL,
+        help="diffusers folder, Hub repo id, single .safetensors file (local, or owner/name/file on the Hub), or "
+        "'tiny' (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--config", help="for a single file: sdxl-base-1.0, sd-1.5, sd-2.1, sd-2.1-base or a diffusers folder "
+        "(default: the published one of the family its keys show)",
+    )
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--negative-prompt", default="")
     parser.add_argument("--seed", type=int, default=0)
@@ -71,8 +79,12 @@ def write_checkpoint_command(args: argparse.Namespace) -> None:
     if out.exists():
         raise ValueError(f"{out} already exists")
     start = time.perf_counter()
-    random_models.write_checkpoint(out, random_models.configs_of(args.config), dtype=args.dtype, seed=args.seed)
-    size = sum(f.stat().st_size for f in out.rglob("*.safetensors"))
+    configs = random_models.configs_of(args.config)
+    if args.single_file:
+        random_models.write_single_file(out, configs, dtype=args.dtype, seed=args.seed)
+    else:
+        random_models.write_checkpoint(out, configs, dtype=args.dtype, seed=args.seed)
+    size = sum(f.stat().st_size for f in [out, *out.rglob("*.safetensors")] if f.suffix == ".safetensors")
     print(f"wrote {out} ({size / 2**30:.2f} GiB of {args.dtype} weights) in {time.perf_counter() - start:.0f} s")
 
 
@@ -81,6 +93,9 @@ def add_write_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", default="sdxl-base-1.0", help="sdxl-base-1.0, medium, tiny or tiny-sd1 (default: %(default)s)"
     )
     parser.add_argument("--out", required=True, help="folder to write (must not exist yet)")
+    parser.add_argument(
+        "--single-file", action="store_true", help="write one .safetensors file in the original (SGM) layout instead"
+    )
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
 

@@ -100,25 +100,35 @@ class Pipeline:
         dtype: str | None = None,
         max_steps: int = 100,
         devices: Sequence[jax.Device] | None = None,
+        config: str | None = None,
+        scheduler: dict | None = None,
     ) -> "Pipeline":
-        """Loads a diffusers-format SDXL or SD 1.x/2.x checkpoint.
+        """Loads an SDXL or SD 1.x/2.x checkpoint: a diffusers folder or Hub repo, or a single file.
 
         Args:
-          path_or_repo_id: a folder, a Hub repo id, or a built-in name ("tiny", "tiny-sd1": random
-            tiny models in the SDXL and SD 1.x layouts; see `sdxl.checkpoints`).
+          path_or_repo_id: a folder, a Hub repo id, a built-in name ("tiny", "tiny-sd1": random
+            tiny models in the SDXL and SD 1.x layouts), a `.safetensors` file in the original
+            (A1111 / SGM) layout, or a Hub file "owner/name/file.safetensors"; see
+            `sdxl.checkpoints.resolve`.
           dtype: parameter and activation dtype. Defaults to bfloat16 on accelerators and float32 on
             CPU. Schedulers and sampler state are float32 regardless.
           max_steps: the largest step count a call may ask for (the schedule's padded length).
           devices: the devices to shard the batch over (default: all).
+          config: for a single file, the configs and tokenizers to use: a built-in name
+            ("sdxl-base-1.0", "sd-1.5", "sd-2.1", "sd-2.1-base") or a diffusers folder; by default
+            the published ones of the family its keys show.
+          scheduler: fields that replace the checkpoint's scheduler config, e.g.
+            {"prediction_type": "epsilon"} or {"_class_name": "EulerAncestralDiscreteScheduler",
+            "timestep_spacing": "trailing"}; the default sampler follows the class.
         """
         devices = list(devices or jax.devices())
         dtype = jnp.dtype(dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16"))
-        folder = checkpoints.locate(path_or_repo_id, dtype=dtype)
-        spec = ModelSpec.from_folder(folder)
-        tokenizers = [load_tokenizer(folder / name) for name in spec.tokenizer_names]
+        checkpoint = checkpoints.resolve(path_or_repo_id, dtype=dtype, config=config, scheduler=scheduler)
+        spec = checkpoint.spec
+        tokenizers = [load_tokenizer(checkpoint.folder / name) for name in spec.tokenizer_names]
         mesh = Mesh(np.array(devices), (BATCH_AXIS,))
         replicated = NamedSharding(mesh, PartitionSpec())
-        params = checkpoints.load_weights(folder, spec.abstract_params(), dtype, lambda a: place(a, replicated))
+        params = checkpoint.load(dtype, lambda a: place(a, replicated))
         return cls(spec, params, tokenizers, mesh=mesh, dtype=dtype, max_steps=max_steps, name=str(path_or_repo_id))
 
     @property

@@ -167,13 +167,14 @@ class DeviceQueue:
                     on_update(ticket)
 
 
-def load_pipeline(model: str, **kwargs) -> tuple[Pipeline, str | None]:
-    """Loads `model`; a Hub model that can't be fetched falls back to the built-in tiny model.
+def load_pipeline(model: str, config: str | None = None, **kwargs) -> tuple[Pipeline, str | None]:
+    """Loads `model` (with a single file's `config`); a Hub model that can't be fetched falls back
+    to the built-in tiny model.
 
     Returns the pipeline and, after a fallback, a notice saying why and how to get real weights.
     """
     try:
-        return Pipeline.from_pretrained(model, **kwargs), None
+        return Pipeline.from_pretrained(model, config=config, **kwargs), None
     except HubUnavailableError as e:
         notice = (
             f"{e}. Showing the built-in tiny model instead (random weights, noise-like images). "

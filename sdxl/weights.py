@@ -9,6 +9,7 @@ Only the leaf names and the tensor layouts differ between PyTorch and Flax. Ever
 shape is checked in both directions, and all mismatches are reported at once.
 """
 
+import dataclasses
 import json
 import os
 import struct
@@ -176,6 +177,66 @@ def torch_axes(path: tuple[str, ...], ndim: int) -> tuple[int, ...]:
     return tuple(int(a) for a in np.argsort(flax_axes(path, ndim)))
 
 
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Where one parameter's values are stored: a tensor of a safetensors file, or a view of one.
+
+    Foreign layouts (`sdxl.checkpoints.single_file`) store some parameters differently: OpenCLIP
+    fuses the query, key and value projections into one tensor (`rows`), keeps its text projection
+    as [in, out] (`transpose`), and the original VAE's attention projections are 1x1 convolutions
+    (`squeeze`).
+    """
+
+    file: SafetensorsFile
+    key: str
+    rows: tuple[int, int] | None = None  # (i, n): the i-th of n equal blocks of the first axis
+    transpose: bool = False
+    squeeze: bool = False  # drop the trailing 1x1 of a convolution kernel
+
+    @property
+    def plain(self) -> bool:
+        return self.rows is None and not self.transpose and not self.squeeze
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = self.file.shape(self.key)
+        if self.rows is not None:
+            shape = (shape[0] // self.rows[1], *shape[1:])
+        if self.squeeze:
+            shape = shape[:2] if shape[2:] == (1, 1) else shape
+        return shape[::-1] if self.transpose else shape
+
+    def read(self, buffer: bytearray | None = None) -> np.ndarray:
+        """The values in the stored layout, viewed as described (into `buffer` as `tensor` reads)."""
+        array = self.file.tensor(self.key, buffer)
+        if self.rows is not None:
+            i, n = self.rows
+            size = array.shape[0] // n
+            array = array[i * size : (i + 1) * size]
+        if self.squeeze:
+            array = array.reshape(self.shape[::-1] if self.transpose else self.shape)
+        return array.T if self.transpose else array
+
+
+def stored_tensors(files: list[Path], rename: Callable[[str], str], ignore: Iterable[str]) -> dict[str, StoredTensor]:
+    """{module key: StoredTensor} for every tensor of `files` but the `ignore`d ones.
+
+    Raises:
+      CheckpointError: two tensors map to the same module key.
+    """
+    stored: dict[str, StoredTensor] = {}
+    ignore = set(ignore)
+    for file in map(SafetensorsFile, files):
+        for key in file.keys():
+            if key in ignore:
+                continue
+            name = rename(key)
+            if name in stored:
+                raise CheckpointError(f"{file.path}: key {key} is stored twice")
+            stored[name] = StoredTensor(file, key)
+    return stored
+
+
 def load_params(
     files: list[Path],
     abstract_params: dict,
@@ -194,10 +255,7 @@ def load_params(
       dtype: the dtype every parameter is cast to.
       rename: maps a key as stored to the module's key (legacy names, optional prefixes).
       ignore: stored keys that are buffers, not parameters.
-      put: places one converted tensor (`pipeline.place` with a sharding, say). It is called
-        from several threads. Tensors are read and converted into fresh arrays a few at a time,
-        in file order, so the host never holds a second copy of the model; on a CPU backend the
-        arrays become the parameters themselves (see `aligned_empty`).
+      put: places one converted tensor (see `load_stored`).
 
     Raises:
       CheckpointError: listing every missing, unexpected and mis-shaped key.
@@ -205,34 +263,44 @@ def load_params(
     if not files:
         raise CheckpointError("no safetensors files given")
     where = ", ".join(str(f) for f in files)
-    stored: dict[str, tuple[SafetensorsFile, str]] = {}
-    ignore = set(ignore)
-    for file in map(SafetensorsFile, files):
-        for key in file.keys():
-            if key in ignore:
-                continue
-            name = rename(key)
-            if name in stored:
-                raise CheckpointError(f"{file.path}: key {key} is stored twice")
-            stored[name] = (file, key)
+    return load_stored(stored_tensors(files, rename, ignore), abstract_params, dtype=dtype, put=put, where=where)
 
+
+def load_stored(
+    stored: dict[str, StoredTensor],
+    abstract_params: dict,
+    *,
+    dtype,
+    put: Callable[[np.ndarray], object] = lambda array: array,
+    where: str,
+) -> dict:
+    """Loads the tensors `stored` ({module key: StoredTensor}) into a tree shaped like `abstract_params`.
+
+    Every key is checked in both directions and every shape; all mismatches are reported at once.
+    `put` places one converted tensor (`pipeline.place` with a sharding, say). It is called from
+    several threads. Tensors are read and converted into fresh arrays a few at a time, in file
+    order, so the host never holds a second copy of the model; on a CPU backend the arrays become
+    the parameters themselves (see `aligned_empty`).
+
+    Raises:
+      CheckpointError: listing every missing, unexpected and mis-shaped key of the checkpoint `where`.
+    """
     abstract = flatten(abstract_params)
     expected = {checkpoint_key(path): path for path in abstract}
     missing = sorted(set(expected) - set(stored))
     unexpected = sorted(set(stored) - set(expected))
     misshaped = []
     for name in sorted(set(expected) & set(stored)):
-        path = expected[name]
-        file, key = stored[name]
+        path, source = expected[name], stored[name]
         want = tuple(abstract[path].shape)
-        got = file.shape(key)
+        got = source.shape
         if len(got) != len(want) or tuple(got[a] for a in flax_axes(path, len(got))) != want:
             needed = tuple(want[a] for a in torch_axes(path, len(want)))
-            misshaped.append(f"{key} in {file.path.name}: stored {got}, model needs {needed}")
+            misshaped.append(f"{source.key} in {source.file.path.name}: stored {got}, model needs {needed}")
     if missing or unexpected or misshaped:
         lines = [f"checkpoint {where} does not match the model:"]
         lines += [f"  missing key: {k}" for k in missing]
-        lines += [f"  unexpected key: {stored[k][1]} in {stored[k][0].path.name}" for k in unexpected]
+        lines += [f"  unexpected key: {stored[k].key} in {stored[k].file.path.name}" for k in unexpected]
         lines += [f"  wrong shape: {m}" for m in misshaped]
         raise CheckpointError("\n".join(lines))
 
@@ -240,23 +308,22 @@ def load_params(
     read_buffers = threading.local()
 
     def convert(name: str) -> object:
-        file, key = stored[name]
-        axes = flax_axes(expected[name], len(file.shape(key)))
-        if file.dtype(key) == dtype and axes == tuple(range(len(axes))):
-            return put(file.tensor(key))
+        source = stored[name]
+        axes = flax_axes(expected[name], len(source.shape))
+        if source.plain and source.file.dtype(source.key) == dtype and axes == tuple(range(len(axes))):
+            return put(source.read())
         # Casts and conv-kernel transposes run in numpy's C loops, which release the GIL: a
         # thread per core reads and converts in parallel, each through its own reused buffer.
         if not hasattr(read_buffers, "buffer"):
             read_buffers.buffer = bytearray()
-        stored_tensor = file.tensor(key, read_buffers.buffer)
-        stored_tensor = stored_tensor.transpose(axes)
+        stored_tensor = source.read(read_buffers.buffer).transpose(axes)
         converted = aligned_empty(stored_tensor.shape, dtype)
         np.copyto(converted, stored_tensor, casting="same_kind")
         return put(converted)
 
     def file_position(name: str) -> tuple[str, int]:
-        file, key = stored[name]
-        return str(file.path), file.offset(key)
+        source = stored[name]
+        return str(source.file.path), source.file.offset(source.key)
 
     in_file_order = sorted(expected, key=file_position)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

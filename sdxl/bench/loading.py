@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..checkpoints import ModelSpec, locate, random_models
+from ..checkpoints import locate, random_models, resolve
 from ..checkpoints.folder import weight_files
 from ..pipeline import Pipeline
 from ..weights import flatten
@@ -37,7 +37,7 @@ def resolve_model(name: str, scratch: Path, dtype: str) -> Path:
     if name == "sdxl-base":
         configs = random_models.configs_of("sdxl-base-1.0")
         return random_models.write_checkpoint(scratch / "sdxl-base", configs, dtype="float16")
-    return locate(name, dtype=dtype)
+    return Path(name) if name.endswith(".safetensors") else locate(name, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -71,10 +71,13 @@ def read_files(files: list[Path], buffer_bytes: int = 16 << 20) -> tuple[float, 
     return time.perf_counter() - start, total
 
 
-def _loaded_files(folder: Path, spec, dtype: str) -> list[Path]:
-    """The weight files `Pipeline.from_pretrained` reads for `dtype`."""
-    components = ("unet", "vae", *spec.text_encoder_names)
-    return [f for name in components for f in weight_files(folder / name, dtype)]
+def _loaded_files(model: Path, dtype: str) -> list[Path]:
+    """The weight files `Pipeline.from_pretrained(model)` reads for `dtype`: a folder's, or a single file."""
+    checkpoint = resolve(model, dtype=dtype)
+    if checkpoint.single_file is not None:
+        return [checkpoint.single_file]
+    components = ("unet", "vae", *checkpoint.spec.text_encoder_names)
+    return [f for name in components for f in weight_files(checkpoint.folder / name, dtype)]
 
 
 def memory_status() -> dict[str, int]:
@@ -125,7 +128,7 @@ def measure_load(folder: str, dtype: str, max_steps: int, num_devices: int | Non
     """
     folder = Path(folder)
     jax.devices()  # start the backend before taking the baseline memory
-    files = _loaded_files(folder, ModelSpec.from_folder(folder), dtype)
+    files = _loaded_files(folder, dtype)
     if cold:
         evict_from_page_cache(files)
     else:
@@ -156,7 +159,7 @@ def read_into_fresh_memory(folder: str, dtype: str) -> dict:
     this way against 1.2 s into a reused buffer. It is measured in its own process because memory
     freed within a process is reused, and fast, from then on.
     """
-    files = _loaded_files(Path(folder), ModelSpec.from_folder(Path(folder)), dtype)
+    files = _loaded_files(Path(folder), dtype)
     read_files(files)  # into the page cache
     start = time.perf_counter()
     arrays = [np.fromfile(path, np.uint8) for path in files]
@@ -227,7 +230,7 @@ def run_load_benchmark(
             machine=machine_description(),
             model=model,
             dtype=dtype,
-            param_bytes_bf16=bf16_bytes(ModelSpec.from_folder(folder)),
+            param_bytes_bf16=bf16_bytes(resolve(folder, dtype=dtype).spec),
         )
     return result | load_ratios(result)
 

@@ -3,17 +3,21 @@
 - `spec.py`: `ModelSpec`, everything static about a checkpoint (its configs), and its parameter shapes.
 - `folder.py`: the diffusers pipeline folder: its index, the weight files to read, and loading them
   with every key and shape checked.
+- `single_file.py`: one safetensors file in the original (SGM / A1111) layout, mapped key by key.
 - `hub.py`: the Hugging Face Hub: downloading what a pipeline reads, or finding it in the cache.
 - `random_models.py`: the built-in random models ("tiny", "tiny-sd1", "medium", published configs).
 
-`locate` turns whatever a user names (a folder, a built-in name, a Hub repo id) into a folder.
+`resolve` turns whatever a user names (a folder, a single file, a built-in name, a Hub repo id or
+file) into a `Checkpoint`: its spec, the folder of its configs and tokenizers, and its weights.
 """
 
+import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-from ..weights import CheckpointError
-from . import hub, random_models
+from ..weights import CheckpointError, SafetensorsFile
+from . import hub, random_models, single_file
 from .folder import load_weights
 from .hub import HubUnavailableError
 from .random_models import BUILTIN_CONFIGS
@@ -21,15 +25,78 @@ from .spec import ModelSpec
 
 __all__ = [
     "BUILTIN_CONFIGS",
+    "Checkpoint",
     "CheckpointError",
     "HubUnavailableError",
     "ModelSpec",
     "load_weights",
     "locate",
+    "resolve",
 ]
 
 
-def locate(name_or_path: str | os.PathLike, *, dtype="bfloat16") -> Path:
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A model ready to load: what it is, where its configs and tokenizers are, where its weights are."""
+
+    spec: ModelSpec
+    folder: Path  # the diffusers folder of its configs and `tokenizer*/` files
+    single_file: Path | None = None  # the weights, when not in `folder`
+    family: str | None = None  # the single file's ("sdxl", "sd1", "sd2")
+
+    def load(self, dtype, put: Callable) -> dict:
+        """The parameter tree, every key and shape checked; `put` places each array."""
+        if self.single_file is not None:
+            return single_file.load(self.single_file, self.family, self.spec, dtype, put)
+        return load_weights(self.folder, self.spec.abstract_params(), dtype, put)
+
+
+def resolve(
+    name: str | os.PathLike, *, dtype="bfloat16", config: str | os.PathLike | None = None, scheduler: dict | None = None
+) -> Checkpoint:
+    """The checkpoint a user names: a diffusers folder, a built-in name, a Hub repo id
+    ("owner/name"), a single `.safetensors` file in the original layout, or a Hub file
+    ("owner/name/file.safetensors").
+
+    Args:
+      dtype: the parameters' dtype, which picks the weight variant to fetch from the Hub.
+      config: for a single file: a built-in config name ("sdxl-base-1.0", "sd-1.5", "sd-2.1",
+        "sd-2.1-base") or a diffusers folder whose configs and tokenizers to use; by default the
+        family's published one (`single_file.DEFAULT_CONFIGS`), as diffusers' `from_single_file`.
+      scheduler: fields replacing those of the scheduler config (`ModelSpec.from_folder`).
+
+    Raises:
+      CheckpointError: with the reason, before any weights are fetched where it can tell.
+    """
+    text = str(name)
+    if text.endswith(".safetensors"):
+        path = Path(text).expanduser()
+        if not path.is_file() and not text.startswith((".", "/", "~")) and text.count("/") >= 2:
+            owner, repo, filename = text.split("/", 2)
+            path = hub.download_file(f"{owner}/{repo}", filename)
+        return _single_file(path, config, scheduler)
+    if config is not None:
+        raise CheckpointError(f"{text}: config= is for single-file checkpoints; a folder has its own configs")
+    folder = locate(text, dtype=dtype, scheduler=scheduler)
+    return Checkpoint(ModelSpec.from_folder(folder, scheduler), folder)
+
+
+def _single_file(path: Path, config, scheduler: dict | None) -> Checkpoint:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    family = single_file.detect_family(SafetensorsFile(path))
+    config = config or single_file.DEFAULT_CONFIGS[family]
+    folder = BUILTIN_CONFIGS / str(config) if (BUILTIN_CONFIGS / str(config)).is_dir() else Path(config).expanduser()
+    if not folder.is_dir():
+        known = ", ".join(sorted(p.name for p in BUILTIN_CONFIGS.iterdir() if p.is_dir()))
+        raise CheckpointError(f"config {config}: neither a built-in config ({known}) nor a diffusers folder")
+    spec = ModelSpec.from_folder(folder, scheduler)
+    if single_file.family_of(spec) != family:
+        raise CheckpointError(f"{path} is an {family.upper()} checkpoint, but config {config} describes another family")
+    return Checkpoint(spec, folder, path, family)
+
+
+def locate(name_or_path: str | os.PathLike, *, dtype="bfloat16", scheduler: dict | None = None) -> Path:
     """The local folder of a checkpoint given as a folder, a built-in name, or a Hub repo id.
 
     Built-in names are the random models that `random_models.ensure_checkpoint` writes on first use
@@ -50,4 +117,4 @@ def locate(name_or_path: str | os.PathLike, *, dtype="bfloat16") -> Path:
         return path
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise CheckpointError(f"{name}: not a checkpoint folder, a built-in model, or a Hub repo id (owner/name)")
-    return hub.download(name, dtype)
+    return hub.download(name, dtype, scheduler)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import clip, vae
 from ..config import read_json
-from ..weights import CheckpointError, load_params
+from ..weights import CheckpointError, StoredTensor, load_params, stored_tensors
 
 # The components whose weights a pipeline loads (a safety checker, say, is never run).
 WEIGHT_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae")
@@ -88,6 +88,12 @@ def weight_files(folder: Path, dtype) -> list[Path]:
         raise CheckpointError(f"{folder}: component folder is missing")
     names = [p.name for p in folder.iterdir() if p.is_file()]
     return [folder / name for name in choose_weight_files(names, dtype, str(folder))]
+
+
+def stored_weights(folder: Path, component: str, dtype) -> dict[str, StoredTensor]:
+    """{module key: StoredTensor} of one component's weight files (`weight_files`) in `folder`."""
+    rename, ignore = _KEY_RULES[component]
+    return stored_tensors(weight_files(folder / component, dtype), rename, ignore)
 
 
 def load_weights(folder: Path, abstract_params: dict, dtype, put) -> dict:

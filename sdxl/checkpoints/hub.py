@@ -36,7 +36,7 @@ class HubUnavailableError(CheckpointError):
     """A Hub checkpoint is not in the local cache and the Hub cannot be reached (or is switched off)."""
 
 
-def download(repo_id: str, dtype) -> Path:
+def download(repo_id: str, dtype, scheduler: dict | None = None) -> Path:
     """The snapshot folder of `repo_id` with its configs, tokenizers and the weights to load in
     `dtype`, downloaded into the user's Hugging Face cache where they are not there yet.
 
@@ -46,15 +46,33 @@ def download(repo_id: str, dtype) -> Path:
         downloadable.
     """
     online = _hub_answers(repo_id)
-    folder = _snapshot(repo_id, CONFIG_PATTERNS, online, "configs")
-    spec = ModelSpec.from_folder(folder)
+    folder = _snapshot(repo_id, CONFIG_PATTERNS, online, "configs are missing")
+    spec = ModelSpec.from_folder(folder, scheduler)
     files = _repo_files(repo_id, online, folder)
     weights = []
     for component in ("unet", "vae", *spec.text_encoder_names):
         names = [f.removeprefix(component + "/") for f in files if f.rpartition("/")[0] == component]
         weights += [f"{component}/{name}" for name in choose_weight_files(names, dtype, f"{repo_id}/{component}")]
-    _snapshot(repo_id, weights, online, "weights")
+    _snapshot(repo_id, weights, online, "weights are missing")
     return folder
+
+
+def download_file(repo_id: str, filename: str) -> Path:
+    """One file of a repo (a single-file checkpoint), from the Hub or the cache.
+
+    Raises:
+      CheckpointError: as `download`.
+    """
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    online = _hub_answers(repo_id)
+    try:
+        return Path(huggingface_hub.hf_hub_download(repo_id, filename, local_files_only=not online))
+    except LocalEntryNotFoundError as e:
+        raise _not_cached(f"{repo_id}/{filename}", "file is missing") from e
+    except Exception as e:
+        raise CheckpointError(f"{repo_id}/{filename}: could not download ({type(e).__name__}: {e})") from e
 
 
 def _hub_answers(repo_id: str) -> bool:
@@ -87,12 +105,17 @@ def _snapshot(repo_id: str, patterns: list[str], online: bool, what: str) -> Pat
     try:
         return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=not online))
     except LocalEntryNotFoundError as e:  # also IncompleteSnapshotError: some of the files are missing
-        hub = "switched off (HF_HUB_OFFLINE=1)" if huggingface_hub.constants.HF_HUB_OFFLINE else "unreachable"
-        message = f"{repo_id}: not in the local Hugging Face cache (its {what} are missing), and the Hub is {hub}"
-        raise HubUnavailableError(message) from e
+        raise _not_cached(repo_id, what) from e
     except Exception as e:  # no access, a dropped connection, a full disk: all end here for the caller
         reason = f"{type(e).__name__}: {e}"
         raise CheckpointError(f"{repo_id}: could not download from the Hugging Face Hub ({reason})") from e
+
+
+def _not_cached(name: str, what: str) -> HubUnavailableError:
+    import huggingface_hub
+
+    hub = "switched off (HF_HUB_OFFLINE=1)" if huggingface_hub.constants.HF_HUB_OFFLINE else "unreachable"
+    return HubUnavailableError(f"{name}: not in the local Hugging Face cache (its {what}), and the Hub is {hub}")
 
 
 def _repo_files(repo_id: str, online: bool, folder: Path) -> list[str]:

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -31,7 +32,9 @@ import numpy as np
 
 from ..config import cache_root, read_json
 from ..tokenizer import write_byte_level_tokenizer
-from ..weights import write_params
+from ..weights import checkpoint_key, flatten, torch_axes, write_params
+from . import single_file
+from .folder import WEIGHT_COMPONENTS
 from .spec import ModelSpec
 
 # Published configs, shipped with the package (see the folder's README for their source and licence).
@@ -226,7 +229,9 @@ def configs_of(name: str) -> dict:
     if not folder.is_dir():
         known = sorted([*MODELS, *(p.name for p in BUILTIN_CONFIGS.iterdir())])
         raise ValueError(f"unknown config {name!r}; choose one of: {', '.join(known)}")
-    found = {str(p.relative_to(folder)): read_json(p) for p in sorted(folder.rglob("*.json"))}
+    # The model's configs only: a random checkpoint gets its own byte-level tokenizer files.
+    names = ["model_index.json", "scheduler/scheduler_config.json", *(f"{c}/config.json" for c in WEIGHT_COMPONENTS)]
+    found = {name: read_json(folder / name) for name in names if (folder / name).is_file()}
     special_tokens = {
         k: SDXL_CONFIGS["text_encoder/config.json"][k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
     }
@@ -281,6 +286,28 @@ def write_checkpoint(folder: Path, configs: dict = SDXL_CONFIGS, *, dtype="float
     for tokenizer in spec.tokenizer_names:
         write_byte_level_tokenizer(folder / tokenizer, spec.max_tokens)
     return folder
+
+
+def write_single_file(path: Path, configs: dict, *, dtype="float16", seed: int = 0) -> Path:
+    """Writes random weights for `configs` as one original-layout file (`single_file`), one tensor
+    at a time: a full-size SDXL single file for the benchmark's load."""
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, config in configs.items():
+            (Path(scratch) / name).parent.mkdir(parents=True, exist_ok=True)
+            (Path(scratch) / name).write_text(json.dumps(config))
+        spec = ModelSpec.from_folder(Path(scratch))
+    family = single_file.family_of(spec)
+    shapes = {component: flatten(tree) for component, tree in spec.abstract_params().items()}
+    paths = {component: {checkpoint_key(p): p for p in tree} for component, tree in shapes.items()}
+    components = sorted(shapes)
+
+    def tensor(component: str, key: str) -> np.ndarray:
+        path = paths[component][key]
+        rng = np.random.default_rng([seed, components.index(component), zlib.crc32(key.encode())])
+        value = random_tensor(rng, path, tuple(shapes[component][path].shape))
+        return value.transpose(torch_axes(path, value.ndim))
+
+    return single_file.write_single_file(path, family, spec, tensor, dtype)
 
 
 def ensure_checkpoint(name: str = "tiny") -> Path:

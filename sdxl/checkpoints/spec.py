@@ -85,13 +85,17 @@ class ModelSpec:
         return self.text_encoders[0].max_position_embeddings
 
     @classmethod
-    def from_folder(cls, folder: Path) -> "ModelSpec":
+    def from_folder(cls, folder: Path, scheduler: dict | None = None) -> "ModelSpec":
         """Reads the configs of a diffusers pipeline folder, and refuses what this package cannot run.
 
         Only the text encoders, UNet, VAE and scheduler are read. Other entries of model_index.json
         are ignored, whether they name a component or are null: SD 1.x's `safety_checker` and
         `feature_extractor` (no safety checker runs: images come out as from a diffusers pipeline
         built with safety_checker=None), `requires_safety_checker`, `image_encoder`.
+
+        Args:
+          scheduler: fields that replace the scheduler config's (`_class_name`, `timestep_spacing`,
+            `prediction_type`, ...), as diffusers users pass them to `Scheduler.from_config`.
 
         Raises:
           CheckpointError: a config is missing or unreadable, or names something unsupported (the
@@ -104,7 +108,7 @@ class ModelSpec:
         configs = {
             "unet": _read(folder, "unet/config.json"),
             "vae": _read(folder, "vae/config.json"),
-            "scheduler": _read(folder, "scheduler/scheduler_config.json"),
+            "scheduler": _read(folder, "scheduler/scheduler_config.json") | (scheduler or {}),
             **{name: _read(folder, f"{name}/config.json") for name in names},
         }
         try:
