@@ -246,3 +246,30 @@ def test_an_unsupported_model_is_refused_before_its_weights_are_fetched(
 def test_a_model_missing_from_the_cache_without_network_is_hub_unavailable(tmp_path, monkeypatch):
     with hub_at(None, tmp_path / "hf", monkeypatch), pytest.raises(HubUnavailableError, match="unreachable"):
         locate("nobody/no-model")
+
+
+def test_sdxl_turbo_loads_with_its_own_sampler(tiny_weights, tmp_path, monkeypatch):
+    """stabilityai/sdxl-turbo: SDXL base's layout, its single files beside, EulerAncestral with trailing spacing."""
+    files = [f for f in SDXL_BASE_FILES if not f.startswith("sd_xl_base")] + [
+        "sd_xl_turbo_1.0.safetensors", "sd_xl_turbo_1.0_fp16.safetensors",
+    ]
+    scheduler = {"_class_name": "EulerAncestralDiscreteScheduler", "timestep_spacing": "trailing"}
+    repo = _repo(tiny_weights, "sdxl", files, _sdxl_configs(**{"scheduler/scheduler_config.json": scheduler}))
+    with FakeHub({"stabilityai/sdxl-turbo": repo}) as fake:
+        with hub_at(fake, tmp_path / "hf", monkeypatch):
+            pipe = _load("stabilityai/sdxl-turbo")
+        assert not any(f.startswith("sd_xl_turbo") for f in fake.downloaded("stabilityai/sdxl-turbo"))
+    assert pipe.spec.default_sampler == "euler_ancestral" and pipe.spec.scheduler.timestep_spacing == "trailing"
+
+
+def test_a_hub_single_file_is_fetched_alone(tiny_weights, tmp_path, monkeypatch):
+    single = random_models.write_single_file(tmp_path / "fine-tune.safetensors", random_models.SDXL_CONFIGS)
+    repo = {"fine-tune.safetensors": single.read_bytes(), "README.md": b"a fine-tune"}
+    with FakeHub({"someone/fine-tune": repo}) as fake:
+        with hub_at(fake, tmp_path / "hf", monkeypatch):
+            pipe = Pipeline.from_pretrained(
+                "someone/fine-tune/fine-tune.safetensors", config=str(tiny_weights["sdxl", "float32"]),
+                dtype="float32", devices=jax.devices()[:1],
+            )
+        assert fake.downloaded("someone/fine-tune") == ["fine-tune.safetensors"]
+    assert pipe.spec.is_sdxl
