@@ -271,5 +271,19 @@ def test_a_hub_single_file_is_fetched_alone(tiny_weights, tmp_path, monkeypatch)
                 "someone/fine-tune/fine-tune.safetensors", config=str(tiny_weights["sdxl", "float32"]),
                 dtype="float32", devices=jax.devices()[:1],
             )
-        assert fake.downloaded("someone/fine-tune") == ["fine-tune.safetensors"]
+        assert set(fake.downloaded("someone/fine-tune")) == {"fine-tune.safetensors"}  # its header, then itself
     assert pipe.spec.is_sdxl
+
+
+def test_a_hub_single_file_that_cannot_run_is_refused_from_its_header(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    single = random_models.write_single_file(tmp_path / "model.safetensors", random_models.SDXL_CONFIGS)
+    tensors = safetensors.numpy.load_file(single)
+    tensors["model.diffusion_model.input_blocks.0.0.weight"] = np.zeros((32, 9, 3, 3), np.float16)
+    safetensors.numpy.save_file(tensors, tmp_path / "inpainting.safetensors")
+    repo = {"inpainting.safetensors": (tmp_path / "inpainting.safetensors").read_bytes()}
+    with FakeHub({"someone/inpainting": repo}) as fake:
+        with hub_at(fake, tmp_path / "hf", monkeypatch), pytest.raises(CheckpointError, match="9 input channels"):
+            _load("someone/inpainting/inpainting.safetensors")
+    assert not list((tmp_path / "hf").rglob("inpainting.safetensors"))  # never downloaded

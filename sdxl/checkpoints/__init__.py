@@ -73,6 +73,11 @@ def resolve(
         path = Path(text).expanduser()
         if not path.is_file() and not text.startswith((".", "/", "~")) and text.count("/") >= 2:
             owner, repo, filename = text.split("/", 2)
+            # The family from the file's header alone (a ranged request), so that a file this
+            # package cannot run is refused before gigabytes are fetched.
+            header = hub.file_header(f"{owner}/{repo}", filename)
+            if header is not None:
+                single_file.detect_family(header, text)
             path = hub.download_file(f"{owner}/{repo}", filename)
         return _single_file(path, config, scheduler)
     if config is not None:
@@ -84,7 +89,8 @@ def resolve(
 def _single_file(path: Path, config, scheduler: dict | None) -> Checkpoint:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
-    family = single_file.detect_family(SafetensorsFile(path))
+    file = SafetensorsFile(path)
+    family = single_file.detect_family({key: file.shape(key) for key in file.keys()}, str(path))
     config = config or single_file.DEFAULT_CONFIGS[family]
     folder = BUILTIN_CONFIGS / str(config) if (BUILTIN_CONFIGS / str(config)).is_dir() else Path(config).expanduser()
     if not folder.is_dir():

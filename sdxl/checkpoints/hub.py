@@ -75,6 +75,21 @@ def download_file(repo_id: str, filename: str) -> Path:
         raise CheckpointError(f"{repo_id}/{filename}: could not download ({type(e).__name__}: {e})") from e
 
 
+def file_header(repo_id: str, filename: str) -> dict[str, tuple[int, ...]] | None:
+    """{tensor key: shape} of a Hub safetensors file, read from its header alone (ranged requests),
+    or None when the Hub does not answer (the file may still be in the cache)."""
+    import huggingface_hub
+
+    if not _hub_answers(repo_id):
+        return None
+    try:
+        metadata = huggingface_hub.parse_safetensors_file_metadata(repo_id, filename)
+    except Exception as e:  # a missing file, no access: the download says it
+        log.warning("could not read the header of %s/%s (%s)", repo_id, filename, e)
+        return None
+    return {key: tuple(info.shape) for key, info in metadata.tensors.items()}
+
+
 def _hub_answers(repo_id: str) -> bool:
     """Whether the Hub answers for the repo: False when it is switched off or out of reach.
 

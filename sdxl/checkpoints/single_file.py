@@ -71,31 +71,30 @@ _NOT_PARAMETERS = re.compile(r"^[^.]+$|^model_ema\.|position_ids$|logit_scale$|a
 _UNET_INPUT = "model.diffusion_model.input_blocks.0.0.weight"
 
 
-def detect_family(file: SafetensorsFile) -> str:
-    """"sdxl", "sd1" or "sd2" from the keys, as diffusers' `infer_diffusers_model_type` tells them
-    apart (by the text encoders' prefixes, which also holds for small test models); or a
-    CheckpointError naming what the file is instead."""
-    keys = list(file.keys())
+def detect_family(shapes: dict[str, tuple[int, ...]], where: str) -> str:
+    """"sdxl", "sd1" or "sd2" from a file's keys ({key: shape}), as diffusers'
+    `infer_diffusers_model_type` tells them apart (by the text encoders' prefixes, which also holds
+    for small test models); or a CheckpointError naming what the file is instead."""
 
     def has(prefix: str) -> bool:
-        return any(k.startswith(prefix) for k in keys)
+        return any(k.startswith(prefix) for k in shapes)
 
-    if _UNET_INPUT not in keys:
-        raise CheckpointError(f"{file.path}: no UNet under model.diffusion_model: not an SD/SDXL single file")
-    channels = file.shape(_UNET_INPUT)[1]
+    if _UNET_INPUT not in shapes:
+        raise CheckpointError(f"{where}: no UNet under model.diffusion_model: not an SD/SDXL single file")
+    channels = shapes[_UNET_INPUT][1]
     if channels != 4:
-        raise CheckpointError(f"{file.path}: a UNet with {channels} input channels (inpainting) is not supported")
-    if "edm_mean" in keys:
-        raise CheckpointError(f"{file.path}: Playground v2.5 (EDM) checkpoints are not supported")
+        raise CheckpointError(f"{where}: a UNet with {channels} input channels (inpainting) is not supported")
+    if "edm_mean" in shapes:
+        raise CheckpointError(f"{where}: Playground v2.5 (EDM) checkpoints are not supported")
     if has("conditioner.embedders.1.model."):
         return "sdxl"
     if has("conditioner.embedders.0.model."):
-        raise CheckpointError(f"{file.path}: the SDXL refiner is not supported")
+        raise CheckpointError(f"{where}: the SDXL refiner is not supported")
     if has("cond_stage_model.model."):
         return "sd2"
     if has("cond_stage_model.transformer."):
         return "sd1"
-    raise CheckpointError(f"{file.path}: no text encoder under cond_stage_model or conditioner.embedders")
+    raise CheckpointError(f"{where}: no text encoder under cond_stage_model or conditioner.embedders")
 
 
 def family_of(spec: ModelSpec) -> str:
