@@ -28,7 +28,7 @@ def generate_command(args: argparse.Namespace) -> None:
         steps=args.steps, height=args.height or pipe.spec.native_size, width=args.width or pipe.spec.native_size,
         sampler=args.sampler,
     ))
-    compile_seconds = pipe.warmup(request.height, request.width, num_images, request.sampler)
+    compile_seconds = pipe.warmup(request.height, request.width, num_images, request.sampler, guided=request.guided)
     print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
     result = pipe.render(request)
     result.raise_if_not_finite()

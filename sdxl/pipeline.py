@@ -160,10 +160,12 @@ class Pipeline:
 
     # Compiling: every program is compiled once, on first use or ahead of time by `warmup`.
 
-    def _program(self, sampler: str | None, height: int, width: int, as_uint8: bool = True) -> GenerateProgram:
-        """The program for a sampler (None: the model's default sampler), size and output type."""
+    def _program(
+        self, sampler: str | None, height: int, width: int, as_uint8: bool = True, guided: bool = True
+    ) -> GenerateProgram:
+        """The program for a sampler (None: the model's default sampler), size, output type and guidance."""
         sampler = self.spec.default_sampler if sampler is None else sampler
-        return GenerateProgram(self.spec, sampler, height, width, self.dtype, as_uint8)
+        return GenerateProgram(self.spec, sampler, height, width, self.dtype, as_uint8, guided)
 
     def _compiled_stage(
         self, stage: str, program: GenerateProgram, batch: int, with_noise: bool
@@ -223,10 +225,13 @@ class Pipeline:
         num_images: int | None = None,
         sampler: str | None = None,
         stage: str = "whole",
+        *,
+        guided: bool = True,
     ) -> jax.stages.Compiled:
         """The whole-generation program (uint8 output) for a size and batch, compiled on first request,
-        or one of the stages that progress reports run ("prepare", "denoise", "finish")."""
-        program = self._program(sampler, height, width)
+        or one of the stages that progress reports run ("prepare", "denoise", "finish"); with
+        classifier-free guidance, or (`guided=False`) the variant for batches that need none."""
+        program = self._program(sampler, height, width, guided=guided)
         return self._compiled_stage(stage, program, self.padded_batch(num_images or self.num_devices), False)
 
     def lowered(
@@ -254,23 +259,34 @@ class Pipeline:
         sampler: str | None = None,
         *,
         progress: bool = False,
+        guided: bool = True,
     ) -> float:
         """Compiles ahead of time for one size and batch; returns the seconds it took.
 
         Args:
           progress: compile the stage programs that `render(..., on_step=...)` uses, instead of the
             single whole-generation program.
+          guided: compile the program with classifier-free guidance (requests with a guidance
+            scale above 1), else the one without (all at most 1).
         """
         start = time.perf_counter()
         for stage in _stages(progress):
-            self.compiled(height, width, num_images, sampler, stage)
+            self.compiled(height, width, num_images, sampler, stage, guided=guided)
         return time.perf_counter() - start
 
     def is_compiled(
-        self, height: int, width: int, num_images: int, sampler: str | None = None, *, progress: bool = False
+        self,
+        height: int,
+        width: int,
+        num_images: int,
+        sampler: str | None = None,
+        *,
+        progress: bool = False,
+        guided: bool = True,
     ) -> bool:
         """Whether `warmup` with the same arguments has nothing left to compile."""
-        program, batch = self._program(sampler, height, width), self.padded_batch(num_images)
+        program = self._program(sampler, height, width, guided=guided)
+        batch = self.padded_batch(num_images)
         return all((stage, program, batch, False) in self._executables for stage in _stages(progress))
 
     # Running
@@ -332,7 +348,7 @@ class Pipeline:
         n, batch = len(request), self.padded_batch(len(request))
         start = time.perf_counter()
         inputs, truncated = self._inputs(request, batch)
-        program = self._program(request.sampler, request.height, request.width, as_uint8)
+        program = self._program(request.sampler, request.height, request.width, as_uint8, request.guided)
         stage = functools.partial(
             self._compiled_stage, program=program, batch=batch, with_noise=request.noise is not None
         )

@@ -119,6 +119,10 @@ class GenerateProgram:
     to XLA's loop-invariant code motion, which hoists it out of the program's loop (a test checks on
     the CPU), and so saves tracing the UNet a second time.
 
+    Without guidance (`guided=False`: no image of the batch has a guidance scale above 1, where
+    diffusers uses the conditional prediction alone) the UNet sees only the prompts, one pass per
+    step on B latents instead of 2B; the negative prompts' ids are then not read.
+
     `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"]} parameter tree.
     """
 
@@ -128,19 +132,23 @@ class GenerateProgram:
     width: int
     dtype: jnp.dtype
     as_uint8: bool
+    guided: bool = True  # classifier-free guidance: the UNet also sees the negative prompts
 
     def initial_state(self, params, inputs: Inputs) -> State:
         """Text conditioning, the starting noise and the sampler's state."""
-        spec, batch = self.spec, inputs.ids.shape[0]
-        ids = inputs.ids.reshape(2 * batch, *inputs.ids.shape[2:])
+        spec = self.spec
+        if self.guided:  # [2B]: (negative, positive) pairs, a zeroed negative where asked
+            ids = inputs.ids.reshape(-1, *inputs.ids.shape[2:])
+            keep = _interleave(~inputs.zero_negative, jnp.ones_like(inputs.zero_negative))
+        else:  # [B]: the prompts alone
+            ids, keep = inputs.ids[:, 1], jnp.ones(inputs.ids.shape[0], bool)
         context, pooled = encode_text(spec, params, ids, self.dtype)
-        keep = _interleave(~inputs.zero_negative, jnp.ones_like(inputs.zero_negative))  # [2B]
         cond = {"encoder_hidden_states": context * keep[:, None, None].astype(context.dtype)}
         if spec.is_sdxl:
             # (original size, crop top-left, target size), as diffusers' _get_add_time_ids.
             time_ids = jnp.array([self.height, self.width, 0, 0, self.height, self.width], jnp.float32)
             cond["text_embeds"] = pooled * keep[:, None].astype(pooled.dtype)
-            cond["time_ids"] = jnp.broadcast_to(time_ids, (2 * batch, 6))
+            cond["time_ids"] = jnp.broadcast_to(time_ids, (len(ids), 6))
 
         noise_keys, sampler_keys = per_image_keys(inputs.seeds, inputs.image_index)
         noise = inputs.noise
@@ -154,7 +162,7 @@ class GenerateProgram:
     def prepare(self, params, inputs: Inputs) -> tuple[State, dict]:
         """The initial state and the UNet's step invariants."""
         state = self.initial_state(params, inputs)
-        batch = 2 * inputs.ids.shape[0]
+        batch = len(state.cond["encoder_hidden_states"])  # 2B with guidance, else B
         x_in = jnp.zeros((batch, *self.spec.latent_shape(self.height, self.width)), self.dtype)
         # The model's output is unused, so the compiled program keeps only what computes the invariants.
         _, invariants = self._unet().apply(
@@ -174,14 +182,16 @@ class GenerateProgram:
         def denoiser(x, sigma, timestep):
             batch = x.shape[0]
             x_in = x / jnp.sqrt(sigma**2 + 1)
-            x_in = _interleave(x_in, x_in).astype(self.dtype)
-            t = jnp.broadcast_to(timestep, (2 * batch,))
-            out = model.apply(variables, x_in, t, **state.cond).astype(jnp.float32)
-            out = out.reshape(batch, 2, *out.shape[1:])
-            uncond, positive = out[:, 0], out[:, 1]
-            # diffusers skips guidance for scales <= 1 and uses the conditional prediction alone.
-            guided = jnp.where(g > 1, uncond + g * (positive - uncond), positive)
-            return denoised_from_model_output(x, guided, sigma, self.spec.scheduler.prediction_type)
+            if self.guided:
+                x_in = _interleave(x_in, x_in)
+            t = jnp.broadcast_to(timestep, (len(x_in),))
+            out = model.apply(variables, x_in.astype(self.dtype), t, **state.cond).astype(jnp.float32)
+            if self.guided:
+                out = out.reshape(batch, 2, *out.shape[1:])
+                uncond, positive = out[:, 0], out[:, 1]
+                # diffusers skips guidance for scales <= 1 and uses the conditional prediction alone.
+                out = jnp.where(g > 1, uncond + g * (positive - uncond), positive)
+            return denoised_from_model_output(x, out, sigma, self.spec.scheduler.prediction_type)
 
         method = SAMPLERS[self.sampler]
         return run_steps(method, denoiser, state.carry, inputs.schedule, inputs.num_steps, start, stop, state.keys)

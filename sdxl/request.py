@@ -113,9 +113,15 @@ class Request:
         return len(self.prompts)
 
     @property
+    def guided(self) -> bool:
+        """Whether any image needs classifier-free guidance (a scale above 1, as diffusers decides);
+        otherwise the program that skips the negative prompts' UNet pass renders the request."""
+        return any(float(g) > 1 for g in self.guidance_scales)
+
+    @property
     def batch_key(self) -> tuple:
         """Requests with equal keys can share a compiled call."""
-        return (self.height, self.width, self.steps, self.sampler)
+        return (self.height, self.width, self.steps, self.sampler, self.guided)
 
     @classmethod
     def merged(cls, requests: Sequence["Request"]) -> "Request":

@@ -67,21 +67,22 @@ class DeviceQueue:
         threading.Thread(target=self._serve, name="device-queue", daemon=True).start()
 
     def compile_in_background(
-        self, height: int, width: int, num_images: int, sampler: str | None = None
+        self, height: int, width: int, num_images: int, sampler: str | None = None, guided: bool = True
     ) -> concurrent.futures.Future | None:
-        """Compiles the programs for a batch size without holding up the devices, once per size.
+        """Compiles the programs for a batch size (and sampler, and guidance or not) without holding
+        up the devices, once each.
 
         Returns a future of the seconds it took (the same one while it runs), or None if compiled.
         """
         sampler = self.pipe.spec.default_sampler if sampler is None else sampler
-        key = (height, width, self.pipe.padded_batch(num_images), sampler)
+        key = (height, width, self.pipe.padded_batch(num_images), sampler, guided)
         with self._changed:
             if key in self._compiles:
                 return self._compiles[key]
-            if self.pipe.is_compiled(height, width, num_images, sampler, progress=True):
+            if self.pipe.is_compiled(height, width, num_images, sampler, progress=True, guided=guided):
                 return None
             self._compiles[key] = self._compiler.submit(
-                self.pipe.warmup, height, width, num_images, sampler, progress=True
+                self.pipe.warmup, height, width, num_images, sampler, progress=True, guided=guided
             )
             return self._compiles[key]
 
@@ -108,15 +109,15 @@ class DeviceQueue:
         """The oldest waiting request plus later ones with its batch key, up to the image budget, as
         long as the merged batch size is compiled."""
         first = self._waiting.pop(0)
-        height, width, _, sampler = first.request.batch_key
+        height, width, _, sampler, guided = first.request.batch_key
         batch, size = [first], len(first.request)
         for ticket in list(self._waiting):
             merged = size + len(ticket.request)
             if ticket.request.batch_key != first.request.batch_key or merged > self.max_batch_images:
                 continue
             grows = self.pipe.padded_batch(merged) > self.pipe.padded_batch(size)
-            if grows and not self.pipe.is_compiled(height, width, merged, sampler, progress=True):
-                self.compile_in_background(height, width, merged, sampler)
+            if grows and not self.pipe.is_compiled(height, width, merged, sampler, progress=True, guided=guided):
+                self.compile_in_background(height, width, merged, sampler, guided)
                 continue
             batch.append(ticket)
             size = merged
@@ -138,11 +139,11 @@ class DeviceQueue:
 
     def _render(self, batch: list[Ticket]) -> None:
         request = Request.merged([t.request for t in batch])
-        height, width, _, sampler = request.batch_key
-        compiling = not self.pipe.is_compiled(height, width, len(request), sampler, progress=True)
+        height, width, _, sampler, guided = request.batch_key
+        compiling = not self.pipe.is_compiled(height, width, len(request), sampler, progress=True, guided=guided)
         for ticket in batch:
             ticket.compiling, ticket.batch_images = compiling, len(request)
-        background = self._compiles.get((height, width, self.pipe.padded_batch(len(request)), sampler))
+        background = self._compiles.get((height, width, self.pipe.padded_batch(len(request)), sampler, guided))
         if background is not None:
             background.exception()  # the programs being compiled are this batch's: wait rather than compile twice
 

@@ -33,7 +33,7 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
     required = """images_per_s s_per_image compile_s warm_compile_s recompiles tflops mfu device n_devices
         ref_images_per_s ratio load_s raw_read_s load_cold_s raw_read_cold_s load_over_raw_read_cold
         first_image_s first_image_warm_s load_peak_rss_bytes param_bytes_bf16 peak_rss_bytes
-        peak_device_memory_bytes progress_overhead""".split()
+        peak_device_memory_bytes progress_overhead unguided_images_per_s unguided_speedup""".split()
     assert not [key for key in required if key not in r]
     assert (r["model"], r["device"], r["n_devices"], r["batch"]) == ("tiny", "cpu", 1, 1)
     assert r["attention"] == "xla" and r["convolution"] == "xla"  # 4x4 latents: too small for Winograd

@@ -173,6 +173,26 @@ def test_guidance_at_most_one_uses_the_conditional_branch_like_diffusers(referen
     assert np.abs(got - expected).max() <= 1e-4
 
 
+def test_without_guidance_the_unet_sees_the_prompts_alone(reference, pipe):
+    """Guidance at most 1 everywhere: the variant with half the UNet work, the same images (within
+    float noise) as the guided program's conditional branch, and one compile for all such scales."""
+    latents = _latents(4, seed=6)
+    request = Request(tuple(PROMPTS * 2), tuple(NEGATIVES * 2), (1,) * 4, (0, 1, 2, 3), (1.0, 0.0, 0.5, 1.0), 2,
+                      HEIGHT, WIDTH, noise=latents.transpose(0, 2, 3, 1))
+    assert not request.guided
+    unguided = pipe.render(request, as_uint8=False).images
+    program = pipe._program(None, HEIGHT, WIDTH, as_uint8=False, guided=True)  # forced: the guided program
+    guided = pipe._compiled_stage("whole", program, 4, True)(pipe.params, pipe._inputs(pipe.validated(request), 4)[0])
+    np.testing.assert_allclose(unguided, np.asarray(guided[0]), atol=1e-5)
+    # A denoising step (the loop's body, which the cost analysis counts once) costs about half.
+    flops = [pipe.compiled(HEIGHT, WIDTH, 4, stage="denoise", guided=g).cost_analysis()["flops"] for g in (True, False)]
+    assert 0.4 < flops[1] / flops[0] < 0.6
+    pipe.generate("a cat", steps=2, guidance_scale=0.0, height=HEIGHT, width=WIDTH, num_images=4)
+    with CompileCounter() as compiles:
+        pipe.generate("a dog", "rain", steps=3, guidance_scale=1.0, height=HEIGHT, width=WIDTH, num_images=4)
+    assert compiles.count == 0
+
+
 def test_same_seed_same_images_on_one_and_four_devices(reference, pipe):
     assert pipe.num_devices == 4
     one = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8, devices=jax.devices()[:1])

@@ -63,6 +63,10 @@ def format_table(r: dict) -> str:
         ("peak host RSS (fresh process)", _mib(r["peak_rss_bytes"])),
         ("peak device memory", _mib(r["peak_device_memory_bytes"])),
         ("progress overhead", f"{r['progress_overhead']:+.1%} ({_number(r['progress_s_per_image'])} s/image)"),
+        (
+            "without guidance (scale 0)",
+            f"{_number(r['unguided_images_per_s'])} images/s, {r['unguided_speedup']:.2f}x those with guidance",
+        ),
         ("recompilations over the sweep", f"{r['recompiles']} in {r['sweep_runs']} calls"),
         ("load average before / after", " / ".join(f"{x:.1f}" for x in r["load_average"])),
     ]

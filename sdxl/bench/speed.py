@@ -1,5 +1,6 @@
 """Measuring generation: speed against diffusers, FLOPs and MFU, compile times, recompilations."""
 
+import dataclasses
 import datetime
 import os
 import statistics
@@ -125,13 +126,13 @@ def batch_request(
 
 
 def sweep_requests(batch: int, height: int, width: int, steps: int) -> list[Request]:
-    """Requests that change everything a user changes between calls except the image size and
-    batch: prompts (including an empty negative prompt and one past the token limit), seed,
-    guidance (including <= 1, which skips guidance) and the step count."""
+    """Requests that change everything a user changes between calls except what selects another
+    program (the image size, the batch, the sampler, guidance or none): prompts (including an
+    empty negative prompt and one past the token limit), seed, guidance scale and step count."""
     return [
         batch_request(batch, height, width, 1, prompt="a red cube", negative_prompt=""),
         batch_request(batch, height, width, 2, seed=123, prompt=" ".join(["a very long prompt"] * 40)),
-        batch_request(batch, height, width, 1, guidance_scale=1.0),
+        batch_request(batch, height, width, 1, guidance_scale=1.5),
         batch_request(batch, height, width, steps + 1, guidance_scale=9.0, seed=7),
     ]
 
@@ -288,9 +289,11 @@ def run_benchmark(
         log("measuring the load from the disk and a read into fresh memory, in fresh processes")
         fresh |= disk_and_fresh_memory_loads(**options)
 
+        unguided = dataclasses.replace(request, guidance_scales=(0.0,) * len(request))
         calls = {
             "ours": lambda: pipe.render(request),
             "progress": lambda: pipe.render(request, on_step=lambda done: None),
+            "unguided": lambda: pipe.render(unguided),  # the program without the negative prompts' pass
         }
         reference = {}
         if compare:
@@ -354,7 +357,7 @@ def _interleaved_timings(calls: dict[str, Callable[[], object]], runs: int) -> d
     """`runs` (wall, CPU) timings of each call, taking turns so that drifting machine load hits all alike."""
     # Warm-up: ours ran once already (the first image); torch's CPU kernels take a few calls to settle.
     for name, call in calls.items():
-        for _ in range({"ours": 0, "progress": 1, "reference": 2}[name]):
+        for _ in range({"ours": 0, "progress": 1, "unguided": 1, "reference": 2}[name]):
             call()
     timings = {name: [] for name in calls}
     for _ in range(runs):
@@ -395,6 +398,8 @@ def _speed(pipe, request: Request, timings: dict, flops: float) -> dict:
         mfu=None if peak is None else tflops / (peak * pipe.num_devices),
         progress_s_per_image=_median_s(timings["progress"]) / batch,
         progress_overhead=_median_s(timings["progress"]) / _median_s(ours) - 1,
+        unguided_images_per_s=batch / _median_s(timings["unguided"]),
+        unguided_speedup=_median_s(ours) / _median_s(timings["unguided"]),
     )
 
 
