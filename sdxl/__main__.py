@@ -1,11 +1,11 @@
-"""Command line: `python -m sdxl generate|bench|write-checkpoint ...`."""
+"""Command line: `python -m sdxl generate|bench|write-checkpoint|train-shapes ...`."""
 
 import argparse
 import sys
 import time
 from pathlib import Path
 
-from . import bench
+from . import bench, training
 from .checkpoints import CheckpointError, random_models
 from .compilation import enable_compilation_cache
 from .images import grid, image_count, parameters_text, save_png, to_pil
@@ -108,6 +108,7 @@ COMMANDS = {  # name: (help, add its arguments, run it)
         add_write_checkpoint_arguments,
         write_checkpoint_command,
     ),
+    "train-shapes": ("train the built-in `shapes` model (sdxl/training.py)", training.add_arguments, training.command),
 }
 
 

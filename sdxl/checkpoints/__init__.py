@@ -23,6 +23,9 @@ from .hub import HubUnavailableError
 from .random_models import BUILTIN_CONFIGS
 from .spec import ModelSpec
 
+# Models trained in this project and shipped with it (their model cards say how).
+TRAINED_MODELS = {"shapes": Path(__file__).parents[2] / "assets" / "shapes"}
+
 __all__ = [
     "BUILTIN_CONFIGS",
     "Checkpoint",
@@ -105,8 +108,9 @@ def _single_file(path: Path, config, scheduler: dict | None) -> Checkpoint:
 def locate(name_or_path: str | os.PathLike, *, dtype="bfloat16", scheduler: dict | None = None) -> Path:
     """The local folder of a checkpoint given as a folder, a built-in name, or a Hub repo id.
 
-    Built-in names are the random models that `random_models.ensure_checkpoint` writes on first use
-    ("tiny", "tiny-sd1", "medium") and the configs-only folders in `BUILTIN_CONFIGS`. From a Hub
+    Built-in names are the trained `shapes` model (`assets/shapes`), the random models that
+    `random_models.ensure_checkpoint` writes on first use ("tiny", "tiny-sd1", "medium") and the
+    configs-only folders in `BUILTIN_CONFIGS`. From a Hub
     repo, the weights to load in `dtype` are fetched (`hub.download`).
 
     Raises:
@@ -114,6 +118,8 @@ def locate(name_or_path: str | os.PathLike, *, dtype="bfloat16", scheduler: dict
         (`HubUnavailableError` when it is not cached and the Hub is out of reach).
     """
     name = str(name_or_path)
+    if name in TRAINED_MODELS:
+        return TRAINED_MODELS[name]
     if name in random_models.ON_DEMAND:
         return random_models.ensure_checkpoint(name)
     if (BUILTIN_CONFIGS / name).is_dir():

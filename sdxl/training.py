@@ -1,0 +1,275 @@
+"""Training the `shapes` model from scratch: the example of how to train or fine-tune with this code.
+
+    python -m sdxl train-shapes --out DIR [--seed 0] [--vae-steps N] [--steps N]
+
+Two phases, each a jitted optax step over batches that `sdxl.shapes` renders on the fly:
+
+1. The VAE: L1 reconstruction of a posterior sample, plus a small KL term towards N(0, 1).
+2. Both text encoders and the UNet together, on the frozen VAE's scaled latents, with the epsilon
+   loss of SDXL's scheduler (scaled-linear betas, 1000 steps). The UNet is conditioned exactly as
+   `sdxl.Pipeline` conditions it: both encoders' penultimate hidden states as the context, the
+   second's projected pooled output and the size ids (h, w, 0, 0, h, w) as the added embedding. One
+   caption in ten is dropped, with its conditioning zeroed as the pipeline zeroes an empty negative
+   prompt (`force_zeros_for_empty_prompt`): that is the unconditional branch of classifier-free guidance.
+
+Everything follows from the seed: batch `s` of a phase is rendered from (seed, phase, s) and its
+noise drawn from a key folded from the same, so a run stopped and resumed from a checkpoint (written
+every `--checkpoint-every` steps to DIR/checkpoints) gives the weights an uninterrupted run gives. The
+learning rate is constant after a warm-up, so the weights after N steps do not depend on the total.
+Each checkpoint also exports the model (the UNet and text encoders' moving averages) to DIR/model,
+a diffusers folder that `sdxl.Pipeline.from_pretrained` loads.
+
+To fine-tune instead: load a model's parameters in place of `init_*`, and feed your own batches.
+"""
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from . import shapes
+from .clip import CLIPTextModel
+from .tokenizer import load_tokenizer, tokenize
+from .unet import UNet2DConditionModel
+from .vae import AutoencoderKL
+
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="folder for checkpoints/ and the exported model/")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vae-steps", type=int, default=2400)
+    parser.add_argument("--vae-batch", type=int, default=16)
+    parser.add_argument("--vae-lr", type=float, default=1e-3)
+    parser.add_argument("--kl-weight", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=4000, help="steps of the text encoders and UNet")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--ema", type=float, default=0.999, help="decay of the exported weights' moving average")
+    parser.add_argument("--caption-dropout", type=float, default=0.1)
+    parser.add_argument("--checkpoint-every", type=int, default=250)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16"), help="of the exported weights")
+
+
+def command(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    start = time.perf_counter()
+    vae_params = train_vae(args, out / "checkpoints" / "vae.msgpack")
+    scaling_factor = latent_scaling_factor(vae_params, args.seed)
+    print(f"VAE done; latent scaling factor {scaling_factor:.4f}", flush=True)
+    train_diffusion(args, out, vae_params, scaling_factor)
+    print(f"done in {(time.perf_counter() - start) / 60:.1f} min; the model is in {out / 'model'}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The models and their parameters.
+
+VAE = AutoencoderKL(shapes.component_config("vae"))
+UNET = UNet2DConditionModel(shapes.component_config("unet"))
+ENCODERS = {name: CLIPTextModel(shapes.component_config(name)) for name in TEXT_ENCODERS}
+SIZE = shapes.NATIVE_SIZE
+# diffusers' _get_add_time_ids: (original height, width, crop top, left, target height, width).
+TIME_IDS = jnp.array([SIZE, SIZE, 0, 0, SIZE, SIZE], jnp.float32)
+
+
+def init_vae(key: jax.Array) -> dict:
+    return VAE.init(key, jnp.zeros((1, SIZE, SIZE, 3)))["params"]
+
+
+def init_diffusion(key: jax.Array) -> dict:
+    """The trained parameters of phase 2: both text encoders and the UNet."""
+    keys = jax.random.split(key, 3)
+    ids = jnp.zeros((1, shapes.TEXT_ENCODER["max_position_embeddings"]), jnp.int32)
+    params = {name: ENCODERS[name].init(k, ids)["params"] for name, k in zip(TEXT_ENCODERS, keys)}
+    latent = SIZE // VAE.config.downscale_factor
+    context = jnp.zeros((1, ids.shape[1], UNET.config.cross_attention_dim))
+    pooled = jnp.zeros((1, shapes.TEXT_ENCODER_2["projection_dim"]))
+    x = jnp.zeros((1, latent, latent, 4))
+    params["unet"] = UNET.init(keys[2], x, jnp.zeros(1), context, pooled, TIME_IDS[None])["params"]
+    return params
+
+
+def to_model_input(images: np.ndarray) -> jax.Array:
+    """uint8 [B, H, W, 3] -> float32 in [-1, 1], as the VAE takes (and the pipeline decodes to)."""
+    return jnp.asarray(images, jnp.float32) / 127.5 - 1
+
+
+def optimizer(lr: float) -> optax.GradientTransformation:
+    warmup = optax.linear_schedule(0.0, lr, 200)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(warmup, weight_decay=1e-4))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: the whole training state, written atomically.
+
+
+def save(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    partial.write_bytes(flax.serialization.to_bytes(state))
+    os.replace(partial, path)
+
+
+def restore(path: Path, state: dict) -> dict:
+    """The state saved at `path` (shaped like `state`), or `state` when there is none."""
+    if not path.is_file():
+        return state
+    state = flax.serialization.from_bytes(state, path.read_bytes())
+    print(f"resumed {path} at step {int(state['step'])}", flush=True)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 1: the VAE.
+
+
+def vae_loss(params: dict, images: jax.Array, key: jax.Array, kl_weight: float) -> jax.Array:
+    mean, logvar = VAE.apply({"params": params}, images, method=VAE.encode)
+    latents = mean + jnp.exp(0.5 * logvar) * jax.random.normal(key, mean.shape)
+    reconstruction = VAE.apply({"params": params}, latents, method=VAE.decode)
+    kl = 0.5 * jnp.mean(mean**2 + jnp.exp(logvar) - 1 - logvar)
+    return jnp.mean(jnp.abs(reconstruction - images)) + kl_weight * kl
+
+
+def train_vae(args: argparse.Namespace, path: Path) -> dict:
+    tx = optimizer(args.vae_lr)
+    params = init_vae(jax.random.key(args.seed))
+    state = restore(path, {"step": jnp.int32(0), "params": params, "opt": tx.init(params)})
+
+    @jax.jit
+    def step(state, images, key):
+        loss, grads = jax.value_and_grad(vae_loss)(state["params"], images, key, args.kl_weight)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    return run(state, step, args.vae_steps, args, path, phase=1, batch=args.vae_batch)["params"]
+
+
+def latent_scaling_factor(vae_params: dict, seed: int, batches: int = 8) -> float:
+    """1 / the standard deviation of the VAE's latents, so that the UNet sees unit-variance latents."""
+    encode = jax.jit(lambda images: VAE.apply({"params": vae_params}, images, method=VAE.encode)[0])
+    latents = [encode(to_model_input(shapes.training_batch(seed + 3000, i, 32)[0])) for i in range(batches)]
+    return float(1 / jnp.std(jnp.concatenate(latents)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 2: the text encoders and the UNet.
+
+
+def alphas_cumprod() -> jax.Array:
+    """SDXL's noise schedule: scaled-linear betas from 0.00085 to 0.012 over 1000 steps."""
+    cfg = shapes.SCHEDULER
+    betas = jnp.linspace(cfg["beta_start"] ** 0.5, cfg["beta_end"] ** 0.5, cfg["num_train_timesteps"]) ** 2
+    return jnp.cumprod(1 - betas)
+
+
+def encode_text(params: dict, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """As the pipeline encodes a prompt: (both encoders' penultimate states concatenated, pooled output)."""
+    states = []
+    for name in TEXT_ENCODERS:
+        out = ENCODERS[name].apply({"params": params[name]}, ids)
+        states.append(out.hidden_states[-2])
+    return jnp.concatenate(states, axis=-1), out.text_embeds
+
+
+def diffusion_loss(params, latents, ids, keep, key, snr_gamma: float = 5.0):
+    """The epsilon-prediction loss at a uniformly drawn timestep, weighted by min(SNR, 5) / SNR.
+
+    Args:
+      latents: [B, h, w, 4] scaled latents.
+      ids: [B, T] token ids (both tokenizers are the same).
+      keep: [B] 0 where the caption is dropped (its conditioning is then all zeros).
+    """
+    t_key, noise_key, offset_key = jax.random.split(key, 3)
+    batch = latents.shape[0]
+    t = jax.random.randint(t_key, (batch,), 0, shapes.SCHEDULER["num_train_timesteps"])
+    # A little per-channel offset noise, so that the model does not read the image's mean colour
+    # off the starting noise (the schedule leaves some signal at its last step).
+    noise = jax.random.normal(noise_key, latents.shape) + 0.1 * jax.random.normal(offset_key, (batch, 1, 1, 4))
+    alpha = alphas_cumprod()[t][:, None, None, None]
+    noisy = jnp.sqrt(alpha) * latents + jnp.sqrt(1 - alpha) * noise
+
+    context, pooled = encode_text(params, ids)
+    context, pooled = context * keep[:, None, None], pooled * keep[:, None]
+    time_ids = jnp.broadcast_to(TIME_IDS, (batch, 6))
+    predicted = UNET.apply({"params": params["unet"]}, noisy, t, context, pooled, time_ids)
+
+    snr = alpha[:, 0, 0, 0] / (1 - alpha[:, 0, 0, 0])
+    weight = jnp.minimum(snr, snr_gamma) / snr  # Min-SNR weighting (Hang et al., 2023)
+    return jnp.mean(weight * jnp.mean((predicted - noise) ** 2, axis=(1, 2, 3)))
+
+
+def train_diffusion(args: argparse.Namespace, out: Path, vae_params: dict, scaling_factor: float) -> dict:
+    tx = optimizer(args.lr)
+    params = init_diffusion(jax.random.key(args.seed + 1))
+    state = {"step": jnp.int32(0), "params": params, "opt": tx.init(params), "ema": params}
+    path = out / "checkpoints" / "diffusion.msgpack"
+    state = restore(path, state)
+    tokenizer_folder = out / "tokenizer"
+    shapes.write_tokenizer(tokenizer_folder)
+    tokenizer = load_tokenizer(tokenizer_folder)
+    max_tokens = shapes.TEXT_ENCODER["max_position_embeddings"]
+
+    @jax.jit
+    def step(state, images, ids, keep, key):
+        encode_key, key = jax.random.split(key)
+        mean, logvar = VAE.apply({"params": vae_params}, images, method=VAE.encode)
+        latents = (mean + jnp.exp(0.5 * logvar) * jax.random.normal(encode_key, mean.shape)) * scaling_factor
+        loss, grads = jax.value_and_grad(diffusion_loss)(state["params"], latents, ids, keep, key)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        decay = jnp.minimum(args.ema, (1 + state["step"]) / (10 + state["step"]))
+        ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, state["ema"], params)
+        return {"step": state["step"] + 1, "params": params, "opt": opt, "ema": ema}, loss
+
+    def batch_inputs(images, captions, rng):
+        keep = rng.random(len(captions)) >= args.caption_dropout
+        captions = [c if k else "" for c, k in zip(captions, keep)]
+        ids, _ = tokenize(tokenizer, captions, max_tokens)
+        return ids, keep.astype(np.float32)
+
+    def export(state):
+        params = {"vae": vae_params, **jax.device_get(state["ema"])}
+        shapes.write_model(out / "model", params, scaling_factor, args.dtype)
+
+    return run(state, step, args.steps, args, path, phase=2, batch=args.batch, inputs=batch_inputs, export=export)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop both phases share.
+
+
+def run(state, step, steps, args, path, *, phase, batch, inputs=None, export=None):
+    """Runs `step` until state["step"] == steps, checkpointing (and exporting) every few steps."""
+    first, losses, start = int(state["step"]), [], time.perf_counter()
+    for s in range(first, steps):
+        images, captions = shapes.training_batch(args.seed + 1000 * phase, s, batch)
+        key = jax.random.fold_in(jax.random.key(args.seed + 1000 * phase), s)
+        extra = inputs(images, captions, np.random.default_rng([args.seed, phase, s])) if inputs else ()
+        state, loss = step(state, to_model_input(images), *extra, key)
+        losses.append(float(loss))
+        done = s + 1
+        if done % 50 == 0 or done == steps:
+            rate = (done - first) / (time.perf_counter() - start)
+            loss = np.mean(losses[-50:])
+            print(f"phase {phase} step {done}/{steps} loss {loss:.4f} ({rate:.2f} steps/s)", flush=True)
+        if done % args.checkpoint_every == 0 or done == steps:
+            save(path, state)
+            if export:
+                export(state)
+    if export and first == steps:
+        export(state)
+    return state
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    command(parser.parse_args())
