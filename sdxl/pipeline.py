@@ -292,13 +292,17 @@ class Pipeline:
     # Running
 
     def _tokenize(self, prompts: Sequence[str]) -> tuple[np.ndarray, list[str]]:
-        """[N, E, T] ids for every text encoder, and the prompts that were truncated."""
+        """[N, E, T] ids for every text encoder, and the prompts that were truncated. Each distinct
+        prompt is tokenized once: a batch usually repeats one prompt for all its images."""
+        distinct = list(dict.fromkeys(prompts))
         per_encoder, truncated = [], set()
         for tokenizer in self.tokenizers:
-            ids, cut = tokenize(tokenizer, list(prompts), self.spec.max_tokens)
+            ids, cut = tokenize(tokenizer, distinct, self.spec.max_tokens)
             per_encoder.append(ids)
-            truncated.update(p for p, c in zip(prompts, cut) if c)
-        return np.stack(per_encoder, axis=1), [p for p in dict.fromkeys(prompts) if p in truncated]
+            truncated.update(p for p, c in zip(distinct, cut) if c)
+        row = {p: i for i, p in enumerate(distinct)}
+        ids = np.stack(per_encoder, axis=1)[[row[p] for p in prompts]]
+        return ids, [p for p in distinct if p in truncated]
 
     def _inputs(self, request: Request, batch: int) -> tuple[Inputs, list[str]]:
         """The request's arrays on the mesh, padded to `batch` images; and the truncated prompts."""

@@ -23,6 +23,9 @@ DEFAULT_GUIDANCE_SCALE = 5.0
 MAX_SEED = 2**32 - 1
 GUIDANCE_SCALE_RANGE = (0.0, 20.0)
 MAX_SIZE = 4096
+# Far more than the text encoders' 77 tokens read, and little enough that tokenizing it costs
+# milliseconds: a megabyte of prompt held a shared device queue for seconds.
+MAX_PROMPT_CHARACTERS = 2000
 
 
 def integer(value, label: str, low: int, high: int) -> int:
@@ -55,6 +58,11 @@ def guidance_scale(value) -> float:
 def _text(value, label: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{label} must be text, got {type(value).__name__} {value!r:.80}")
+    if len(value) > MAX_PROMPT_CHARACTERS:
+        raise ValueError(
+            f"{label} is {len(value)} characters long; at most {MAX_PROMPT_CHARACTERS} are taken "
+            "(the text encoders read 77 tokens, a few hundred characters)"
+        )
     return value
 
 

@@ -229,6 +229,7 @@ def _bad(endpoint: str, message: str, **kwargs):
     [
         _bad("/generate", "please enter a prompt", prompt=""),
         _bad("/generate", "please enter a prompt", prompt="   "),
+        _bad("/generate", "prompt is 1000000 characters long; at most 2000 are taken", prompt="x" * 10**6),
         _bad("/generate", "Value -1 is less than minimum value 0", seed=-1),
         _bad("/generate", "Value 4294967296 is greater than maximum value 4294967295", seed=2**32),
         _bad("/generate", "seed must be an integer from 0 to 4294967295, got 1.5", seed=1.5),

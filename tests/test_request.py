@@ -37,6 +37,8 @@ def test_values_from_json_clients_are_converted():
         (dict(sampler="lms"), "unknown sampler 'lms'"),
         (dict(prompt=["a fox", 3]), "prompt must be text, got int 3"),
         (dict(noise=np.zeros((2, 4, 4, 4))), "noise must have shape (2, 128, 96, 4)"),
+        (dict(prompt="x" * 2001), "prompt is 2001 characters long; at most 2000 are taken"),
+        (dict(negative_prompt="x" * 10**6), "negative prompt is 1000000 characters long"),
     ],
 )
 def test_a_bad_value_is_named_with_what_is_allowed(changes, message):
