@@ -21,6 +21,7 @@ and `write_single_file` inverts the same table for the tests.
 """
 
 import dataclasses
+import functools
 import json
 import re
 import struct
@@ -113,6 +114,7 @@ _RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb
            "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
 
 
+@functools.cache  # one table per config, not one per key
 def unet_prefixes(config: UNetConfig) -> dict[str, str]:
     """{our module prefix: LDM's} for a UNet: its blocks are numbered in one sequence per side."""
     layers, levels = config.layers_per_block, len(config.block_out_channels)
@@ -139,6 +141,7 @@ def unet_prefixes(config: UNetConfig) -> dict[str, str]:
     return table
 
 
+@functools.cache
 def vae_prefixes(config: VAEConfig) -> dict[str, str]:
     """{our module prefix: LDM's} for a VAE: the decoder's levels are numbered from the bottom."""
     levels = len(config.block_out_channels)
@@ -269,7 +272,7 @@ def load(path: Path, family: str, spec: ModelSpec, dtype, put: Callable) -> dict
     if extra:
         shown = ", ".join(extra[:10]) + (f" and {len(extra) - 10} more" if len(extra) > 10 else "")
         raise CheckpointError(f"{path}: keys that belong to no component of the model: {shown}")
-    params = {}
+    abstract, params = spec.abstract_params(), {}
     for component, originals in table.items():
         present = {k: o for k, o in originals.items() if o.key in file.keys()}
         stored = {k: StoredTensor(file, o.key, o.rows, o.transpose, o.squeeze) for k, o in present.items()}
@@ -277,8 +280,9 @@ def load(path: Path, family: str, spec: ModelSpec, dtype, put: Callable) -> dict
         if missing:
             shown = ", ".join(originals[k].key for k in missing[:10])
             raise CheckpointError(f"{path}: {component}: {len(missing)} tensors missing ({shown})")
-        tree = spec.abstract_params()[component]
-        params[component] = load_stored(stored, tree, dtype=dtype, put=put, where=f"{path} ({component})")
+        params[component] = load_stored(
+            stored, abstract[component], dtype=dtype, put=put, where=f"{path} ({component})"
+        )
     return params
 
 
@@ -295,10 +299,11 @@ def write_single_file(
     benchmark. `tensor(component, our module key)` gives one parameter in PyTorch's layout; it is
     called while writing, so the host holds one tensor (three of a fused q/k/v) at a time."""
     entries: dict[str, list] = {}  # original key -> [its shape, [(component, our key, Original)]]
+    abstract = spec.abstract_params()
     for component, originals in key_map(family, spec).items():
         shapes = {
             checkpoint_key(p): tuple(leaf.shape[a] for a in torch_axes(p, len(leaf.shape)))
-            for p, leaf in flatten(spec.abstract_params()[component]).items()
+            for p, leaf in flatten(abstract[component]).items()
         }
         for key, original in originals.items():
             shape = shapes[key][::-1] if original.transpose else shapes[key]
