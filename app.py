@@ -1,23 +1,27 @@
 """Gradio demo: Stable Diffusion XL in JAX, one image per accelerator core.
 
-python app.py [--model M] [--host H] [--port P] [--cache-dir D] [--share]
+python app.py [--model M] [--lora FILE[:SCALE] ...] [--host H] [--port P] [--cache-dir D] [--share]
 
 Every option also reads an environment variable (SDXL_MODEL, SDXL_HOST, ...), for Spaces.
 """
 
 import argparse
 import functools
+import inspect
 import os
 import random
+import re
 import time
+from pathlib import Path
 
 import gradio as gr
 from PIL import Image
 
 from sdxl import CheckpointError, enable_compilation_cache
 from sdxl.images import image_count, parameters_text
+from sdxl.lora import parse_option as parse_lora_option
 from sdxl.request import (
-    DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_STEPS, GUIDANCE_SCALE_RANGE, MAX_SEED, Request,
+    DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_STEPS, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request,
 )
 from sdxl.sampling import SAMPLER_NAMES
 from sdxl.serving import QueueFullError, TextToImage, load_pipeline
@@ -86,7 +90,7 @@ class Demo:
                 prompt=request.prompts[i], negative_prompt=request.negative_prompts[i], steps=request.steps,
                 sampler=SAMPLER_NAMES[request.sampler], guidance_scale=request.guidance_scales[i],
                 seed=request.seeds[i], index=request.image_index[i], width=request.width, height=request.height,
-                model=self.model_name,
+                model=self.model_name, loras=request.loras or (),
             )
             gallery.append((picture, f"seed {request.seeds[i]} · image {request.image_index[i]} · {device}"))
         notes = []
@@ -106,23 +110,42 @@ class Demo:
             raise gr.Error(str(e)) from e
         return self._render(request, progress)
 
+    # `lora_scales`: one per launched LoRA (`TextToImage.loras`), the last inputs of each endpoint.
+
     def generate(self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core,
-                 sampler, progress=gr.Progress()):
+                 sampler, *lora_scales, progress=gr.Progress()):
         return self._handle(lambda: self.service.request_images(
-            prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core, sampler),
-            progress)
+            prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core, sampler,
+            lora_scales), progress)
 
     def compare(self, mode, prompts, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
-                sampler, progress=gr.Progress()):
+                sampler, *lora_scales, progress=gr.Progress()):
         if mode == COMPARE_PROMPTS:
             make = lambda: self.service.request_prompt_comparison(  # noqa: E731
                 (prompts or "").splitlines(), negative_prompt, style, seed, guidance_scale, steps, width, height,
-                sampler)
+                sampler, lora_scales)
         else:
             make = lambda: self.service.request_seed_comparison(  # noqa: E731
                 (prompts or "").strip(), negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
-                sampler)
+                sampler, lora_scales)
         return self._handle(make, progress)
+
+
+def _named_lora_parameters(handler, sources):
+    """`handler` (which takes the LoRA scales as `*lora_scales`) with one named parameter per LoRA in
+    its signature instead, so that the API calls them `lora_<file stem>` rather than `param_10`."""
+    signature = inspect.signature(handler)
+    fixed = [p for p in signature.parameters.values() if p.kind is not p.VAR_POSITIONAL and p.name != "progress"]
+    names = ["lora_" + re.sub(r"\W", "_", Path(source).stem) for source in sources]
+    names = [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
+    scales = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
+
+    @functools.wraps(handler)
+    def named(*args, progress=gr.Progress()):
+        return handler(*args, progress=progress)
+
+    named.__signature__ = signature.replace(parameters=[*fixed, *scales, signature.parameters["progress"]])
+    return named
 
 
 COMPARE_PROMPTS = "One prompt per line, same seed"
@@ -163,9 +186,12 @@ def create_demo(demo: Demo) -> gr.Blocks:
             sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()],
                                   value=pipe.spec.default_sampler, label="Sampler",
                                   info="the model's own by default; each sampler compiles once, then stays cached")
+            loras = [gr.Slider(*LORA_SCALE_RANGE, value=scale, step=0.05, label=f"LoRA {Path(source).stem}",
+                               info="0 turns it off; changing LoRAs never recompiles")
+                     for source, scale in service.loras.items()]
             width = gr.Number(value=native[0], precision=None, visible=False)
             height = gr.Number(value=native[1], precision=None, visible=False)
-        for field in (num_seeds, seed, guidance, steps, per_core, width, height):
+        for field in (num_seeds, seed, guidance, steps, per_core, width, height, *loras):
             _text_reaches_validation(field)
         gallery = gr.Gallery(label="Images", columns=min(4, service.max_images), format="png", elem_id="gallery")
         status = gr.Markdown(elem_id="status")
@@ -176,15 +202,17 @@ def create_demo(demo: Demo) -> gr.Blocks:
             return random.randint(0, MAX_SEED) if randomize else seed
 
         limit = service.queue.max_queued
-        generate_inputs = [prompt, negative, style, seed, guidance, steps, width, height, per_core, sampler]
+        generate_inputs = [prompt, negative, style, seed, guidance, steps, width, height, per_core, sampler, *loras]
         for trigger, api_name in ((run.click, "generate"), (prompt.submit, False)):
             trigger(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
-                demo.generate, generate_inputs, [gallery, status], api_name=api_name, concurrency_limit=limit,
+                _named_lora_parameters(demo.generate, service.loras), generate_inputs, [gallery, status],
+                api_name=api_name, concurrency_limit=limit,
             )
         compare_inputs = [mode, compare_prompts, compare_negative, compare_style, seed, num_seeds, guidance, steps,
-                          width, height, sampler]
+                          width, height, sampler, *loras]
         compare_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
-            demo.compare, compare_inputs, [gallery, status], api_name="compare", concurrency_limit=limit,
+            _named_lora_parameters(demo.compare, service.loras), compare_inputs, [gallery, status], api_name="compare",
+            concurrency_limit=limit,
         )
     blocks.queue(max_size=limit, default_concurrency_limit=limit)
     return blocks
@@ -227,17 +255,23 @@ def main() -> None:
     # String defaults go through `type` too, so a bad environment variable gets argparse's message.
     parser.add_argument("--max-images-per-core", type=_integer_from(1), default=env("SDXL_MAX_IMAGES_PER_CORE", "4"))
     parser.add_argument("--max-queue", type=_integer_from(1), default=env("SDXL_MAX_QUEUE", "32"))
+    parser.add_argument("--lora", action="append", type=parse_lora_option, default=[], metavar="FILE[:SCALE]",
+                        help="a LoRA users may apply, with its default scale (1); repeatable. A .safetensors file "
+                        "(kohya/A1111 or diffusers/PEFT) or a Hub repo id")
     args = parser.parse_args()
 
     cache = enable_compilation_cache(args.cache_dir)
     start = time.perf_counter()
+    loras = dict(args.lora)
     try:
         pipe, notice = load_pipeline(args.model, config=args.config, dtype=args.dtype)
+        pipe.set_loras(loras)  # each file read and checked now, not at a user's first request
     except CheckpointError as e:  # missing, corrupt or not downloadable: the reason in a line, as the CLI says it
         parser.exit(2, f"error: {e}\n")
     loaded = time.perf_counter()
     model_name = "tiny" if notice else args.model
-    service = TextToImage(pipe, max_images_per_core=args.max_images_per_core, max_queued=args.max_queue, notice=notice)
+    service = TextToImage(pipe, max_images_per_core=args.max_images_per_core, max_queued=args.max_queue, notice=notice,
+                          loras=loras)
     width, height = service.sizes[0]
     compile_seconds = pipe.warmup(height, width, progress=True)
     warm_start = time.perf_counter()

@@ -5,7 +5,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import bench, training
+from . import bench, lora, training
 from .checkpoints import CheckpointError, random_models
 from .compilation import enable_compilation_cache
 from .images import grid, image_count, parameters_text, save_png, to_pil
@@ -28,6 +28,9 @@ def generate_command(args: argparse.Namespace) -> None:
         steps=args.steps, height=args.height or pipe.spec.native_size, width=args.width or pipe.spec.native_size,
         sampler=args.sampler,
     ))
+    if args.lora:
+        loras = dict(args.lora)
+        print(f"applied {len(loras)} LoRA(s) in {pipe.set_loras(loras):.2f} s")
     compile_seconds = pipe.warmup(request.height, request.width, num_images, request.sampler, guided=request.guided)
     print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
     result = pipe.render(request)
@@ -43,7 +46,7 @@ def generate_command(args: argparse.Namespace) -> None:
         text = parameters_text(
             prompt=args.prompt, negative_prompt=args.negative_prompt, steps=request.steps,
             sampler=SAMPLER_NAMES[request.sampler], guidance_scale=request.guidance_scales[i], seed=request.seeds[i],
-            index=i, width=request.width, height=request.height, model=args.model,
+            index=i, width=request.width, height=request.height, model=args.model, loras=tuple(pipe.loras.items()),
         )
         print(save_png(image, out / f"{args.seed}-{i}.png", text))
     grid(images).save(out / f"{args.seed}-grid.png")
@@ -66,6 +69,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--guidance-scale", "--guidance", type=float, default=DEFAULT_GUIDANCE_SCALE)
     parser.add_argument("--sampler", choices=list(SAMPLERS), help="default: the one of the checkpoint's scheduler")
+    parser.add_argument(
+        "--lora", action="append", type=lora.parse_option, metavar="FILE[:SCALE]",
+        help="apply a LoRA (scale 1 by default); repeatable. A .safetensors file (kohya/A1111 or diffusers/PEFT), "
+        "a Hub repo id, or owner/name/file.safetensors",
+    )
     parser.add_argument("--height", type=int, help="default: the model's native size")
     parser.add_argument("--width", type=int, help="default: the model's native size")
     parser.add_argument("--num-images", type=int, help="default: one per device")

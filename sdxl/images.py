@@ -1,6 +1,7 @@
 """Saving generated images: PNGs that carry their generation parameters, and contact-sheet grids."""
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +15,10 @@ def image_count(n: int) -> str:
 
 def parameters_text(
     *, prompt: str, negative_prompt: str, steps: int, sampler: str, guidance_scale: float, seed: int,
-    index: int, width: int, height: int, model: str,
+    index: int, width: int, height: int, model: str, loras: Sequence[tuple[str, float]] = (),
 ) -> str:
-    """The generation parameters in the widely read "parameters" PNG-chunk format (as A1111 writes it)."""
+    """The generation parameters in the widely read "parameters" PNG-chunk format (as A1111 writes it);
+    `loras` as (source, scale) pairs."""
     lines = [prompt]
     if negative_prompt:
         lines.append(f"Negative prompt: {negative_prompt}")
@@ -24,6 +26,8 @@ def parameters_text(
         f"Steps: {steps}, Sampler: {sampler}, CFG scale: {guidance_scale:g}, Seed: {seed}, Image index: {index}, "
         f"Size: {width}x{height}, Model: {model}"
     )
+    if loras:
+        lines[-1] += ", LoRAs: " + " ".join(f"{Path(source).stem}:{scale:g}" for source, scale in loras)
     return "\n".join(lines)
 
 

@@ -11,14 +11,14 @@ import dataclasses
 import functools
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import checkpoints
+from . import checkpoints, lora
 from .checkpoints import ModelSpec
 from .program import GenerateProgram, Inputs
 from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request
@@ -82,7 +82,10 @@ class Pipeline:
         name: str = "",
     ):
         self.spec = spec
+        self.base_params = params  # as loaded; `params` is them with the active LoRAs applied
         self.params = params
+        self.loras: dict[str, float] = {}  # the active LoRAs: {source: scale}
+        self._lora_files: dict[str, lora.Lora] = {}
         self.tokenizers = list(tokenizers)
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
@@ -289,6 +292,35 @@ class Pipeline:
         batch = self.padded_batch(num_images)
         return all((stage, program, batch, False) in self._executables for stage in _stages(progress))
 
+    # LoRAs
+
+    def set_loras(self, loras: Mapping[str, float]) -> float:
+        """Makes `loras` ({source: scale}) the active LoRAs, in place of the previous ones ({} clears
+        them), as diffusers' `set_adapters(names, adapter_weights)`; returns the seconds it took.
+
+        The weights change, the compiled programs do not: switching never recompiles, and the layers
+        no active LoRA touches are the loaded arrays themselves, so clearing restores them exactly.
+        Each source's file is read once (`lora.locate`: a local .safetensors file, a Hub repo id, or
+        "owner/name/file.safetensors").
+
+        Raises:
+          CheckpointError: a source is missing or does not fit the model; the active LoRAs stay as they were.
+        """
+        wanted = {str(source): float(scale) for source, scale in loras.items()}
+        if wanted == self.loras:
+            return 0.0
+        start = time.perf_counter()
+        for source in wanted:
+            if source not in self._lora_files:
+                self._lora_files[source] = lora.read(lora.locate(source), self.spec, name=source)
+        layers = [(self._lora_files[source], scale) for source, scale in wanted.items()]
+        self.params = jax.block_until_ready(lora.apply(self.base_params, layers, self._place_replicated))
+        self.loras = wanted
+        return time.perf_counter() - start
+
+    def _place_replicated(self, array: np.ndarray) -> jax.Array:
+        return place(array, self._replicated)
+
     # Running
 
     def _tokenize(self, prompts: Sequence[str]) -> tuple[np.ndarray, list[str]]:
@@ -351,6 +383,8 @@ class Pipeline:
         request = self.validated(request)
         n, batch = len(request), self.padded_batch(len(request))
         start = time.perf_counter()
+        if request.loras is not None:
+            self.set_loras(dict(request.loras))
         inputs, truncated = self._inputs(request, batch)
         program = self._program(request.sampler, request.height, request.width, as_uint8, request.guided)
         stage = functools.partial(

@@ -26,6 +26,8 @@ MAX_SIZE = 4096
 # Far more than the text encoders' 77 tokens read, and little enough that tokenizing it costs
 # milliseconds: a megabyte of prompt held a shared device queue for seconds.
 MAX_PROMPT_CHARACTERS = 2000
+# LoRA scales people use run from about -2 (slider LoRAs, reversed) to 2; beyond 4 images break up.
+LORA_SCALE_RANGE = (-4.0, 4.0)
 
 
 def integer(value, label: str, low: int, high: int) -> int:
@@ -43,16 +45,20 @@ def integer(value, label: str, low: int, high: int) -> int:
     return int(number)
 
 
+def number(value, label: str, low: float, high: float) -> float:
+    """`value` as a finite float in [low, high]; numeric text passes. Raises ValueError naming `label`."""
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        result = float("nan")
+    if isinstance(value, bool) or not (math.isfinite(result) and low <= result <= high):
+        raise ValueError(f"{label} must be a number from {low:g} to {high:g}, got {value!r}")
+    return result
+
+
 def guidance_scale(value) -> float:
     """A guidance scale as a float in `GUIDANCE_SCALE_RANGE`. Raises ValueError."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    low, high = GUIDANCE_SCALE_RANGE
-    if isinstance(value, bool) or not (math.isfinite(number) and low <= number <= high):
-        raise ValueError(f"guidance scale must be a number from {low:g} to {high:g}, got {value!r}")
-    return number
+    return number(value, "guidance scale", *GUIDANCE_SCALE_RANGE)
 
 
 def _text(value, label: str) -> str:
@@ -85,6 +91,9 @@ class Request:
     sampler: str | None = None  # a name in `sampling.SAMPLERS`; None: the model's (`ModelSpec.default_sampler`)
     # [N, h, w, C] float32 latents (NHWC) that replace the seeded starting noise.
     noise: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    # ((LoRA source, scale), ...), sorted: exactly these LoRAs (() for none); None: whichever the
+    # pipeline has set (`Pipeline.set_loras`).
+    loras: tuple[tuple[str, float], ...] | None = None
 
     @classmethod
     def from_prompt(
@@ -129,7 +138,7 @@ class Request:
     @property
     def batch_key(self) -> tuple:
         """Requests with equal keys can share a compiled call."""
-        return (self.height, self.width, self.steps, self.sampler, self.guided)
+        return (self.height, self.width, self.steps, self.sampler, self.guided, self.loras)
 
     @classmethod
     def merged(cls, requests: Sequence["Request"]) -> "Request":
@@ -182,6 +191,9 @@ class Request:
             guidance_scales=tuple(guidance_scale(g) for g in self.guidance_scales),
             steps=integer(self.steps, "steps", 1, max_steps),
             sampler=sampler,
+            loras=None if self.loras is None else tuple(sorted(
+                (source, number(scale, f"LoRA scale of {source}", *LORA_SCALE_RANGE)) for source, scale in self.loras
+            )),
             **sizes,
         )
 

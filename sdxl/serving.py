@@ -17,10 +17,11 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 
 from .checkpoints import HubUnavailableError
 from .pipeline import Generation, Pipeline
-from .request import MAX_SEED, Request, integer
+from .request import LORA_SCALE_RANGE, MAX_SEED, Request, integer, number
 from .styles import STYLES
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class DeviceQueue:
         """The oldest waiting request plus later ones with its batch key, up to the image budget, as
         long as the merged batch size is compiled."""
         first = self._waiting.pop(0)
-        height, width, _, sampler, guided = first.request.batch_key
+        height, width, sampler, guided = (getattr(first.request, f) for f in ("height", "width", "sampler", "guided"))
         batch, size = [first], len(first.request)
         for ticket in list(self._waiting):
             merged = size + len(ticket.request)
@@ -139,7 +140,7 @@ class DeviceQueue:
 
     def _render(self, batch: list[Ticket]) -> None:
         request = Request.merged([t.request for t in batch])
-        height, width, _, sampler, guided = request.batch_key
+        height, width, sampler, guided = request.height, request.width, request.sampler, request.guided
         compiling = not self.pipe.is_compiled(height, width, len(request), sampler, progress=True, guided=guided)
         for ticket in batch:
             ticket.compiling, ticket.batch_images = compiling, len(request)
@@ -191,10 +192,13 @@ class TextToImage:
     """The demo's requests: turns what a user typed into validated device-queue requests."""
 
     def __init__(
-        self, pipe: Pipeline, *, max_images_per_core: int = 4, max_queued: int = 32, notice: str | None = None
+        self, pipe: Pipeline, *, max_images_per_core: int = 4, max_queued: int = 32, notice: str | None = None,
+        loras: Mapping[str, float] | None = None,
     ):
+        """`loras`: the LoRAs a request may use, {source: default scale}, in the order the UI lists them."""
         self.pipe = pipe
         self.notice = notice
+        self.loras = dict(loras or {})
         self.max_images_per_core = max_images_per_core
         self.sizes = size_presets(pipe)
         self.queue = DeviceQueue(pipe, max_batch_images=pipe.num_devices * max_images_per_core, max_queued=max_queued)
@@ -203,9 +207,16 @@ class TextToImage:
     def max_images(self) -> int:
         return self.pipe.num_devices * self.max_images_per_core
 
-    def _checked(self, request: Request, style: str) -> Request:
-        """The request validated by the pipeline, at one of the demo's sizes, in a known style."""
-        request = self.pipe.validated(request)
+    def _checked(self, request: Request, style: str, lora_scales: Sequence | None) -> Request:
+        """The request validated by the pipeline, at one of the demo's sizes, with the launched LoRAs at
+        `lora_scales` (one per LoRA, in order; None: their launch scales; 0 leaves one out)."""
+        scales = list(self.loras.values()) if lora_scales is None else list(lora_scales)
+        if len(scales) != len(self.loras):
+            names = ", ".join(self.loras) or "none are loaded"
+            raise ValueError(f"give one LoRA scale per LoRA ({names}), got {len(scales)}")
+        chosen = [(source, number(scale, f"LoRA scale of {source}", *LORA_SCALE_RANGE))
+                  for source, scale in zip(self.loras, scales)]
+        request = self.pipe.validated(dataclasses.replace(request, loras=tuple((s, v) for s, v in chosen if v)))
         if (request.width, request.height) not in self.sizes:
             presets = ", ".join(f"{w}x{h}" for w, h in self.sizes)
             raise ValueError(f"size {request.width}x{request.height} is not one of this model's sizes: {presets}")
@@ -223,7 +234,7 @@ class TextToImage:
 
     def request_images(
         self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height,
-        images_per_core=1, sampler=None,
+        images_per_core=1, sampler=None, lora_scales=None,
     ) -> Request:
         """One prompt, `images_per_core` images on every core: images (seed, 0), (seed, 1), ..."""
         n = self.pipe.num_devices * integer(images_per_core, "images per core", 1, self.max_images_per_core)
@@ -232,11 +243,11 @@ class TextToImage:
             text, negative, num_images=n, seed=seed, guidance_scale=guidance_scale, steps=steps, height=height,
             width=width, sampler=sampler,
         )
-        return self._checked(request, style)
+        return self._checked(request, style, lora_scales)
 
     def request_prompt_comparison(
         self, prompts: list[str], negative_prompt, style, seed, guidance_scale, steps, width, height,
-        sampler=None,
+        sampler=None, lora_scales=None,
     ) -> Request:
         """Several prompts from the same starting noise (seed, image 0), side by side."""
         prompts = [p for p in prompts if p.strip()]
@@ -248,11 +259,11 @@ class TextToImage:
             tuple(p for p, _ in styled), tuple(q for _, q in styled), (seed,) * n, (0,) * n, (guidance_scale,) * n,
             steps, height, width, sampler,
         )
-        return self._checked(request, style)
+        return self._checked(request, style, lora_scales)
 
     def request_seed_comparison(
         self, prompt, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
-        sampler=None,
+        sampler=None, lora_scales=None,
     ) -> Request:
         """One prompt from `num_seeds` consecutive seeds, side by side."""
         first = integer(seed, "seed", 0, MAX_SEED)
@@ -264,4 +275,4 @@ class TextToImage:
             (text,) * n, (negative,) * n, tuple(range(first, first + n)), (0,) * n, (guidance_scale,) * n,
             steps, height, width, sampler,
         )
-        return self._checked(request, style)
+        return self._checked(request, style, lora_scales)

@@ -81,7 +81,7 @@ class SafetensorsFile:
                 header = json.loads(f.read(header_len))
             except ValueError as e:
                 raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from e
-        header.pop("__metadata__", None)
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         data_len = size - 8 - header_len
         self._entries = {}
         for key, entry in header.items():

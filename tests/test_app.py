@@ -28,6 +28,8 @@ from gradio_client.utils import Status, StatusUpdate
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
+from sdxl import lora
+from sdxl.checkpoints import resolve
 from sdxl.checkpoints.random_models import write_checkpoint
 
 # gradio_client reads these in this process: no telemetry calls to the Hub from the tests.
@@ -120,8 +122,11 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cache_dir):
-    """The demo as started by default: no --model, so the SDXL repo id falls back to tiny offline."""
-    with serve(tmp_path_factory.mktemp("app"), cache_dir) as running:
+    """The demo as started by default: no --model, so the SDXL repo id falls back to tiny offline;
+    with one LoRA for tiny, off (scale 0) unless a request turns it up."""
+    tmp = tmp_path_factory.mktemp("app")
+    style = lora.write_random(tmp / "style.safetensors", resolve("tiny").spec)
+    with serve(tmp, cache_dir, "--lora", f"{style}:0") as running:
         yield running
 
 
@@ -210,6 +215,16 @@ def test_compare_consecutive_seeds(client):
     for seed, item in zip((41, 42, 43), gallery):
         assert f"Seed: {seed}, Image index: 0," in Image.open(item["image"]).info["parameters"]
     assert len({p.tobytes() for p in _pixels(gallery)}) == 3
+
+
+def test_a_launched_lora_applies_at_the_scale_a_request_gives(client):
+    plain, _ = _generate(client, seed=5)
+    styled, status = _generate(client, seed=5, lora_style=0.75)
+    assert np.abs(_pixels(plain)[0].astype(int) - _pixels(styled)[0]).mean() > 5
+    assert "LoRAs: style:0.75" in Image.open(styled[0]["image"]).info["parameters"]
+    assert "LoRAs" not in Image.open(plain[0]["image"]).info["parameters"]
+    again, _ = _generate(client, seed=5)  # turning it off restores the base weights exactly
+    assert [p.tobytes() for p in _pixels(again)] == [p.tobytes() for p in _pixels(plain)]
 
 
 def test_one_image_is_counted_in_the_singular(client):  # what a one-core demo says every time

@@ -33,14 +33,16 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
     required = """images_per_s s_per_image compile_s warm_compile_s recompiles tflops mfu device n_devices
         ref_images_per_s ratio load_s raw_read_s load_cold_s raw_read_cold_s load_over_raw_read_cold
         first_image_s first_image_warm_s load_peak_rss_bytes param_bytes_bf16 peak_rss_bytes
-        peak_device_memory_bytes progress_overhead unguided_images_per_s unguided_speedup""".split()
+        peak_device_memory_bytes progress_overhead unguided_images_per_s unguided_speedup lora_first_s lora_scale_s
+        lora_clear_s lora_recompiles""".split()
     assert not [key for key in required if key not in r]
     assert (r["model"], r["device"], r["n_devices"], r["batch"]) == ("tiny", "cpu", 1, 1)
     assert r["attention"] == "xla" and r["convolution"] == "xla"  # 4x4 latents: too small for Winograd
     assert r["images_per_s"] > 0 and np.isclose(r["s_per_image"] * r["images_per_s"], 1)
     assert np.isclose(r["ratio"], r["images_per_s"] / r["ref_images_per_s"])
     assert r["mfu"] is None and r["tflops"] > 0  # no known peak for a CPU
-    assert r["recompiles"] == 0 and r["sweep_runs"] >= 4
+    assert r["recompiles"] == 0 and r["sweep_runs"] >= 4 and r["lora_recompiles"] == 0
+    assert r["lora_first_s"] > 0 and r["lora_scale_s"] > 0 and r["lora_clear_s"] < r["lora_scale_s"]
     assert 0 < r["warm_compile_s"] < r["compile_s"]
     assert r["load_s"] > 0 and r["raw_read_s"] > 0 and r["weight_bytes"] > r["param_bytes_bf16"]  # tiny is float32
     assert "ratio (ours / diffusers)" in result.stdout

@@ -3,8 +3,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
+
+from sdxl import lora
+from sdxl.checkpoints import resolve
 
 ROOT = Path(__file__).parents[1]
 
@@ -47,3 +51,20 @@ def test_missing_checkpoint_exits_nonzero(tmp_path):
     result = _cli("--prompt", "x", model=str(tmp_path / "nope"))
     assert result.returncode == 2
     assert "not a checkpoint folder" in result.stderr
+
+
+def test_loras_apply_with_their_scales_and_a_missing_one_is_refused(tmp_path):
+    ink = lora.write_random(tmp_path / "ink.safetensors", resolve("tiny").spec)
+    common = ("--prompt", "a lighthouse", "--steps", "2", "--num-images", "1")
+    plain = _cli(*common, "--out", str(tmp_path / "plain"))
+    styled = _cli(*common, "--lora", f"{ink}:0.6", "--lora", f"{ink}", "--out", str(tmp_path / "styled"))
+    assert plain.returncode == 0 and styled.returncode == 0, styled.stderr
+    assert "applied 1 LoRA(s)" in styled.stdout  # the same file twice: the last scale wins
+    parameters = Image.open(tmp_path / "styled" / "0-0.png").text["parameters"]
+    assert parameters.endswith("Model: tiny, LoRAs: ink:1"), parameters
+    pixels = [np.asarray(Image.open(tmp_path / d / "0-0.png"), int) for d in ("plain", "styled")]
+    assert np.abs(pixels[0] - pixels[1]).mean() > 5
+
+    missing = _cli(*common, "--lora", str(tmp_path / "nope.safetensors:0.5"))
+    assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0
+    assert missing.stderr.startswith(f"error: LoRA {tmp_path / 'nope.safetensors'}: no such file"), missing.stderr

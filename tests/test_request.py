@@ -1,5 +1,7 @@
 """One validation for every caller: the limits and messages of `Request.validated`."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -9,9 +11,9 @@ from sdxl.request import MAX_SEED, Request
 SPEC = ModelSpec.from_folder(BUILTIN_CONFIGS / "sdxl-base-1.0")  # latent factor 32, 4 latent channels
 
 
-def _request(**changes) -> Request:
+def _request(loras=None, **changes) -> Request:
     values = dict(prompt="a fox", negative_prompt="", num_images=2, seed=1, steps=10, height=1024, width=768)
-    return Request.from_prompt(**(values | changes))
+    return dataclasses.replace(Request.from_prompt(**(values | changes)), loras=loras)
 
 
 def test_values_from_json_clients_are_converted():
@@ -61,3 +63,13 @@ def test_requests_merge_in_order_and_keep_their_batch_key():
     assert merged.prompts == ("a fox", "a fox", "a cat") and merged.seeds == (1, 1, 9)
     assert merged.image_index == (0, 1, 0) and merged.guidance_scales == (5.0, 5.0, 7.0)
     assert merged.batch_key == first.batch_key == second.batch_key
+
+
+def test_loras_are_checked_sorted_and_part_of_the_batch_key():
+    request = _request(loras=(("b.safetensors", "0.5"), ("a.safetensors", -1)))
+    checked = request.validated(SPEC, max_steps=50)
+    assert checked.loras == (("a.safetensors", -1.0), ("b.safetensors", 0.5))
+    assert checked.batch_key != _request(loras=()).validated(SPEC, max_steps=50).batch_key
+    assert _request().validated(SPEC, max_steps=50).loras is None  # the pipeline's own LoRAs
+    with pytest.raises(ValueError, match=r"LoRA scale of a.safetensors must be a number from -4 to 4, got 9"):
+        _request(loras=(("a.safetensors", 9),)).validated(SPEC, max_steps=50)

@@ -1,7 +1,11 @@
 """The device queue's batching: requests merge only into compiled batch sizes."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 
+from sdxl import lora
 from sdxl.pipeline import Pipeline
 from sdxl.request import Request
 from sdxl.serving import DeviceQueue
@@ -58,3 +62,23 @@ def test_a_batch_being_compiled_in_the_background_waits_for_it(pipe):
     assert compiling.done() and ticket.batch_images == 16 and ticket.compiling
     assert updates and all(updates), "while it waits for the compile, the request must say it is compiling"
     assert len(result.images) == 16
+
+
+def test_requests_with_other_loras_never_share_a_batch(pipe, tmp_path):
+    
+    style = str(lora.write_random(tmp_path / "style.safetensors", pipe.spec))
+    queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
+    plain, styled, half = (dataclasses.replace(_request(0), loras=loras)
+                           for loras in ((), ((style, 1.0),), ((style, 0.5),)))
+    expected = {}
+    for request in (plain, styled, half):
+        expected[request.loras] = pipe.render(request).images
+    tickets = [queue.submit(request) for request in (plain, styled, half, plain)]
+    results = [queue.wait(ticket) for ticket in tickets]
+    # Only the two plain requests may merge (when a batch of 8 is compiled); no batch mixes LoRAs.
+    assert [t.batch_images for t in tickets][1:3] == [4, 4]
+    for ticket, result in zip(tickets, results):
+        # Within 1 where a merged batch of 8 took other XLA:CPU GEMM blockings than a batch of 4.
+        difference = np.abs(result.images.astype(int) - expected[ticket.request.loras])
+        assert difference.max() <= 1 and difference.mean() < 1e-3
+    assert np.abs(expected[()].astype(int) - expected[((style, 1.0),)]).mean() > 1

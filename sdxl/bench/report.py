@@ -68,6 +68,11 @@ def format_table(r: dict) -> str:
             f"{_number(r['unguided_images_per_s'])} images/s, {r['unguided_speedup']:.2f}x those with guidance",
         ),
         ("recompilations over the sweep", f"{r['recompiles']} in {r['sweep_runs']} calls"),
+        (
+            f"LoRA, rank 32 on {r['lora_layers']} layers",
+            f"{_number(r['lora_first_s'], ' s')} to read and apply, {_number(r['lora_scale_s'], ' s')} to rescale, "
+            f"{_number(r['lora_clear_s'], ' s')} to clear, {r['lora_recompiles']} recompilations",
+        ),
         ("load average before / after", " / ".join(f"{x:.1f}" for x in r["load_average"])),
     ]
     return _aligned(rows)

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from .. import attention, convolution, unet
+from .. import attention, convolution, lora, unet
 from ..compilation import CompileCounter, enable_compilation_cache
 from ..request import DEFAULT_GUIDANCE_SCALE, Request
 from .loading import (
@@ -307,6 +307,8 @@ def run_benchmark(
         log("counting compilations over a sweep of prompts, seeds, guidance and steps")
         sweep = sweep_requests(len(request), height, width, steps)
         recompiles = count_compilations(pipe, sweep)
+        log("timing LoRA switches")
+        lora_switches = time_lora_switches(pipe, scratch, request)
         peak_device_memory = _peak_device_memory(pipe)
 
     result = dict(
@@ -321,12 +323,32 @@ def run_benchmark(
         **first,
         **fresh,  # load warm and cold, raw reads, RSS, warm compile, first image warm
         **_speed(pipe, request, timings, flops),
+        **lora_switches,
         param_bytes_bf16=bf16_bytes(pipe.spec),
     )
     result |= load_ratios(result)
     if compare:
         result |= reference | _reference_speed(request, timings, flops)
     return result
+
+
+LORA_RANK = 32  # a common rank for SDXL LoRAs
+
+
+def time_lora_switches(pipe, scratch: Path, request: Request) -> dict:
+    """Seconds to switch to a random rank-32 LoRA over every UNet and text encoder layer (reading its
+    file first), to change its scale, and to clear it; and the compilations renders with it needed
+    (the first switch also compiles the update for each distinct layer shape, which it includes)."""
+    path = str(lora.write_random(scratch / "lora.safetensors", pipe.spec, rank=LORA_RANK, dtype="float16"))
+    first = pipe.set_loras({path: 1.0})
+    with CompileCounter() as compiles:
+        pipe.render(request)
+    rescale = pipe.set_loras({path: 0.5})
+    with compiles:
+        pipe.render(request)
+    clear = pipe.set_loras({})
+    return dict(lora_first_s=first, lora_scale_s=rescale, lora_clear_s=clear, lora_recompiles=compiles.count,
+                lora_layers=sum(len(layers) for layers in lora.targets(pipe.spec).values()))
 
 
 def _first_run(pipe, request: Request, log: Callable[[str], None], started: float) -> dict:

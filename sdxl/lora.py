@@ -1,0 +1,331 @@
+"""LoRAs: low-rank updates of a model's layers, read from the files people share and applied to the
+parameters, so that the compiled program never changes.
+
+A LoRA file holds, for some linear and convolution layers of the UNet and the text encoders, two
+factors, `down` [rank, in(, kh, kw)] and `up` [out, rank(, 1, 1)], and sometimes an `alpha`. With
+the scale a user picks, the layer's weight W becomes
+
+    W + scale * (alpha / rank) * up @ down
+
+which is what diffusers' PEFT layers compute for `load_lora_weights` + `set_adapters(names,
+adapter_weights)` (unfused: W x + scale * alpha / rank * up(down(x))). Without an alpha it is the
+rank (a factor 1), as diffusers assumes; diffusers' own files may instead carry PEFT's config in their
+metadata (`lora_alpha`, `alpha_pattern`, `use_rslora`).
+
+The formats, told apart by their key names:
+
+- kohya / A1111 (sd-scripts, most LoRAs shared on model sites): one name per layer, its module path
+  with "_" for ".", prefixed `lora_unet_`, `lora_te1_` / `lora_te2_` (SDXL's two text encoders) or
+  `lora_te_` (SD 1.x/2.x); factors `.lora_down.weight`, `.lora_up.weight` and an `.alpha`. SDXL's UNet
+  layers go by the original SGM names (`lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`)
+  or by diffusers' (`lora_unet_down_blocks_1_attentions_0_...`); convolutions too (LoCon).
+- diffusers / PEFT: `unet.<module>.lora_A.weight` and `.lora_B.weight`, `text_encoder.<module>...`,
+  `text_encoder_2.<module>...`; and the older diffusers names, `...attn1.processor.to_q_lora.down.weight`
+  (attention processors), `<module>.lora.down.weight` and `<module>.lora_linear_layer.down.weight`.
+
+Underscored names are ambiguous ("down_blocks" or "down.blocks"?), so they are not parsed: they
+are looked up in a table built from the model's own layers (`kohya_names`), with SGM names from the
+single-file key map. A key that no rule or table entry explains is an error that names it.
+"""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .checkpoints import ModelSpec, hub
+from .checkpoints.single_file import unet_original
+from .weights import CheckpointError, SafetensorsFile, flatten, torch_axes, unflatten
+
+KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_te1_": "text_encoder", "lora_te_": "text_encoder",
+                  "lora_te2_": "text_encoder_2"}
+DIFFUSERS_PREFIXES = {"unet.": "unet", "text_encoder.": "text_encoder", "text_encoder_2.": "text_encoder_2"}
+
+# Each stored key: (pattern, which factor). `module` is the layer in the file's naming.
+_FACTORS = [
+    (re.compile(r"(?P<module>.+)\.lora_down\.weight"), "down"),  # kohya
+    (re.compile(r"(?P<module>.+)\.lora_up\.weight"), "up"),
+    (re.compile(r"(?P<module>.+)\.alpha"), "alpha"),
+    (re.compile(r"(?P<module>.+)\.lora_A\.weight"), "down"),  # PEFT
+    (re.compile(r"(?P<module>.+)\.lora_B\.weight"), "up"),
+    (re.compile(r"(?P<module>.+)\.(?:lora|lora_linear_layer)\.down\.weight"), "down"),  # older diffusers
+    (re.compile(r"(?P<module>.+)\.(?:lora|lora_linear_layer)\.up\.weight"), "up"),
+    (re.compile(r"(?P<module>.+?)(?:\.processor)?\.(?P<projection>to_[qkv]|to_out)_lora\.down\.weight"), "down"),
+    (re.compile(r"(?P<module>.+?)(?:\.processor)?\.(?P<projection>to_[qkv]|to_out)_lora\.up\.weight"), "up"),
+]
+# The older attention processors' projections, by the layer they update.
+_PROCESSOR_PROJECTIONS = {
+    "unet": {"to_q": "to_q", "to_k": "to_k", "to_v": "to_v", "to_out": "to_out.0"},
+    "text_encoder": {"to_q": "q_proj", "to_k": "k_proj", "to_v": "v_proj", "to_out": "out_proj"},
+}
+_PROCESSOR_PROJECTIONS["text_encoder_2"] = _PROCESSOR_PROJECTIONS["text_encoder"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraLayer:
+    """One layer's update: `factor * up @ down`, in the layer's PyTorch layout."""
+
+    component: str  # "unet", "text_encoder", "text_encoder_2"
+    module: str  # the layer's module key, as our parameter tree names it
+    down: np.ndarray  # [rank, in(, kh, kw)] float32
+    up: np.ndarray  # [out, rank(, 1, 1)] float32
+    factor: float  # alpha / rank (or / sqrt(rank) for rsLoRA)
+
+    def delta(self, shape: tuple[int, ...]) -> np.ndarray:
+        """The update of a weight of PyTorch shape `shape`, before the user's scale (for tests)."""
+        rank = self.down.shape[0]
+        return self.factor * (self.up.reshape(-1, rank) @ self.down.reshape(rank, -1)).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """A LoRA file's updates, checked against one model."""
+
+    name: str
+    layers: tuple[LoraLayer, ...]
+
+    @property
+    def components(self) -> set[str]:
+        return {layer.component for layer in self.layers}
+
+
+def targets(spec: ModelSpec) -> dict[str, dict[str, tuple[str, ...]]]:
+    """{component: {module key: its weight's parameter path}} for every layer a LoRA may update:
+    the linear layers and convolutions of the UNet and the text encoders (not embeddings or norms)."""
+    result = {}
+    for component, tree in spec.abstract_params().items():
+        if component == "vae":
+            continue
+        result[component] = {
+            ".".join(path[:-1]): path
+            for path, leaf in flatten(tree).items()
+            if path[-1] == "kernel" or (path[-1] == "weight" and len(leaf.shape) == 2 and "embedding" not in path[-2])
+        }
+    return result
+
+
+@functools.cache
+def kohya_names(spec: ModelSpec) -> dict[str, tuple[str, str]]:
+    """{kohya layer name: (component, module key)}: every name sd-scripts gives a layer of `spec`'s model.
+
+    The UNet's layers by diffusers' module names and, for SDXL, whose kohya LoRAs are trained on the
+    original UNet, by the SGM names of the single-file layout too; the text encoders' by
+    transformers' names, with and without `text_model_`.
+    """
+    prefixes = {"unet": ["lora_unet_"], "text_encoder": ["lora_te1_", "lora_te_"], "text_encoder_2": ["lora_te2_"]}
+    table = {}
+    for component, modules in targets(spec).items():
+        for module in modules:
+            if component == "unet":
+                names = [module, unet_original(module + ".weight", spec.unet).key.removesuffix(".weight")]
+            else:  # transformers 5 names CLIPTextModel's layers without `text_model.`, as LoRAs saved from it do
+                names = [module, module.removeprefix("text_model.")]
+            for prefix in prefixes[component]:
+                for name in names:
+                    table[prefix + name.replace(".", "_")] = (component, module)
+    return table
+
+
+def read(path: str | os.PathLike, spec: ModelSpec, name: str | None = None) -> Lora:
+    """The LoRA in a safetensors file, mapped onto `spec`'s model, every key and shape checked.
+
+    Raises:
+      CheckpointError: the file is not a LoRA this model can take: keys no rule explains (named),
+        a layer the model does not have, factors whose shapes do not fit the layer.
+    """
+    path = Path(path)
+    file = SafetensorsFile(path)
+    where = name or path.name
+    layer_paths = targets(spec)
+    kohya = kohya_names(spec)
+    factors: dict[tuple[str, str], dict[str, str]] = {}  # (component, module) -> {"down": key, ...}
+    unknown = []
+    for key in file.keys():
+        found = _layer_of(key, spec, kohya)
+        if found is None:
+            unknown.append(key)
+            continue
+        component, module, factor = found
+        if component != "unet" and module not in layer_paths[component]:
+            module = f"text_model.{module}"  # transformers 5 names CLIPTextModel's layers without it
+        if module not in layer_paths.get(component, {}):
+            unknown.append(key)
+            continue
+        factors.setdefault((component, module), {})[factor] = key
+    if unknown:
+        shown = ", ".join(sorted(unknown)[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+        raise CheckpointError(f"LoRA {where}: {len(unknown)} key(s) match no layer of the model: {shown}")
+    if not factors:
+        raise CheckpointError(f"LoRA {where}: no LoRA weights in the file")
+
+    config = _peft_configs(file)
+    abstract = spec.abstract_params()
+    layers, problems = [], []
+    for (component, module), keys in sorted(factors.items()):
+        if "down" not in keys or "up" not in keys:
+            problems.append(f"{component} {module}: only {', '.join(sorted(keys))}")
+            continue
+        down, up = (file.tensor(keys[f]).astype(np.float32) for f in ("down", "up"))
+        param_path = layer_paths[component][module]
+        flax_shape = _leaf(abstract[component], param_path).shape
+        shape = tuple(flax_shape[a] for a in torch_axes(param_path, len(flax_shape)))
+        rank = down.shape[0]
+        if up.shape[:2] != (shape[0], rank) or math.prod(down.shape[1:]) != math.prod(shape[1:]):
+            problems.append(f"{keys['down']}: factors {down.shape} and {up.shape} do not fit the layer's {shape}")
+            continue
+        alpha = float(file.tensor(keys["alpha"])) if "alpha" in keys else config.get(component, {}).get(module)
+        rslora = config.get(component, {}).get("use_rslora", False)
+        factor = 1.0 if alpha is None else alpha / (math.sqrt(rank) if rslora else rank)
+        layers.append(LoraLayer(component, module, down, up, factor))
+    if problems:
+        raise CheckpointError(f"LoRA {where} does not fit the model:\n" + "\n".join(f"  {p}" for p in problems))
+    return Lora(where, tuple(layers))
+
+
+def _layer_of(key: str, spec: ModelSpec, kohya: dict) -> tuple[str, str, str] | None:
+    """(component, module key, "down" | "up" | "alpha") of a stored key, or None."""
+    for pattern, factor in _FACTORS:
+        match = pattern.fullmatch(key)
+        if match is None:
+            continue
+        name = match["module"]
+        if name in kohya:
+            return (*kohya[name], factor)
+        component = next((c for p, c in DIFFUSERS_PREFIXES.items() if name.startswith(p)), None)
+        if component is None:
+            component, module = "unet", name  # diffusers' `save_attn_procs` wrote the UNet's unprefixed
+        else:
+            module = name.removeprefix(next(p for p, c in DIFFUSERS_PREFIXES.items() if c == component))
+        if match.groupdict().get("projection"):
+            module += "." + _PROCESSOR_PROJECTIONS[component][match["projection"]]
+        return component, module, factor
+    return None
+
+
+def _peft_configs(file: SafetensorsFile) -> dict[str, dict]:
+    """{component: {module key: alpha, "use_rslora": bool}} from the PEFT configs diffusers stores in
+    the file's metadata (`lora_adapter_metadata`, {"unet.lora_alpha": ..., ...}); {} without them.
+
+    PEFT's `alpha_pattern` keys match a module name's tail; its `lora_alpha` is the rest's.
+    """
+    metadata = file.metadata.get("lora_adapter_metadata")
+    if not metadata:
+        return {}
+    packed = json.loads(metadata)
+    configs: dict[str, dict] = {}
+    for packed_key, value in packed.items():
+        component, _, field = packed_key.partition(".")
+        configs.setdefault(component, {})[field] = value
+    return {component: _AlphaLookup(config) for component, config in configs.items()}
+
+
+class _AlphaLookup(dict):
+    """A component's PEFT config, answering `get(module)` with that module's alpha."""
+
+    def __init__(self, config: dict):
+        super().__init__(use_rslora=bool(config.get("use_rslora", False)))
+        self.alpha = config.get("lora_alpha")
+        self.patterns = config.get("alpha_pattern") or {}
+
+    def get(self, module, default=None):
+        if module in self:
+            return self[module]
+        for pattern, alpha in self.patterns.items():
+            if re.match(rf"(.*\.)?({pattern})$", module):  # as PEFT matches alpha_pattern keys
+                return alpha
+        return self.alpha
+
+
+def _leaf(tree: dict, path: tuple[str, ...]):
+    for name in path:
+        tree = tree[name]
+    return tree
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying LoRAs to parameters
+
+
+def apply(base: dict, loras: list[tuple[Lora, float]], put: Callable[[np.ndarray], jax.Array]) -> dict:
+    """`base` with every layer a LoRA updates replaced by W + sum(scale * factor * up @ down).
+
+    Layers no LoRA touches are `base`'s own arrays, so `apply(base, [], put)` is `base` exactly.
+    The updates run on the devices, in float32, and are cast to the parameters' dtype once.
+    """
+    updates: dict[tuple[str, str], list] = {}
+    for lora, scale in loras:
+        if scale == 0:
+            continue
+        for layer in lora.layers:
+            updates.setdefault((layer.component, layer.module), []).append((layer, scale))
+    if not updates:
+        return base
+    flat = flatten(base)
+    by_module = {(path[0], ".".join(path[1:-1])): path for path in flat}
+    for (component, module), layer_updates in updates.items():
+        path = by_module[(component, module)]
+        weight = flat[path]
+        downs = [put(np.ascontiguousarray(layer.down.reshape(layer.down.shape[0], -1))) for layer, _ in layer_updates]
+        ups = [put(np.ascontiguousarray(layer.up.reshape(layer.up.shape[0], -1))) for layer, _ in layer_updates]
+        scales = put(np.array([scale * layer.factor for layer, scale in layer_updates], np.float32))
+        flat[path] = _updated(weight, downs, ups, scales, torch_axes(path, weight.ndim))
+    return unflatten(flat)
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _updated(weight, downs, ups, scales, axes):
+    torch_shape = tuple(weight.shape[a] for a in axes)
+    delta = sum(s * (u @ d) for s, u, d in zip(scales, ups, downs, strict=True))
+    flax_layout = jnp.transpose(delta.reshape(torch_shape), np.argsort(axes))
+    return (weight.astype(jnp.float32) + flax_layout).astype(weight.dtype)
+
+
+def write_random(path: str | os.PathLike, spec: ModelSpec, *, rank: int = 4, seed: int = 0, dtype="float32") -> Path:
+    """A random LoRA in the diffusers/PEFT format over every layer `targets` lists, whose update at
+    scale 1 is about as large as the layer's weight (the tests' and the benchmark's LoRA)."""
+    import safetensors.numpy
+
+    rng, tensors = np.random.default_rng(seed), {}
+    abstract = spec.abstract_params()
+    for component, modules in targets(spec).items():
+        for module, param_path in modules.items():
+            flax_shape = _leaf(abstract[component], param_path).shape
+            shape = tuple(flax_shape[a] for a in torch_axes(param_path, len(flax_shape)))
+            down = rng.standard_normal((rank, *shape[1:])) / math.prod(shape[1:]) ** 0.5
+            up = rng.standard_normal((shape[0], rank, *(1,) * (len(shape) - 2))) / rank**0.5
+            tensors[f"{component}.{module}.lora_A.weight"] = down.astype(dtype)
+            tensors[f"{component}.{module}.lora_B.weight"] = up.astype(dtype)
+    safetensors.numpy.save_file(tensors, path)
+    return Path(path)
+
+
+def locate(source: str) -> Path:
+    """The file of a LoRA source: a local `.safetensors` file, a Hub file "owner/name/file.safetensors",
+    or a Hub repo "owner/name" (its `pytorch_lora_weights.safetensors`, diffusers' name for it)."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path
+    parts = source.split("/")
+    hub_name = len(parts) >= 2 and all(parts) and not source.startswith((".", "/", "~"))
+    if hub_name and source.endswith(".safetensors") and len(parts) >= 3:
+        return hub.download_file("/".join(parts[:2]), "/".join(parts[2:]))
+    if hub_name and len(parts) == 2:
+        return hub.download_file(source, "pytorch_lora_weights.safetensors")
+    raise CheckpointError(f"LoRA {source}: no such file (give a .safetensors file, or a Hub repo id)")
+
+
+def parse_option(text: str) -> tuple[str, float]:
+    """A `--lora SOURCE[:SCALE]` value as (source, scale); the scale defaults to 1."""
+    source, sep, scale = text.rpartition(":")
+    if sep and re.fullmatch(r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?", scale):
+        return source, float(scale)
+    return text, 1.0
+
