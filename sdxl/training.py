@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import shapes
+from . import schedulers, shapes
+from .config import config_from_dict
 from .clip import CLIPTextModel
 from .tokenizer import load_tokenizer, tokenize
 from .unet import UNet2DConditionModel
@@ -56,15 +57,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--caption-dropout", type=float, default=0.1)
     parser.add_argument("--checkpoint-every", type=int, default=250)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"), help="of the exported weights")
+    parser.add_argument("--init", help="a shapes model folder to fine-tune: its VAE is kept (no phase 1), "
+                        "its text encoders and UNet are trained on")
 
 
 def command(args: argparse.Namespace) -> None:
     out = Path(args.out)
     start = time.perf_counter()
-    vae_params = train_vae(args, out / "checkpoints" / "vae.msgpack")
-    scaling_factor = latent_scaling_factor(vae_params, args.seed)
-    print(f"VAE done; latent scaling factor {scaling_factor:.4f}", flush=True)
-    train_diffusion(args, out, vae_params, scaling_factor)
+    if args.init:
+        initial = load_model(args.init)
+        vae_params, scaling_factor = initial.pop("vae"), initial.pop("scaling_factor")
+        print(f"fine-tuning {args.init}; latent scaling factor {scaling_factor:.4f}", flush=True)
+    else:
+        initial = None
+        vae_params = train_vae(args, out / "checkpoints" / "vae.msgpack")
+        scaling_factor = latent_scaling_factor(vae_params, args.seed)
+        print(f"VAE done; latent scaling factor {scaling_factor:.4f}", flush=True)
+    train_diffusion(args, out, vae_params, scaling_factor, initial)
     print(f"done in {(time.perf_counter() - start) / 60:.1f} min; the model is in {out / 'model'}", flush=True)
 
 
@@ -94,6 +103,16 @@ def init_diffusion(key: jax.Array) -> dict:
     x = jnp.zeros((1, latent, latent, 4))
     params["unet"] = UNET.init(keys[2], x, jnp.zeros(1), context, pooled, TIME_IDS[None])["params"]
     return params
+
+
+def load_model(folder: str) -> dict:
+    """A shapes model's float32 parameters {"unet", "vae", "text_encoder", "text_encoder_2"}, and its
+    "scaling_factor", loaded as the pipeline loads them."""
+    from .checkpoints import resolve
+
+    checkpoint = resolve(folder, dtype="float32")
+    params = checkpoint.load(jnp.float32, jnp.asarray)
+    return {**params, "scaling_factor": checkpoint.spec.vae.scaling_factor}
 
 
 def to_model_input(images: np.ndarray) -> jax.Array:
@@ -164,10 +183,8 @@ def latent_scaling_factor(vae_params: dict, seed: int, batches: int = 8) -> floa
 
 
 def alphas_cumprod() -> jax.Array:
-    """SDXL's noise schedule: scaled-linear betas from 0.00085 to 0.012 over 1000 steps."""
-    cfg = shapes.SCHEDULER
-    betas = jnp.linspace(cfg["beta_start"] ** 0.5, cfg["beta_end"] ** 0.5, cfg["num_train_timesteps"]) ** 2
-    return jnp.cumprod(1 - betas)
+    """The model's noise schedule, as its scheduler config (`shapes.SCHEDULER`) gives it to the pipeline."""
+    return jnp.asarray(schedulers.alphas_cumprod(config_from_dict(schedulers.SchedulerConfig, shapes.SCHEDULER)))
 
 
 def encode_text(params: dict, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -206,9 +223,10 @@ def diffusion_loss(params, latents, ids, keep, key, snr_gamma: float = 5.0):
     return jnp.mean(weight * jnp.mean((predicted - noise) ** 2, axis=(1, 2, 3)))
 
 
-def train_diffusion(args: argparse.Namespace, out: Path, vae_params: dict, scaling_factor: float) -> dict:
+def train_diffusion(args, out: Path, vae_params: dict, scaling_factor: float, initial: dict | None = None) -> dict:
+    """Phase 2, from `initial` parameters (fine-tuning) or from random ones."""
     tx = optimizer(args.lr)
-    params = init_diffusion(jax.random.key(args.seed + 1))
+    params = initial or init_diffusion(jax.random.key(args.seed + 1))
     state = {"step": jnp.int32(0), "params": params, "opt": tx.init(params), "ema": params}
     path = out / "checkpoints" / "diffusion.msgpack"
     state = restore(path, state)
