@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from .schedulers import (
     DDIMSchedule,
+    LCMSchedule,
     PNDMSchedule,
     Schedule,
     SchedulerConfig,
@@ -32,6 +33,7 @@ from .schedulers import (
     dpmpp_2m_schedule,
     euler_ancestral_schedule,
     euler_schedule,
+    lcm_schedule,
     pndm_schedule,
 )
 
@@ -51,8 +53,9 @@ def denoised_from_model_output(
       x: [B, ...] the noisy latents at noise level sigma (diffusers' Euler `sample`, not scaled by c_in).
       model_output: [B, ...] the UNet's output for c_in * x.
       sigma: scalar noise level.
-      prediction_type: "epsilon" (the output is the noise) or "v_prediction" (the output is
-        v = alpha * noise - sigma_vp * x0 in variance-preserving terms).
+      prediction_type: "epsilon" (the output is the noise), "v_prediction" (the output is
+        v = alpha * noise - sigma_vp * x0 in variance-preserving terms) or "sample" (the output is x0
+        itself, as SDXL-Lightning's 1-step UNet predicts).
 
     Returns:
       [B, ...] float32 denoised latents.
@@ -63,6 +66,8 @@ def denoised_from_model_output(
     if prediction_type == "v_prediction":
         # c_out * v + c_skip * x, with c_out = -sigma / sqrt(sigma^2 + 1), c_skip = 1 / (sigma^2 + 1).
         return model_output * (-sigma / jnp.sqrt(sigma**2 + 1)) + x / (sigma**2 + 1)
+    if prediction_type == "sample":
+        return model_output
     raise ValueError(f"prediction_type {prediction_type!r} is not supported")
 
 
@@ -165,6 +170,22 @@ def pndm_step(denoiser: Denoiser, schedule: PNDMSchedule, num_steps, i, carry: C
     return x_next, kept, jnp.where(i == 0, x_vp, first_sample)
 
 
+def lcm_step(denoiser: Denoiser, schedule: LCMSchedule, num_steps, i, x_vp: jax.Array, keys) -> jax.Array:
+    """Multistep latent consistency sampling (Luo et al. 2023, Algorithm 1), as LCMScheduler.
+
+    Each step maps the sample to the consistency function's clean estimate (the model's clean
+    prediction, blended with the sample by the boundary condition's c_out and c_skip), then, but for
+    the last step, noises it afresh to the next timestep's level with `step_noise(keys, i, ...)`.
+    The state is diffusers' variance-preserving sample (init_noise_sigma 1).
+    """
+    sigma, sigma_next = schedule.sigmas[i], schedule.sigmas[i + 1]
+    clean = denoiser(x_vp / _vp_scale(sigma), sigma, schedule.timesteps[i])
+    denoised = schedule.c_out[i] * clean + schedule.c_skip[i] * x_vp
+    alpha_next = _vp_scale(sigma_next)
+    renoised = alpha_next * denoised + sigma_next * alpha_next * step_noise(keys, i, x_vp.shape[1:])
+    return jnp.where(i == num_steps - 1, denoised, renoised)
+
+
 def _pndm_init(x: jax.Array) -> Carry:
     x = x.astype(jnp.float32)
     return x, jnp.zeros((x.shape[0], 3, *x.shape[1:]), jnp.float32), x  # batch first, as the mesh splits it
@@ -208,6 +229,7 @@ SAMPLER_NAMES = {  # for people: the names A1111-style UIs and the PNG "paramete
     "dpmpp_2m_karras": "DPM++ 2M Karras",
     "ddim": "DDIM",
     "pndm": "PLMS",
+    "lcm": "LCM",
 }
 SAMPLERS = {
     "euler": Sampler(euler_schedule, euler_step),
@@ -221,6 +243,7 @@ SAMPLERS = {
         pndm_schedule, pndm_step, init=_pndm_init, finish=lambda carry: carry[0],
         evaluations=lambda num_steps: num_steps + (num_steps > 1),  # the second step evaluates twice
     ),
+    "lcm": Sampler(lcm_schedule, lcm_step, stochastic=True),
 }
 
 # diffusers' scheduler classes, and the sampler that reproduces each.
@@ -230,6 +253,7 @@ SCHEDULER_SAMPLERS = {
     "DPMSolverMultistepScheduler": "dpmpp_2m",
     "DDIMScheduler": "ddim",
     "PNDMScheduler": "pndm",
+    "LCMScheduler": "lcm",
 }
 # DPMSolverMultistepScheduler's settings that `dpmpp_2m_step` implements (its defaults).
 _DPMPP_2M_SETTINGS = {

@@ -53,12 +53,15 @@ class SchedulerConfig:
     thresholding: bool = False
     # PNDM's: whether it starts with Runge-Kutta steps (False, its class default) or not (SD 1.x's).
     skip_prk_steps: bool = False
+    # LCMScheduler's: the distillation schedule's step count, and its boundary condition's time scale.
+    original_inference_steps: int = 50
+    timestep_scaling: float = 10.0
 
     def __post_init__(self):
         supported = {
             "beta_schedule": ("linear", "scaled_linear"),
             "trained_betas": (None,),
-            "prediction_type": ("epsilon", "v_prediction"),
+            "prediction_type": ("epsilon", "v_prediction", "sample"),
             "timestep_spacing": (None, *TIMESTEP_SPACINGS),
             "interpolation_type": ("linear",),
             "use_exponential_sigmas": (False, None),
@@ -123,6 +126,19 @@ class PNDMSchedule(Schedule):
     eps_weights: jax.Array
     keep: jax.Array
     restart: jax.Array
+
+
+@struct.dataclass
+class LCMSchedule(Schedule):
+    """A latent consistency model's schedule: the boundary condition's scalings at each step.
+
+    Attributes:
+      c_skip, c_out: [max_steps] float32; step i's denoised latents are c_out * the model's clean
+        prediction + c_skip * the variance-preserving sample.
+    """
+
+    c_skip: jax.Array
+    c_out: jax.Array
 
 
 def alphas_cumprod(config: SchedulerConfig) -> np.ndarray:
@@ -340,4 +356,27 @@ def pndm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> PN
         **_schedule_fields(np.append(sigmas, 0), timesteps, 1.0, length),
         **{name: _padded(values, length) for name, values in fields.items()},
         eps_weights=jnp.asarray(np.pad(weights, ((0, length - len(weights)), (0, 0)), mode="edge")),
+    )
+
+
+def lcm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> LCMSchedule:
+    """LCMScheduler.set_timesteps(num_steps), padded to max_steps: `num_steps` evenly spaced (by index)
+    of the distillation schedule's `original_inference_steps` timesteps 999, 979, ..., 19."""
+    _check_steps(num_steps, max_steps)
+    if config.clip_sample or config.thresholding:
+        raise ValueError("scheduler config: LCM's clip_sample and thresholding are not supported")
+    original = config.original_inference_steps
+    if num_steps > original:
+        raise ValueError(f"LCM takes at most original_inference_steps={original} steps, got {num_steps}")
+    k = config.num_train_timesteps // original
+    distilled = (np.arange(1, original + 1) * k - 1)[::-1]
+    timesteps = distilled[np.floor(np.linspace(0, original, num_steps, endpoint=False)).astype(np.int64)]
+    sigmas = _sigmas_from_alphas_cumprod(alphas_cumprod(config)[timesteps])
+    scaled = timesteps * np.float32(config.timestep_scaling)
+    sigma_data = 0.5  # the consistency models' data standard deviation, as diffusers fixes it
+    c_skip = sigma_data**2 / (scaled**2 + sigma_data**2)
+    c_out = scaled / np.sqrt(scaled**2 + sigma_data**2)
+    return LCMSchedule(
+        **_schedule_fields(np.append(sigmas, 0), timesteps, 1.0, max_steps),
+        c_skip=_padded(c_skip, max_steps), c_out=_padded(c_out, max_steps),
     )

@@ -17,8 +17,10 @@ from diffusers import (
     DDIMScheduler,
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    LCMScheduler,
 )
-from diffusers.schedulers import scheduling_euler_ancestral_discrete
+from diffusers.schedulers import scheduling_euler_ancestral_discrete, scheduling_lcm
 from jax._src.cudnn import fused_attention_stablehlo
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -125,30 +127,74 @@ def test_deterministic_samplers_match_diffusers(reference, pipe, sampler, schedu
     assert diff <= 1e-4
 
 
-def test_euler_ancestral_matches_diffusers_given_the_same_noise(reference, pipe, monkeypatch):
-    _, ref = reference
-    seed, steps, latents = 5, 3, _latents(2, seed=5)
-    # The keys the pipeline's sampler draws its step noise from, for images 0 and 1 of `seed`.
-    _, keys = per_image_keys(np.full(2, seed, np.uint32), np.arange(2, dtype=np.uint32))
-    steps_taken = 0
+def _diffusers_draws_our_step_noise(monkeypatch, module, seed: int, n: int) -> list:
+    """Makes diffusers' scheduler `module` draw, at each step, the noise our stochastic samplers draw
+    for images 0..n-1 of `seed`; returns the list of steps drawn (to count them)."""
+    _, keys = per_image_keys(np.full(n, seed, np.uint32), np.arange(n, dtype=np.uint32))
+    drawn = []
 
     def same_noise(shape, **kwargs):  # diffusers' draw for one step, [B, C, h, w]
-        nonlocal steps_taken
-        noise = step_noise(keys, steps_taken, (shape[2], shape[3], shape[1]))  # [B, h, w, C]
-        steps_taken += 1
+        noise = step_noise(keys, len(drawn), (shape[2], shape[3], shape[1]))  # [B, h, w, C]
+        drawn.append(len(drawn))
         return torch.from_numpy(np.asarray(noise).transpose(0, 3, 1, 2).copy())
 
-    monkeypatch.setattr(scheduling_euler_ancestral_discrete, "randn_tensor", same_noise)
-    scheduler = EulerAncestralDiscreteScheduler.from_config(ref.scheduler.config)
+    monkeypatch.setattr(module, "randn_tensor", same_noise)
+    return drawn
+
+
+@pytest.mark.parametrize(
+    "sampler, scheduler_cls, module, options, draws",
+    [
+        ("euler_ancestral", EulerAncestralDiscreteScheduler, scheduling_euler_ancestral_discrete, {}, 3),
+        ("euler_ancestral", EulerAncestralDiscreteScheduler, scheduling_euler_ancestral_discrete,
+         {"timestep_spacing": "trailing"}, 3),  # SDXL-Turbo's
+        ("lcm", LCMScheduler, scheduling_lcm, {}, 2),  # no noise after the last step
+    ],
+)
+def test_stochastic_samplers_match_diffusers_given_the_same_noise(
+    reference, pipe, monkeypatch, sampler, scheduler_cls, module, options, draws
+):
+    folder, ref = reference
+    if options:  # the checkpoint's scheduler config with these fields replaced, in both
+        pipe = Pipeline.from_pretrained(folder, dtype="float32", max_steps=8, scheduler=options)
+    seed, steps, latents = 5, 3, _latents(2, seed=5)
+    drawn = _diffusers_draws_our_step_noise(monkeypatch, module, seed, 2)
+    scheduler = scheduler_cls.from_config(ref.scheduler.config, **options)
     expected = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=steps, guidance=5.0, scheduler=scheduler)
-    assert steps_taken == steps
+    assert len(drawn) == draws
     kwargs = dict(steps=steps, guidance_scale=5.0, height=HEIGHT, width=WIDTH, latents=latents, output_type="np")
-    got = pipe.generate(PROMPTS, NEGATIVES, seed=seed, sampler="euler_ancestral", **kwargs)
+    got = pipe.generate(PROMPTS, NEGATIVES, seed=seed, sampler=sampler, **kwargs)
     diff = np.abs(got - expected).max()
-    print(f"euler_ancestral max abs diff vs diffusers, same noise: {diff:.2e}")
+    print(f"{sampler} {options} max abs diff vs diffusers, same noise: {diff:.2e}")
     assert diff <= 1e-4
-    other_seed = pipe.generate(PROMPTS, NEGATIVES, seed=seed + 1, sampler="euler_ancestral", **kwargs)
+    other_seed = pipe.generate(PROMPTS, NEGATIVES, seed=seed + 1, sampler=sampler, **kwargs)
     assert np.abs(other_seed - got).max() > 1e-2, "the step noise must come from the seed"
+
+
+@pytest.mark.parametrize(
+    "sampler, scheduler_cls, options",
+    [
+        ("euler", EulerDiscreteScheduler, {"timestep_spacing": "trailing"}),  # SDXL-Lightning's
+        ("ddim", DDIMScheduler, {"timestep_spacing": "trailing"}),  # Hyper-SD's
+        # SDXL-Lightning's 1-step UNet predicts the clean latents.
+        ("euler", EulerDiscreteScheduler, {"timestep_spacing": "trailing", "prediction_type": "sample"}),
+    ],
+)
+def test_few_step_settings_match_diffusers_without_guidance(reference, sampler, scheduler_cls, options):
+    """As few-step models run: 2 steps, guidance 0, with the scheduler fields they ask for."""
+    folder, ref = reference
+    pipe = Pipeline.from_pretrained(folder, dtype="float32", max_steps=8, scheduler=options)
+    latents = _latents(2, seed=6)
+    scheduler = scheduler_cls.from_config(ref.scheduler.config, **options)
+    expected = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=2, guidance=0.0, scheduler=scheduler)
+    got = pipe.generate(PROMPTS, NEGATIVES, steps=2, guidance_scale=0.0, height=HEIGHT, width=WIDTH, latents=latents,
+                        sampler=sampler, output_type="np")
+    diff = np.abs(got - expected).max()
+    print(f"{sampler} {options} max abs diff vs diffusers: {diff:.2e}")
+    leading = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=2, guidance=0.0,
+                                scheduler=scheduler_cls.from_config(ref.scheduler.config))
+    assert np.abs(leading - expected).max() > 1e-3, "the options must make a difference for the test to mean something"
+    assert diff <= 1e-4
 
 
 def test_empty_negative_prompt_is_zero_conditioning_like_diffusers(reference, pipe):
