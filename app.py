@@ -18,10 +18,11 @@ import gradio as gr
 from PIL import Image
 
 from sdxl import CheckpointError, enable_compilation_cache
-from sdxl.images import image_count, parameters_text
+from sdxl.checkpoints.known import Recommended, recommended
+from sdxl.images import image_count, model_label, parameters_text
 from sdxl.lora import parse_option as parse_lora_option
 from sdxl.request import (
-    DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_STEPS, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request,
+    DEFAULT_MODEL, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request,
 )
 from sdxl.sampling import SAMPLER_NAMES
 from sdxl.serving import QueueFullError, TextToImage, load_pipeline
@@ -155,11 +156,15 @@ COMPARE_SEEDS = "One prompt, consecutive seeds"
 def create_demo(demo: Demo) -> gr.Blocks:
     service = demo.service
     pipe = service.pipe
+    settings = service.recommended
     native = service.sizes[0]
     with gr.Blocks(title="SDXL on JAX") as blocks:
         gr.Markdown(f"# SDXL on JAX\n`{demo.model_name}` on {pipe.device_description}: one image per core.")
         if service.notice:
             gr.Markdown(f"**Note:** {service.notice}", elem_id="model-notice")
+        if settings.note:
+            gr.Markdown(f"{settings.note}: the defaults below are {settings.steps} step(s) at guidance "
+                        f"{settings.guidance_scale:g}.", elem_id="model-settings")
         with gr.Tabs():
             with gr.Tab("Generate"):
                 prompt = gr.Textbox("", label="Prompt", placeholder="Describe an image", lines=2, elem_id="prompt")
@@ -179,8 +184,9 @@ def create_demo(demo: Demo) -> gr.Blocks:
                 # precision=None: Gradio would round a fractional seed (1.5 -> 2) before our check sees it.
                 seed = gr.Number(label="Seed", value=0, precision=None, minimum=0, maximum=MAX_SEED)
                 randomize = gr.Checkbox(label="Randomize seed", value=True)
-            guidance = gr.Slider(*GUIDANCE_SCALE_RANGE, value=DEFAULT_GUIDANCE_SCALE, step=0.5, label="Guidance scale")
-            steps = gr.Slider(1, pipe.max_steps, value=DEFAULT_STEPS, step=1, label="Steps")
+            guidance = gr.Slider(*GUIDANCE_SCALE_RANGE, value=settings.guidance_scale, step=0.5, label="Guidance scale",
+                                 info="1 or less: no guidance, one UNet pass per step (about twice as fast)")
+            steps = gr.Slider(1, pipe.max_steps, value=settings.steps, step=1, label="Steps")
             size = gr.Dropdown([_size_label(w, h) for w, h in service.sizes], value=_size_label(*native), label="Size")
             per_core = gr.Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
             sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()],
@@ -255,6 +261,10 @@ def main() -> None:
     # String defaults go through `type` too, so a bad environment variable gets argparse's message.
     parser.add_argument("--max-images-per-core", type=_integer_from(1), default=env("SDXL_MAX_IMAGES_PER_CORE", "4"))
     parser.add_argument("--max-queue", type=_integer_from(1), default=env("SDXL_MAX_QUEUE", "32"))
+    parser.add_argument(
+        "--unet", default=env("SDXL_UNET"), help="a UNet weights file (diffusers keys) replacing the model's, e.g. "
+        "ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors (local, or owner/name/file on the Hub)",
+    )
     parser.add_argument("--lora", action="append", type=parse_lora_option, default=[], metavar="FILE[:SCALE]",
                         help="a LoRA users may apply, with its default scale (1); repeatable. A .safetensors file "
                         "(kohya/A1111 or diffusers/PEFT) or a Hub repo id")
@@ -264,27 +274,32 @@ def main() -> None:
     start = time.perf_counter()
     loras = dict(args.lora)
     try:
-        pipe, notice = load_pipeline(args.model, config=args.config, dtype=args.dtype)
+        scheduler = recommended(args.model, args.unet).scheduler
+        pipe, notice = load_pipeline(args.model, config=args.config, dtype=args.dtype, scheduler=scheduler,
+                                     unet=args.unet)
         pipe.set_loras(loras)  # each file read and checked now, not at a user's first request
     except CheckpointError as e:  # missing, corrupt or not downloadable: the reason in a line, as the CLI says it
         parser.exit(2, f"error: {e}\n")
     loaded = time.perf_counter()
-    model_name = "tiny" if notice else args.model
+    model_name = "tiny" if notice else model_label(args.model, args.unet)
+    settings = Recommended() if notice else recommended(args.model, args.unet, pipe.spec.default_sampler)
     service = TextToImage(pipe, max_images_per_core=args.max_images_per_core, max_queued=args.max_queue, notice=notice,
-                          loras=loras)
+                          loras=loras, recommended=settings)
     width, height = service.sizes[0]
-    compile_seconds = pipe.warmup(height, width, progress=True)
+    default_guided = settings.guidance_scale > 1  # the program the default settings run compiles first
+    compile_seconds = pipe.warmup(height, width, progress=True, guided=default_guided)
     warm_start = time.perf_counter()
-    warm_up = service.request_images("warm-up", "", NO_STYLE, 0, DEFAULT_GUIDANCE_SCALE, 2, width, height)
+    warm_up = service.request_images("warm-up", "", NO_STYLE, 0, settings.guidance_scale, 2, width, height)
     service.queue.wait(service.queue.submit(warm_up))
     ready = time.perf_counter()
     print(f"model {model_name} ({pipe.dtype.name}) on {pipe.device_description}; compilation cache {cache}")
     print(f"startup: load {loaded - start:.1f} s, compile {compile_seconds:.1f} s, "
           f"warm-up {ready - warm_start:.1f} s, total {ready - start:.1f} s", flush=True)
     # The batch sizes that "images per core" and merged requests use compile while the demo serves.
-    # So does the program without guidance (guidance scale 1 or less), for one image per core.
-    batches = [(n * pipe.num_devices, True) for n in range(2, args.max_images_per_core + 1)]
-    for batch, guided in [*batches, (pipe.num_devices, False)]:
+    # So does the other guidance variant (with, or without: a guidance scale of 1 or less), for one
+    # image per core.
+    batches = [(n * pipe.num_devices, default_guided) for n in range(2, args.max_images_per_core + 1)]
+    for batch, guided in [*batches, (pipe.num_devices, not default_guided)]:
         compiling = service.queue.compile_in_background(height, width, batch, guided=guided)
         if compiling is not None:
             compiling.add_done_callback(functools.partial(_report_background_compile, batch, guided))

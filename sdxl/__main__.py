@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 from . import bench, lora, training
-from .checkpoints import CheckpointError, random_models
+from .checkpoints import CheckpointError, known, random_models
 from .compilation import enable_compilation_cache
-from .images import grid, image_count, parameters_text, save_png, to_pil
+from .images import grid, image_count, model_label, parameters_text, save_png, to_pil
 from .pipeline import NonFiniteImageError, Pipeline
 from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_STEPS, Request
 from .sampling import SAMPLER_NAMES, SAMPLERS
@@ -17,15 +17,24 @@ from .sampling import SAMPLER_NAMES, SAMPLERS
 def generate_command(args: argparse.Namespace) -> None:
     enable_compilation_cache(args.cache_dir)
     start = time.perf_counter()
-    pipe = Pipeline.from_pretrained(args.model, dtype=args.dtype, max_steps=max(100, args.steps), config=args.config)
+    scheduler = known.recommended(args.model, args.unet).scheduler
+    pipe = Pipeline.from_pretrained(
+        args.model, dtype=args.dtype, max_steps=max(100, args.steps or 0), config=args.config, scheduler=scheduler,
+        unet=args.unet,
+    )
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s ({pipe.dtype.name}, {pipe.device_description})")
+    settings = known.recommended(args.model, args.unet, pipe.spec.default_sampler)
+    steps = settings.steps if args.steps is None else args.steps
+    guidance_scale = settings.guidance_scale if args.guidance_scale is None else args.guidance_scale
+    if settings.note:
+        print(f"{settings.note}: {steps} step(s), guidance {guidance_scale:g} unless given")
 
     num_images = pipe.num_devices if args.num_images is None else args.num_images
     if num_images < 1:
         raise ValueError(f"--num-images must be at least 1, got {num_images}")
     request = pipe.validated(Request.from_prompt(
-        args.prompt, args.negative_prompt, num_images=num_images, seed=args.seed, guidance_scale=args.guidance_scale,
-        steps=args.steps, height=args.height or pipe.spec.native_size, width=args.width or pipe.spec.native_size,
+        args.prompt, args.negative_prompt, num_images=num_images, seed=args.seed, guidance_scale=guidance_scale,
+        steps=steps, height=args.height or pipe.spec.native_size, width=args.width or pipe.spec.native_size,
         sampler=args.sampler,
     ))
     if args.lora:
@@ -46,7 +55,8 @@ def generate_command(args: argparse.Namespace) -> None:
         text = parameters_text(
             prompt=args.prompt, negative_prompt=args.negative_prompt, steps=request.steps,
             sampler=SAMPLER_NAMES[request.sampler], guidance_scale=request.guidance_scales[i], seed=request.seeds[i],
-            index=i, width=request.width, height=request.height, model=args.model, loras=tuple(pipe.loras.items()),
+            index=i, width=request.width, height=request.height, model=model_label(args.model, args.unet),
+            loras=tuple(pipe.loras.items()),
         )
         print(save_png(image, out / f"{args.seed}-{i}.png", text))
     grid(images).save(out / f"{args.seed}-grid.png")
@@ -66,8 +76,15 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--negative-prompt", default="")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    parser.add_argument("--guidance-scale", "--guidance", type=float, default=DEFAULT_GUIDANCE_SCALE)
+    parser.add_argument(
+        "--unet", help="a UNet weights file (diffusers keys) replacing the model's, e.g. SDXL-Lightning's "
+        "sdxl_lightning_4step_unet.safetensors; local or owner/name/file on the Hub",
+    )
+    parser.add_argument("--steps", type=int, help=f"default: the model's few-step count if known, else {DEFAULT_STEPS}")
+    parser.add_argument(
+        "--guidance-scale", "--guidance", type=float,
+        help=f"default: 0 for few-step models known to need none, else {DEFAULT_GUIDANCE_SCALE:g}",
+    )
     parser.add_argument("--sampler", choices=list(SAMPLERS), help="default: the one of the checkpoint's scheduler")
     parser.add_argument(
         "--lora", action="append", type=lora.parse_option, metavar="FILE[:SCALE]",

@@ -13,6 +13,11 @@ def image_count(n: int) -> str:
     return f"{n} image{'' if n == 1 else 's'}"
 
 
+def model_label(model: str, unet: str | None) -> str:
+    """How a result names its model: the checkpoint, and the UNet file that replaced its UNet."""
+    return f"{model} + {Path(unet).name}" if unet else model
+
+
 def parameters_text(
     *, prompt: str, negative_prompt: str, steps: int, sampler: str, guidance_scale: float, seed: int,
     index: int, width: int, height: int, model: str, loras: Sequence[tuple[str, float]] = (),

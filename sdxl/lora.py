@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .checkpoints import ModelSpec, hub
+from .checkpoints import ModelSpec, locate_file
 from .checkpoints.single_file import unet_original
 from .weights import CheckpointError, SafetensorsFile, flatten, torch_axes, unflatten
 
@@ -310,16 +310,10 @@ def write_random(path: str | os.PathLike, spec: ModelSpec, *, rank: int = 4, see
 def locate(source: str) -> Path:
     """The file of a LoRA source: a local `.safetensors` file, a Hub file "owner/name/file.safetensors",
     or a Hub repo "owner/name" (its `pytorch_lora_weights.safetensors`, diffusers' name for it)."""
-    path = Path(source).expanduser()
-    if path.is_file():
-        return path
-    parts = source.split("/")
-    hub_name = len(parts) >= 2 and all(parts) and not source.startswith((".", "/", "~"))
-    if hub_name and source.endswith(".safetensors") and len(parts) >= 3:
-        return hub.download_file("/".join(parts[:2]), "/".join(parts[2:]))
-    if hub_name and len(parts) == 2:
-        return hub.download_file(source, "pytorch_lora_weights.safetensors")
-    raise CheckpointError(f"LoRA {source}: no such file (give a .safetensors file, or a Hub repo id)")
+    try:
+        return locate_file(source, "pytorch_lora_weights.safetensors")
+    except CheckpointError as e:
+        raise CheckpointError(f"LoRA {e}") from e
 
 
 def parse_option(text: str) -> tuple[str, float]:

@@ -105,6 +105,7 @@ class Pipeline:
         devices: Sequence[jax.Device] | None = None,
         config: str | None = None,
         scheduler: dict | None = None,
+        unet: str | None = None,
     ) -> "Pipeline":
         """Loads an SDXL or SD 1.x/2.x checkpoint: a diffusers folder or Hub repo, or a single file.
 
@@ -123,10 +124,14 @@ class Pipeline:
           scheduler: fields that replace the checkpoint's scheduler config, e.g.
             {"prediction_type": "epsilon"} or {"_class_name": "EulerAncestralDiscreteScheduler",
             "timestep_spacing": "trailing"}; the default sampler follows the class.
+          unet: a UNet weights file in diffusers' keys that replaces the checkpoint's UNet (a local
+            file or "owner/name/file.safetensors" on the Hub), as SDXL-Lightning's UNets are used:
+            `from_pretrained("stabilityai/stable-diffusion-xl-base-1.0", unet="ByteDance/SDXL-Lightning/
+            sdxl_lightning_4step_unet.safetensors", scheduler={"timestep_spacing": "trailing"})`.
         """
         devices = list(devices or jax.devices())
         dtype = jnp.dtype(dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16"))
-        checkpoint = checkpoints.resolve(path_or_repo_id, dtype=dtype, config=config, scheduler=scheduler)
+        checkpoint = checkpoints.resolve(path_or_repo_id, dtype=dtype, config=config, scheduler=scheduler, unet=unet)
         spec = checkpoint.spec
         tokenizers = [load_tokenizer(checkpoint.folder / name) for name in spec.tokenizer_names]
         mesh = Mesh(np.array(devices), (BATCH_AXIS,))

@@ -26,6 +26,7 @@ from .schedulers import (
     DDIMSchedule,
     LCMSchedule,
     PNDMSchedule,
+    TCDSchedule,
     Schedule,
     SchedulerConfig,
     ddim_schedule,
@@ -35,6 +36,7 @@ from .schedulers import (
     euler_schedule,
     lcm_schedule,
     pndm_schedule,
+    tcd_schedule,
 )
 
 Denoiser = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -186,6 +188,24 @@ def lcm_step(denoiser: Denoiser, schedule: LCMSchedule, num_steps, i, x_vp: jax.
     return jnp.where(i == num_steps - 1, denoised, renoised)
 
 
+def tcd_step(denoiser: Denoiser, schedule: TCDSchedule, num_steps, i, x_vp: jax.Array, keys) -> jax.Array:
+    """Trajectory consistency distillation's strategic stochastic sampling (Zheng et al. 2024), as
+    TCDScheduler with gamma `schedules.TCD_GAMMA`.
+
+    A DDIM jump from the sample's level to the lower level `gamma_sigmas[i]`, then, but for the last
+    step, fresh noise (`step_noise(keys, i, ...)`) up to the next step's level. The state is
+    diffusers' variance-preserving sample (init_noise_sigma 1).
+    """
+    sigma, sigma_s, sigma_next = schedule.sigmas[i], schedule.gamma_sigmas[i], schedule.sigmas[i + 1]
+    x = x_vp / _vp_scale(sigma)
+    clean = denoiser(x, sigma, schedule.timesteps[i])
+    jumped = (clean + sigma_s * (x - clean) / sigma) * _vp_scale(sigma_s)  # DDIM's step to sigma_s
+    # (alpha_next / alpha_s) * jumped + sqrt(1 - alpha_next^2 / alpha_s^2) * noise
+    ratio = _vp_scale(sigma_next) / _vp_scale(sigma_s)
+    renoised = ratio * jumped + jnp.sqrt(jnp.maximum(1 - ratio**2, 0)) * step_noise(keys, i, x_vp.shape[1:])
+    return jnp.where(i == num_steps - 1, jumped, renoised)
+
+
 def _pndm_init(x: jax.Array) -> Carry:
     x = x.astype(jnp.float32)
     return x, jnp.zeros((x.shape[0], 3, *x.shape[1:]), jnp.float32), x  # batch first, as the mesh splits it
@@ -230,6 +250,7 @@ SAMPLER_NAMES = {  # for people: the names A1111-style UIs and the PNG "paramete
     "ddim": "DDIM",
     "pndm": "PLMS",
     "lcm": "LCM",
+    "tcd": "TCD",
 }
 SAMPLERS = {
     "euler": Sampler(euler_schedule, euler_step),
@@ -244,6 +265,7 @@ SAMPLERS = {
         evaluations=lambda num_steps: num_steps + (num_steps > 1),  # the second step evaluates twice
     ),
     "lcm": Sampler(lcm_schedule, lcm_step, stochastic=True),
+    "tcd": Sampler(tcd_schedule, tcd_step, stochastic=True),
 }
 
 # diffusers' scheduler classes, and the sampler that reproduces each.
@@ -254,6 +276,7 @@ SCHEDULER_SAMPLERS = {
     "DDIMScheduler": "ddim",
     "PNDMScheduler": "pndm",
     "LCMScheduler": "lcm",
+    "TCDScheduler": "tcd",
 }
 # DPMSolverMultistepScheduler's settings that `dpmpp_2m_step` implements (its defaults).
 _DPMPP_2M_SETTINGS = {

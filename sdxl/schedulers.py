@@ -141,6 +141,18 @@ class LCMSchedule(Schedule):
     c_out: jax.Array
 
 
+@struct.dataclass
+class TCDSchedule(Schedule):
+    """A trajectory consistency distillation schedule.
+
+    Attributes:
+      gamma_sigmas: [max_steps] float32; step i jumps to the noise level of timestep
+        floor((1 - gamma) * the next timestep), before noising back up to the next one's.
+    """
+
+    gamma_sigmas: jax.Array
+
+
 def alphas_cumprod(config: SchedulerConfig) -> np.ndarray:
     """[num_train_timesteps] float32 cumulative products of (1 - beta), bit-compatible with diffusers.
 
@@ -359,18 +371,24 @@ def pndm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> PN
     )
 
 
+def _distilled_timesteps(config: SchedulerConfig, num_steps: int) -> np.ndarray:
+    """[num_steps] int64: `num_steps` evenly spaced (by index) of the distillation schedule's
+    `original_inference_steps` timesteps 999, 979, ..., 19, as LCMScheduler and TCDScheduler take them."""
+    original = config.original_inference_steps
+    if num_steps > original:
+        raise ValueError(f"at most original_inference_steps={original} steps, got {num_steps}")
+    k = config.num_train_timesteps // original
+    distilled = (np.arange(1, original + 1) * k - 1)[::-1]
+    return distilled[np.floor(np.linspace(0, original, num_steps, endpoint=False)).astype(np.int64)]
+
+
 def lcm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> LCMSchedule:
     """LCMScheduler.set_timesteps(num_steps), padded to max_steps: `num_steps` evenly spaced (by index)
     of the distillation schedule's `original_inference_steps` timesteps 999, 979, ..., 19."""
     _check_steps(num_steps, max_steps)
     if config.clip_sample or config.thresholding:
         raise ValueError("scheduler config: LCM's clip_sample and thresholding are not supported")
-    original = config.original_inference_steps
-    if num_steps > original:
-        raise ValueError(f"LCM takes at most original_inference_steps={original} steps, got {num_steps}")
-    k = config.num_train_timesteps // original
-    distilled = (np.arange(1, original + 1) * k - 1)[::-1]
-    timesteps = distilled[np.floor(np.linspace(0, original, num_steps, endpoint=False)).astype(np.int64)]
+    timesteps = _distilled_timesteps(config, num_steps)
     sigmas = _sigmas_from_alphas_cumprod(alphas_cumprod(config)[timesteps])
     scaled = timesteps * np.float32(config.timestep_scaling)
     sigma_data = 0.5  # the consistency models' data standard deviation, as diffusers fixes it
@@ -379,4 +397,21 @@ def lcm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> LCM
     return LCMSchedule(
         **_schedule_fields(np.append(sigmas, 0), timesteps, 1.0, max_steps),
         c_skip=_padded(c_skip, max_steps), c_out=_padded(c_out, max_steps),
+    )
+
+
+TCD_GAMMA = 0.3  # TCD's stochasticity ("eta" in diffusers' TCDScheduler.step), as its authors recommend
+
+
+def tcd_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> TCDSchedule:
+    """TCDScheduler.set_timesteps(num_steps) with gamma `TCD_GAMMA`, padded to max_steps."""
+    _check_steps(num_steps, max_steps)
+    timesteps = _distilled_timesteps(config, num_steps)
+    cumprod = alphas_cumprod(config)
+    following = np.append(timesteps[1:], 0)  # diffusers' prev_timestep: 0 after the last step
+    gamma_timesteps = np.floor((1 - np.float32(TCD_GAMMA)) * following).astype(np.int64)
+    sigmas = _sigmas_from_alphas_cumprod(cumprod[timesteps])
+    return TCDSchedule(
+        **_schedule_fields(np.append(sigmas, 0), timesteps, 1.0, max_steps),
+        gamma_sigmas=_padded(_sigmas_from_alphas_cumprod(cumprod[gamma_timesteps]), max_steps),
     )

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from .checkpoints import HubUnavailableError
+from .checkpoints.known import Recommended
 from .pipeline import Generation, Pipeline
 from .request import LORA_SCALE_RANGE, MAX_SEED, Request, integer, number
 from .styles import STYLES
@@ -185,6 +186,7 @@ def load_pipeline(model: str, config: str | None = None, **kwargs) -> tuple[Pipe
             f"your Hugging Face cache, and later starts read them from there, offline too."
         )
         log.warning(notice)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("scheduler", "unet")}  # the model's, not tiny's
         return Pipeline.from_pretrained("tiny", **kwargs), notice
 
 
@@ -193,11 +195,13 @@ class TextToImage:
 
     def __init__(
         self, pipe: Pipeline, *, max_images_per_core: int = 4, max_queued: int = 32, notice: str | None = None,
-        loras: Mapping[str, float] | None = None,
+        loras: Mapping[str, float] | None = None, recommended: Recommended = Recommended(),
     ):
-        """`loras`: the LoRAs a request may use, {source: default scale}, in the order the UI lists them."""
+        """`loras`: the LoRAs a request may use, {source: default scale}, in the order the UI lists them.
+        `recommended`: the model's default steps and guidance (`checkpoints.known`)."""
         self.pipe = pipe
         self.notice = notice
+        self.recommended = recommended
         self.loras = dict(loras or {})
         self.max_images_per_core = max_images_per_core
         self.sizes = size_presets(pipe)

@@ -368,6 +368,25 @@ def test_sd1_layout_model_serves_its_own_presets(tmp_path, cache_dir, downloads)
     assert all("Model: tiny-sd1" in Image.open(item["image"]).text["parameters"] for item in gallery)
 
 
+def test_a_few_step_model_gets_its_own_defaults(tmp_path, cache_dir, downloads):
+    distilled = write_checkpoint(tmp_path / "distilled", seed=3)
+    unet = tmp_path / "sdxl_lightning_2step_unet.safetensors"
+    (distilled / "unet/diffusion_pytorch_model.safetensors").rename(unet)
+    with serve(tmp_path / "app", cache_dir, "--model", "tiny", "--unet", str(unet)) as running:
+        few_step = Client(running.url, verbose=False, download_files=downloads)
+        info = few_step.view_api(return_format="dict", print_info=False)
+        parameters = info["named_endpoints"]["/generate"]["parameters"]
+        defaults = {p["parameter_name"]: p["parameter_default"] for p in parameters}
+        assert (defaults["steps"], defaults["guidance_scale"]) == (2, 0)
+        gallery, status = few_step.predict(prompt="a lighthouse", api_name="/generate")
+        page = urllib.request.urlopen(running.url, timeout=30).read().decode()
+    assert status.startswith("4 images in")
+    parameters = Image.open(gallery[0]["image"]).info["parameters"]
+    assert "Steps: 2, Sampler: Euler, CFG scale: 0," in parameters
+    assert "Model: tiny + sdxl_lightning_2step_unet.safetensors" in parameters
+    assert "SDXL-Lightning 2-step UNet" in page
+
+
 def test_browser_generate(server, tmp_path):
     if not CHROMIUM.exists():
         reason = f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium) for the browser test"

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from fake_hub import SD15_FILES, SDXL_BASE_FILES, FakeHub, fake_repo, hub_at
 
-from sdxl.checkpoints import BUILTIN_CONFIGS, CheckpointError, HubUnavailableError, ModelSpec, locate, random_models
+from sdxl.checkpoints import (
+    BUILTIN_CONFIGS, CheckpointError, HubUnavailableError, ModelSpec, known, locate, random_models,
+)
 from sdxl.checkpoints.folder import choose_weight_files, weight_variant
 from sdxl.pipeline import Pipeline
 from sdxl.weights import flatten
@@ -287,3 +289,46 @@ def test_a_hub_single_file_that_cannot_run_is_refused_from_its_header(tmp_path, 
         with hub_at(fake, tmp_path / "hf", monkeypatch), pytest.raises(CheckpointError, match="9 input channels"):
             _load("someone/inpainting/inpainting.safetensors")
     assert not list((tmp_path / "hf").rglob("inpainting.safetensors"))  # never downloaded
+
+
+def test_a_lightning_unet_file_replaces_the_base_unet_which_is_never_fetched(tiny_weights, tmp_path, monkeypatch):
+    """SDXL-Lightning as its card uses it: SDXL base's repo, with a UNet file from another repo."""
+    lightning = random_models.write_checkpoint(tmp_path / "distilled", random_models.SDXL_CONFIGS, seed=7)
+    unet_file = "sdxl_lightning_4step_unet.safetensors"
+    distilled_unet = (lightning / "unet/diffusion_pytorch_model.safetensors").read_bytes()
+    repos = {SDXL_REPO: _repo(tiny_weights, "sdxl", SDXL_BASE_FILES),
+             "ByteDance/SDXL-Lightning": {unet_file: distilled_unet}}
+    settings = known.recommended(SDXL_REPO, f"ByteDance/SDXL-Lightning/{unet_file}")
+    assert (settings.steps, settings.guidance_scale, settings.scheduler) == (4, 0.0, {"timestep_spacing": "trailing"})
+    with FakeHub(repos) as fake:
+        with hub_at(fake, tmp_path / "hf", monkeypatch):
+            pipe = Pipeline.from_pretrained(SDXL_REPO, unet=f"ByteDance/SDXL-Lightning/{unet_file}",
+                                            scheduler=settings.scheduler, dtype="float32", devices=jax.devices()[:1])
+        assert "unet/diffusion_pytorch_model.safetensors" not in fake.downloaded(SDXL_REPO)
+    assert pipe.spec.scheduler.timestep_spacing == "trailing"
+    base, distilled = _params(_load(str(tiny_weights["sdxl", "float32"]))), _params(_load(lightning))
+    got = _params(pipe)
+    for key, value in got.items():
+        np.testing.assert_array_equal(value, (distilled if key[0] == "unet" else base)[key])
+
+    with pytest.raises(CheckpointError, match="no such file"):
+        Pipeline.from_pretrained(str(tiny_weights["sdxl", "float32"]), unet=str(tmp_path / "missing.safetensors"))
+    with pytest.raises(CheckpointError, match="not a single file"):
+        Pipeline.from_pretrained(str(tmp_path / "model.safetensors"), unet=str(lightning / "unet/config.json"))
+    sd1_unet = tiny_weights["sd1", "float32"] / "unet/diffusion_pytorch_model.safetensors"
+    with pytest.raises(CheckpointError, match="does not match the model"):  # every key and shape is checked
+        Pipeline.from_pretrained(str(tiny_weights["sdxl", "float32"]), unet=str(sd1_unet))
+
+
+@pytest.mark.parametrize("model, unet, sampler, expected", [
+    ("stabilityai/sdxl-turbo", None, None, (1, 0.0, None)),
+    ("/models/sdxl-turbo", None, None, (1, 0.0, None)),
+    (SDXL_REPO, "sdxl_lightning_1step_unet_x0.safetensors", None,
+     (1, 0.0, {"timestep_spacing": "trailing", "prediction_type": "sample"})),
+    (SDXL_REPO, "sdxl_lightning_8step_unet.safetensors", None, (8, 0.0, {"timestep_spacing": "trailing"})),
+    ("someone/lcm-model", None, "lcm", (4, 1.0, None)),
+    (SDXL_REPO, None, "euler", (25, 5.0, None)),
+])
+def test_recommended_settings_of_known_few_step_models(model, unet, sampler, expected):
+    settings = known.recommended(model, unet, sampler)
+    assert (settings.steps, settings.guidance_scale, settings.scheduler) == expected

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from sdxl import lora
-from sdxl.checkpoints import resolve
+from sdxl.checkpoints import random_models, resolve
 
 ROOT = Path(__file__).parents[1]
 
@@ -68,3 +68,16 @@ def test_loras_apply_with_their_scales_and_a_missing_one_is_refused(tmp_path):
     missing = _cli(*common, "--lora", str(tmp_path / "nope.safetensors:0.5"))
     assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0
     assert missing.stderr.startswith(f"error: LoRA {tmp_path / 'nope.safetensors'}: no such file"), missing.stderr
+
+
+def test_a_lightning_unet_brings_its_steps_guidance_and_trailing_spacing(tmp_path):
+    distilled = random_models.write_checkpoint(tmp_path / "distilled", random_models.SDXL_CONFIGS, seed=3)
+    unet = tmp_path / "sdxl_lightning_2step_unet.safetensors"
+    (distilled / "unet/diffusion_pytorch_model.safetensors").rename(unet)
+    result = _cli("--prompt", "a lighthouse", "--unet", str(unet), "--num-images", "1", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    note = "SDXL-Lightning 2-step UNet: Euler with trailing steps, without guidance: 2 step(s), guidance 0"
+    assert note in result.stdout
+    parameters = Image.open(tmp_path / "out" / "0-0.png").text["parameters"]
+    assert "Steps: 2, Sampler: Euler, CFG scale: 0," in parameters
+    assert "Model: tiny + sdxl_lightning_2step_unet.safetensors" in parameters

@@ -19,8 +19,9 @@ from diffusers import (
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
     LCMScheduler,
+    TCDScheduler,
 )
-from diffusers.schedulers import scheduling_euler_ancestral_discrete, scheduling_lcm
+from diffusers.schedulers import scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd
 from jax._src.cudnn import fused_attention_stablehlo
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -34,6 +35,7 @@ from sdxl.pipeline import Pipeline, PromptTruncatedWarning
 from sdxl.program import per_image_keys
 from sdxl.request import Request
 from sdxl.sampling import step_noise
+from sdxl.schedulers import TCD_GAMMA
 
 HEIGHT, WIDTH = 64, 96  # non-square, and a multiple of the tiny model's latent factor (16)
 PROMPTS = ["a red cube on a table", "a blue sphere floating over grass"]
@@ -55,7 +57,7 @@ def _latents(n, seed=0):
     return random_latents(n, HEIGHT, WIDTH, seed)
 
 
-def _diffusers_images(ref, prompts, negatives, latents, steps, guidance, scheduler=None):
+def _diffusers_images(ref, prompts, negatives, latents, steps, guidance, scheduler=None, **call_kwargs):
     return diffusers_images(
         ref,
         scheduler,
@@ -66,6 +68,7 @@ def _diffusers_images(ref, prompts, negatives, latents, steps, guidance, schedul
         num_inference_steps=steps,
         guidance_scale=guidance,
         latents=torch.from_numpy(latents),
+        **call_kwargs,
     )
 
 
@@ -149,6 +152,7 @@ def _diffusers_draws_our_step_noise(monkeypatch, module, seed: int, n: int) -> l
         ("euler_ancestral", EulerAncestralDiscreteScheduler, scheduling_euler_ancestral_discrete,
          {"timestep_spacing": "trailing"}, 3),  # SDXL-Turbo's
         ("lcm", LCMScheduler, scheduling_lcm, {}, 2),  # no noise after the last step
+        ("tcd", TCDScheduler, scheduling_tcd, {}, 2),  # gamma ("eta") 0.3, as TCD's card runs it
     ],
 )
 def test_stochastic_samplers_match_diffusers_given_the_same_noise(
@@ -160,7 +164,8 @@ def test_stochastic_samplers_match_diffusers_given_the_same_noise(
     seed, steps, latents = 5, 3, _latents(2, seed=5)
     drawn = _diffusers_draws_our_step_noise(monkeypatch, module, seed, 2)
     scheduler = scheduler_cls.from_config(ref.scheduler.config, **options)
-    expected = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=steps, guidance=5.0, scheduler=scheduler)
+    expected = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=steps, guidance=5.0, scheduler=scheduler,
+                                 eta=TCD_GAMMA)  # only TCD's step takes an eta
     assert len(drawn) == draws
     kwargs = dict(steps=steps, guidance_scale=5.0, height=HEIGHT, width=WIDTH, latents=latents, output_type="np")
     got = pipe.generate(PROMPTS, NEGATIVES, seed=seed, sampler=sampler, **kwargs)

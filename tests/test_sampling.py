@@ -106,7 +106,9 @@ def test_plms_matches_diffusers_pndm(values, num_steps):
         ({"_class_name": "DPMSolverMultistepScheduler", "use_karras_sigmas": True}, "dpmpp_2m_karras"),
         ({"_class_name": "DDIMScheduler"}, "ddim"),
         ({"_class_name": "PNDMScheduler", "skip_prk_steps": True}, "pndm"),
-        ({"_class_name": "LCMScheduler"}, "scheduler LCMScheduler is not implemented"),
+        ({"_class_name": "LCMScheduler"}, "lcm"),
+        ({"_class_name": "TCDScheduler"}, "tcd"),
+        ({"_class_name": "HeunDiscreteScheduler"}, "scheduler HeunDiscreteScheduler is not implemented"),
         ({"_class_name": "PNDMScheduler", "skip_prk_steps": False}, "only with skip_prk_steps"),
         ({"_class_name": "DPMSolverMultistepScheduler", "solver_order": 3}, "solver_order=3 is not implemented"),
     ],
@@ -193,8 +195,9 @@ def test_denoised_from_model_output():
     alpha, sigma_vp = 1 / jnp.sqrt(sigma**2 + 1), sigma / jnp.sqrt(sigma**2 + 1)
     v = alpha * eps - sigma_vp * x0
     np.testing.assert_allclose(denoised_from_model_output(x0 + sigma * eps, v, sigma, "v_prediction"), x0, rtol=1e-6)
-    with pytest.raises(ValueError, match="sample"):
-        denoised_from_model_output(x, eps, sigma, "sample")
+    assert denoised_from_model_output(x, x0, sigma, "sample") == x0  # the output is x0 itself
+    with pytest.raises(ValueError, match="sample_and_noise"):
+        denoised_from_model_output(x, eps, sigma, "sample_and_noise")
 
 
 @pytest.mark.parametrize("num_steps", [1, 7, 20])

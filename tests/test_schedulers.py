@@ -137,7 +137,7 @@ def test_padding_repeats_the_last_entry(name):
     [
         {"beta_schedule": "squaredcos_cap_v2"},
         {"trained_betas": [0.1] * 1000},
-        {"prediction_type": "sample"},
+        {"prediction_type": "flow"},
         {"timestep_spacing": "middle"},
         {"interpolation_type": "log_linear"},
         {"use_beta_sigmas": True},

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..weights import CheckpointError, SafetensorsFile
+from ..weights import CheckpointError, SafetensorsFile, load_params
 from . import hub, random_models, single_file
 from .folder import load_weights
 from .hub import HubUnavailableError
@@ -34,6 +34,7 @@ __all__ = [
     "ModelSpec",
     "load_weights",
     "locate",
+    "locate_file",
     "resolve",
 ]
 
@@ -46,16 +47,26 @@ class Checkpoint:
     folder: Path  # the diffusers folder of its configs and `tokenizer*/` files
     single_file: Path | None = None  # the weights, when not in `folder`
     family: str | None = None  # the single file's ("sdxl", "sd1", "sd2")
+    unet_file: Path | None = None  # a UNet's weights (diffusers keys) replacing the folder's
 
     def load(self, dtype, put: Callable) -> dict:
         """The parameter tree, every key and shape checked; `put` places each array."""
         if self.single_file is not None:
             return single_file.load(self.single_file, self.family, self.spec, dtype, put)
-        return load_weights(self.folder, self.spec.abstract_params(), dtype, put)
+        abstract = self.spec.abstract_params()
+        if self.unet_file is None:
+            return load_weights(self.folder, abstract, dtype, put)
+        params = load_weights(self.folder, {k: v for k, v in abstract.items() if k != "unet"}, dtype, put)
+        return params | {"unet": load_params([self.unet_file], abstract["unet"], dtype=dtype, put=put)}
 
 
 def resolve(
-    name: str | os.PathLike, *, dtype="bfloat16", config: str | os.PathLike | None = None, scheduler: dict | None = None
+    name: str | os.PathLike,
+    *,
+    dtype="bfloat16",
+    config: str | os.PathLike | None = None,
+    scheduler: dict | None = None,
+    unet: str | os.PathLike | None = None,
 ) -> Checkpoint:
     """The checkpoint a user names: a diffusers folder, a built-in name, a Hub repo id
     ("owner/name"), a single `.safetensors` file in the original layout, or a Hub file
@@ -67,11 +78,20 @@ def resolve(
         "sd-2.1-base") or a diffusers folder whose configs and tokenizers to use; by default the
         family's published one (`single_file.DEFAULT_CONFIGS`), as diffusers' `from_single_file`.
       scheduler: fields replacing those of the scheduler config (`ModelSpec.from_folder`).
+      unet: a UNet's weights in diffusers' keys (SDXL-Lightning's `sdxl_lightning_4step_unet.safetensors`,
+        say) that replace the checkpoint's, as a local file or a Hub file "owner/name/file.safetensors";
+        the checkpoint's own UNet weights are then not fetched. Only for diffusers folders and repos.
 
     Raises:
       CheckpointError: with the reason, before any weights are fetched where it can tell.
     """
     text = str(name)
+    if unet is not None:
+        if text.endswith(".safetensors"):
+            raise CheckpointError(f"{text}: unet= replaces a diffusers folder's or repo's UNet, not a single file's")
+        unet_file = locate_file(str(unet))
+        folder = locate(text, dtype=dtype, scheduler=scheduler, without=("unet",))
+        return Checkpoint(ModelSpec.from_folder(folder, scheduler), folder, unet_file=unet_file)
     if text.endswith(".safetensors"):
         path = Path(text).expanduser()
         if not path.is_file() and not text.startswith((".", "/", "~")) and text.count("/") >= 2:
@@ -105,13 +125,35 @@ def _single_file(path: Path, config, scheduler: dict | None) -> Checkpoint:
     return Checkpoint(spec, folder, path, family)
 
 
-def locate(name_or_path: str | os.PathLike, *, dtype="bfloat16", scheduler: dict | None = None) -> Path:
+def locate_file(source: str, default_filename: str | None = None) -> Path:
+    """A weights file: a local file, a Hub file "owner/name/path/in/repo", or, with
+    `default_filename`, the file of that name in a Hub repo "owner/name".
+
+    Raises:
+      CheckpointError: no such file, or the Hub file cannot be had.
+    """
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path
+    parts = source.split("/")
+    hub_name = len(parts) >= 2 and all(parts) and not source.startswith((".", "/", "~"))
+    if hub_name and len(parts) >= 3:
+        return hub.download_file("/".join(parts[:2]), "/".join(parts[2:]))
+    if hub_name and default_filename:
+        return hub.download_file(source, default_filename)
+    raise CheckpointError(f"{source}: no such file")
+
+
+def locate(
+    name_or_path: str | os.PathLike, *, dtype="bfloat16", scheduler: dict | None = None, without: tuple[str, ...] = ()
+) -> Path:
     """The local folder of a checkpoint given as a folder, a built-in name, or a Hub repo id.
 
     Built-in names are the trained `shapes` model (`assets/shapes`), the random models that
     `random_models.ensure_checkpoint` writes on first use ("tiny", "tiny-sd1", "medium") and the
     configs-only folders in `BUILTIN_CONFIGS`. From a Hub
-    repo, the weights to load in `dtype` are fetched (`hub.download`).
+    repo, the weights to load in `dtype` are fetched (`hub.download`), but those of the components
+    in `without`.
 
     Raises:
       CheckpointError: the name is none of these, or the Hub repo cannot be had
@@ -129,4 +171,4 @@ def locate(name_or_path: str | os.PathLike, *, dtype="bfloat16", scheduler: dict
         return path
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise CheckpointError(f"{name}: not a checkpoint folder, a built-in model, or a Hub repo id (owner/name)")
-    return hub.download(name, dtype, scheduler)
+    return hub.download(name, dtype, scheduler, without)

@@ -36,9 +36,10 @@ class HubUnavailableError(CheckpointError):
     """A Hub checkpoint is not in the local cache and the Hub cannot be reached (or is switched off)."""
 
 
-def download(repo_id: str, dtype, scheduler: dict | None = None) -> Path:
+def download(repo_id: str, dtype, scheduler: dict | None = None, without: tuple[str, ...] = ()) -> Path:
     """The snapshot folder of `repo_id` with its configs, tokenizers and the weights to load in
-    `dtype`, downloaded into the user's Hugging Face cache where they are not there yet.
+    `dtype`, downloaded into the user's Hugging Face cache where they are not there yet; the weights
+    of the components in `without` are not fetched (another file replaces them).
 
     Raises:
       CheckpointError: the repo is unknown or not accessible, or its model is not supported (before
@@ -51,6 +52,8 @@ def download(repo_id: str, dtype, scheduler: dict | None = None) -> Path:
     files = _repo_files(repo_id, online, folder)
     weights = []
     for component in ("unet", "vae", *spec.text_encoder_names):
+        if component in without:
+            continue
         names = [f.removeprefix(component + "/") for f in files if f.rpartition("/")[0] == component]
         weights += [f"{component}/{name}" for name in choose_weight_files(names, dtype, f"{repo_id}/{component}")]
     _snapshot(repo_id, weights, online, "weights are missing")

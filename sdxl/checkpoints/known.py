@@ -1,0 +1,59 @@
+"""What published few-step models need and expect, told by their names: scheduler fields, steps and
+guidance, as their model cards give them.
+
+A checkpoint's own scheduler config says which sampler it wants (`ModelSpec.default_sampler`), but
+not how many steps or how much guidance it was distilled for, and an SDXL-Lightning UNet comes as a
+lone weights file over SDXL base's configs, whose Euler scheduler must then space its steps
+"trailing". `recommended` is the one place that knows.
+"""
+
+import dataclasses
+import re
+from pathlib import PurePosixPath
+
+from ..request import DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommended:
+    """Settings for a model: the demo's and the CLI's defaults, and scheduler fields to load it with."""
+
+    steps: int = DEFAULT_STEPS
+    guidance_scale: float = DEFAULT_GUIDANCE_SCALE
+    scheduler: dict | None = None  # fields replacing the checkpoint's scheduler config
+    note: str = ""  # where the numbers come from, for people
+
+    @property
+    def few_step(self) -> bool:
+        return self.steps < 10
+
+
+# Hub repo ids (and the folders people name after them) of few-step models.
+_MODELS = {
+    "stabilityai/sdxl-turbo": Recommended(1, 0.0, note="SDXL-Turbo: 1-4 steps without guidance"),
+    "stabilityai/sd-turbo": Recommended(1, 0.0, note="SD-Turbo: 1-4 steps without guidance"),
+    "latent-consistency/lcm-sdxl": Recommended(4, 1.0, note="LCM: 2-8 steps, guidance 1-2"),
+}
+# SDXL-Lightning's UNet files: "sdxl_lightning_4step_unet.safetensors" (1, 2, 4 and 8 steps).
+_LIGHTNING_UNET = re.compile(r"sdxl_lightning_(\d+)step_unet")
+
+
+def recommended(model: str, unet: str | None = None, default_sampler: str | None = None) -> Recommended:
+    """The settings a model's card gives, by its Hub id, its UNet file's name, or its scheduler (an
+    LCMScheduler, whose sampler is "lcm": 4 steps, guidance 1); the package's defaults for any other."""
+    if unet is not None:
+        match = _LIGHTNING_UNET.search(PurePosixPath(str(unet)).name)
+        if match:
+            steps = int(match.group(1))
+            scheduler = {"timestep_spacing": "trailing"}
+            if steps == 1:  # the 1-step UNet predicts the clean latents
+                scheduler["prediction_type"] = "sample"
+            note = f"SDXL-Lightning {steps}-step UNet: Euler with trailing steps, without guidance"
+            return Recommended(steps, 0.0, scheduler, note)
+    name = str(model).rstrip("/")
+    for repo_id, settings in _MODELS.items():
+        if name == repo_id or name.endswith("/" + repo_id.split("/")[1]):
+            return settings
+    if default_sampler == "lcm":
+        return _MODELS["latent-consistency/lcm-sdxl"]
+    return Recommended()
