@@ -62,9 +62,9 @@ class Demo:
         self.service = service
         self.model_name = model_name
 
-    def _render(self, request: Request, progress: gr.Progress) -> tuple[list, str]:
+    def _render(self, request: Request, owner: str | None, progress: gr.Progress) -> tuple[list, str]:
         try:
-            ticket = self.service.queue.submit(request)
+            ticket = self.service.queue.submit(request, owner)
         except QueueFullError as e:
             raise gr.Error(str(e)) from e
 
@@ -104,23 +104,23 @@ class Demo:
             status += f" ({'; '.join(notes)})"
         return gallery, status
 
-    def _handle(self, make_request, progress):
+    def _handle(self, make_request, owner, progress):
         try:
             request = make_request()
         except ValueError as e:
             raise gr.Error(str(e)) from e
-        return self._render(request, progress)
+        return self._render(request, owner, progress)
 
     # `lora_scales`: one per launched LoRA (`TextToImage.loras`), the last inputs of each endpoint.
 
     def generate(self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core,
-                 sampler, *lora_scales, progress=gr.Progress()):
+                 sampler, *lora_scales, owner=None, progress=gr.Progress()):
         return self._handle(lambda: self.service.request_images(
             prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core, sampler,
-            lora_scales), progress)
+            lora_scales), owner, progress)
 
     def compare(self, mode, prompts, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
-                sampler, *lora_scales, progress=gr.Progress()):
+                sampler, *lora_scales, owner=None, progress=gr.Progress()):
         if mode == COMPARE_PROMPTS:
             make = lambda: self.service.request_prompt_comparison(  # noqa: E731
                 (prompts or "").splitlines(), negative_prompt, style, seed, guidance_scale, steps, width, height,
@@ -129,24 +129,30 @@ class Demo:
             make = lambda: self.service.request_seed_comparison(  # noqa: E731
                 (prompts or "").strip(), negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
                 sampler, lora_scales)
-        return self._handle(make, progress)
+        return self._handle(make, owner, progress)
 
 
-def _named_lora_parameters(handler, sources):
-    """`handler` (which takes the LoRA scales as `*lora_scales`) with one named parameter per LoRA in
-    its signature instead, so that the API calls them `lora_<file stem>` rather than `param_10`."""
+def _gradio_handler(handler, sources):
+    """`handler(*inputs, *lora_scales, owner=, progress=)` as Gradio calls it: with one named
+    parameter per LoRA in its signature (so that the API calls them `lora_<file stem>`, not
+    `param_10`), and the browser session (Gradio's `gr.Request`) as the requests' owner."""
     signature = inspect.signature(handler)
-    fixed = [p for p in signature.parameters.values() if p.kind is not p.VAR_POSITIONAL and p.name != "progress"]
+    fixed = [p for p in signature.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
     names = ["lora_" + re.sub(r"\W", "_", Path(source).stem) for source in sources]
     names = [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
-    scales = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    scales = [inspect.Parameter(name, positional) for name in names]
+    specials = [inspect.Parameter("request", positional, annotation=gr.Request),
+                inspect.Parameter("progress", positional, default=gr.Progress())]
 
     @functools.wraps(handler)
-    def named(*args, progress=gr.Progress()):
-        return handler(*args, progress=progress)
+    def gradio_handler(*args):
+        *inputs, request, progress = args  # Gradio passes its special arguments where the signature has them
+        return handler(*inputs, owner=getattr(request, "session_hash", None), progress=progress)
 
-    named.__signature__ = signature.replace(parameters=[*fixed, *scales, signature.parameters["progress"]])
-    return named
+    gradio_handler.__signature__ = signature.replace(parameters=[*fixed, *scales, *specials])
+    gradio_handler.__annotations__ = {"request": gr.Request}  # Gradio finds gr.Request by its type hint
+    return gradio_handler
 
 
 COMPARE_PROMPTS = "One prompt per line, same seed"
@@ -211,13 +217,13 @@ def create_demo(demo: Demo) -> gr.Blocks:
         generate_inputs = [prompt, negative, style, seed, guidance, steps, width, height, per_core, sampler, *loras]
         for trigger, api_name in ((run.click, "generate"), (prompt.submit, False)):
             trigger(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
-                _named_lora_parameters(demo.generate, service.loras), generate_inputs, [gallery, status],
+                _gradio_handler(demo.generate, service.loras), generate_inputs, [gallery, status],
                 api_name=api_name, concurrency_limit=limit,
             )
         compare_inputs = [mode, compare_prompts, compare_negative, compare_style, seed, num_seeds, guidance, steps,
                           width, height, sampler, *loras]
         compare_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
-            _named_lora_parameters(demo.compare, service.loras), compare_inputs, [gallery, status], api_name="compare",
+            _gradio_handler(demo.compare, service.loras), compare_inputs, [gallery, status], api_name="compare",
             concurrency_limit=limit,
         )
     blocks.queue(max_size=limit, default_concurrency_limit=limit)
@@ -261,6 +267,8 @@ def main() -> None:
     # String defaults go through `type` too, so a bad environment variable gets argparse's message.
     parser.add_argument("--max-images-per-core", type=_integer_from(1), default=env("SDXL_MAX_IMAGES_PER_CORE", "4"))
     parser.add_argument("--max-queue", type=_integer_from(1), default=env("SDXL_MAX_QUEUE", "32"))
+    parser.add_argument("--max-per-user", type=_integer_from(1), default=env("SDXL_MAX_PER_USER", "4"),
+                        help="requests one browser session or API client may have waiting (default: %(default)s)")
     parser.add_argument(
         "--unet", default=env("SDXL_UNET"), help="a UNet weights file (diffusers keys) replacing the model's, e.g. "
         "ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors (local, or owner/name/file on the Hub)",
@@ -283,8 +291,8 @@ def main() -> None:
     loaded = time.perf_counter()
     model_name = "tiny" if notice else model_label(args.model, args.unet)
     settings = Recommended() if notice else recommended(args.model, args.unet, pipe.spec.default_sampler)
-    service = TextToImage(pipe, max_images_per_core=args.max_images_per_core, max_queued=args.max_queue, notice=notice,
-                          loras=loras, recommended=settings)
+    service = TextToImage(pipe, max_images_per_core=args.max_images_per_core, max_queued=args.max_queue,
+                          max_per_owner=args.max_per_user, notice=notice, loras=loras, recommended=settings)
     width, height = service.sizes[0]
     default_guided = settings.guidance_scale > 1  # the program the default settings run compiles first
     compile_seconds = pipe.warmup(height, width, progress=True, guided=default_guided)

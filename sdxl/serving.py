@@ -9,6 +9,10 @@ Requests merge only into batch sizes that are already compiled: compiling a new 
 longer than rendering the requests one after another (minutes for SDXL on a TPU). A declined merge
 compiles that batch size in the background instead, for the next time.
 
+One user cannot take the queue: each owner (a browser session, an API client) may have at most
+`max_per_owner` requests waiting, and the next batch starts with the oldest request of the owner
+served longest ago, so a user with many requests waits behind one with a single request only once.
+
 A failure is confined to the requests it concerns: input is validated before it is queued, a
 NaN image fails only the request it belongs to, and the worker thread survives any exception.
 """
@@ -48,6 +52,7 @@ class Ticket:
     """A queued request: its future result and where it stands."""
 
     request: Request
+    owner: str | None = None  # who asked (a browser session); None: nobody in particular
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     step: int = 0  # denoising steps done, while running
     compiling: bool = False  # whether its batch compiles first (a new size, batch size or sampler)
@@ -57,11 +62,14 @@ class Ticket:
 class DeviceQueue:
     """Owns the devices: a worker thread renders queued requests, batching those that fit together."""
 
-    def __init__(self, pipe: Pipeline, *, max_batch_images: int, max_queued: int):
+    def __init__(self, pipe: Pipeline, *, max_batch_images: int, max_queued: int, max_per_owner: int | None = None):
         self.pipe = pipe
         self.max_batch_images = max_batch_images
         self.max_queued = max_queued
+        self.max_per_owner = max_per_owner or max_queued
         self._waiting: list[Ticket] = []
+        self._batches_started = 0
+        self._last_started: dict[str | None, int] = {}  # owner -> the batch number it last led
         self._changed = threading.Condition()
         # One compile at a time, so that background compiles never starve the host of CPU.
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
@@ -88,16 +96,20 @@ class DeviceQueue:
             )
             return self._compiles[key]
 
-    def submit(self, request: Request) -> Ticket:
-        """Queues a request, checked first (`Pipeline.validated`: a ValueError names a bad value).
-        Raises QueueFullError when the queue is at capacity."""
+    def submit(self, request: Request, owner: str | None = None) -> Ticket:
+        """Queues `owner`'s request, checked first (`Pipeline.validated`: a ValueError names a bad value).
+        Raises QueueFullError when the queue is at capacity, or the owner has `max_per_owner` waiting."""
         request = self.pipe.validated(request)
         if len(request) > self.max_batch_images:
             raise ValueError(f"at most {self.max_batch_images} images per request, got {len(request)}")
-        ticket = Ticket(request)
+        ticket = Ticket(request, owner)
         with self._changed:
             if len(self._waiting) >= self.max_queued:
                 raise QueueFullError(f"the queue is full ({self.max_queued} requests waiting); try again shortly")
+            if owner is not None and sum(t.owner == owner for t in self._waiting) >= self.max_per_owner:
+                raise QueueFullError(
+                    f"you already have {self.max_per_owner} requests waiting; one must finish before you add another"
+                )
             self._waiting.append(ticket)
             self._changed.notify_all()
         return ticket
@@ -108,9 +120,16 @@ class DeviceQueue:
             return self._waiting.index(ticket) if ticket in self._waiting else 0
 
     def _take_batch(self) -> list[Ticket]:
-        """The oldest waiting request plus later ones with its batch key, up to the image budget, as
-        long as the merged batch size is compiled."""
-        first = self._waiting.pop(0)
+        """The oldest waiting request of the owner who led a batch longest ago (or never), plus other
+        waiting requests with its batch key, oldest first, up to the image budget, as long as the
+        merged batch size is compiled."""
+        first = min(self._waiting, key=lambda t: self._last_started.get(t.owner, -1))  # min keeps the oldest
+        self._waiting.remove(first)
+        # Only owners with requests waiting need remembering: a session does not grow the server forever.
+        waiting_owners = {t.owner for t in self._waiting}
+        self._last_started = {o: n for o, n in self._last_started.items() if o in waiting_owners}
+        self._last_started[first.owner] = self._batches_started
+        self._batches_started += 1
         height, width, sampler, guided = (getattr(first.request, f) for f in ("height", "width", "sampler", "guided"))
         batch, size = [first], len(first.request)
         for ticket in list(self._waiting):
@@ -194,8 +213,8 @@ class TextToImage:
     """The demo's requests: turns what a user typed into validated device-queue requests."""
 
     def __init__(
-        self, pipe: Pipeline, *, max_images_per_core: int = 4, max_queued: int = 32, notice: str | None = None,
-        loras: Mapping[str, float] | None = None, recommended: Recommended = Recommended(),
+        self, pipe: Pipeline, *, max_images_per_core: int = 4, max_queued: int = 32, max_per_owner: int = 4,
+        notice: str | None = None, loras: Mapping[str, float] | None = None, recommended: Recommended = Recommended(),
     ):
         """`loras`: the LoRAs a request may use, {source: default scale}, in the order the UI lists them.
         `recommended`: the model's default steps and guidance (`checkpoints.known`)."""
@@ -205,7 +224,8 @@ class TextToImage:
         self.loras = dict(loras or {})
         self.max_images_per_core = max_images_per_core
         self.sizes = size_presets(pipe)
-        self.queue = DeviceQueue(pipe, max_batch_images=pipe.num_devices * max_images_per_core, max_queued=max_queued)
+        self.queue = DeviceQueue(pipe, max_batch_images=pipe.num_devices * max_images_per_core, max_queued=max_queued,
+                                 max_per_owner=max_per_owner)
 
     @property
     def max_images(self) -> int:

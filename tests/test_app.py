@@ -313,6 +313,34 @@ def test_concurrent_clients(server, downloads):
     assert len(digests) == len(seeds), "every user's images must be their own"
 
 
+def test_one_user_cannot_take_the_queue(server, downloads):
+    """A user with six requests gets four queued and a clear refusal; another user's single request,
+    which cannot merge with theirs (another size), is rendered after at most one of theirs."""
+    greedy, modest = (Client(server.url, verbose=False, download_files=downloads) for _ in range(2))
+    many = dict(prompt="a lighthouse", steps=30, width=144, height=112)
+
+    def finished(job):  # (the error, or None) and when the job ended
+        try:
+            job.result(timeout=CALL_TIMEOUT)
+            return None, time.monotonic()
+        except AppError as e:
+            return str(e), time.monotonic()
+
+    with concurrent.futures.ThreadPoolExecutor(7) as pool:
+        greedy_jobs = [pool.submit(finished, greedy.submit(**(many | dict(seed=s)), api_name="/generate"))
+                       for s in range(6)]
+        time.sleep(1.0)  # all six have reached the device queue
+        modest_job = pool.submit(finished, modest.submit(**(FAST | dict(seed=9)), api_name="/generate"))
+        outcomes = [job.result() for job in greedy_jobs]
+        modest_error, modest_done = modest_job.result()
+    assert modest_error is None
+    refusals = [error for error, _ in outcomes if error]
+    assert refusals and all("you already have 4 requests waiting" in r for r in refusals), outcomes
+    served = sorted(done for error, done in outcomes if error is None)
+    assert sum(done < modest_done for done in served) <= 2, (served, modest_done)  # one running, one at most
+    _assert_serving(greedy)  # and the greedy user is served again once their requests are done
+
+
 def test_nan_output_is_an_error_and_the_queue_keeps_going(tmp_path, cache_dir, downloads):
     model = write_checkpoint(tmp_path / "nan-vae")
     vae = model / "vae" / "diffusion_pytorch_model.safetensors"
