@@ -18,14 +18,14 @@ import gradio as gr
 from PIL import Image
 
 from sdxl import CheckpointError, enable_compilation_cache
-from sdxl.checkpoints.known import Recommended, recommended
+from sdxl.checkpoints.known import recommended
 from sdxl.images import image_count, model_label, parameters_text
 from sdxl.lora import parse_option as parse_lora_option
 from sdxl.request import (
     DEFAULT_MODEL, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request,
 )
 from sdxl.sampling import SAMPLER_NAMES
-from sdxl.serving import QueueFullError, TextToImage, load_pipeline
+from sdxl.serving import FALLBACK_MODEL, QueueFullError, TextToImage, load_pipeline
 from sdxl.styles import NO_STYLE, STYLES
 
 EXAMPLES = [
@@ -36,13 +36,15 @@ EXAMPLES = [
 ]
 
 
-def _text_reaches_validation(field):
-    """Gradio compares a number field's value with its bounds before the handler runs; text sent
-    through the API makes that comparison raise a TypeError, which reaches the client only as a
-    generic error. Text goes on to the service's validation instead, whose message names the field.
-    (Wrapped, not subclassed: Gradio writes a .pyi stub beside any module that subclasses a component.)"""
-    preprocess = field.preprocess
-    field.preprocess = lambda payload: payload if isinstance(payload, str) else preprocess(payload)
+def _checked_by_the_service(field):
+    """Gradio checks a number's bounds and a choice's options before the handler runs, with messages
+    that do not name the field ("Value 0 is less than minimum value 1."), and text sent for a number
+    makes its check raise a TypeError that reaches the client as a generic error; a list sent for a
+    prompt would be rendered as its Python text. The values go
+    unchanged to the service's validation instead (`sdxl.request`), whose one-sentence message names
+    the field and what it allows. (Replaced on the instance, not subclassed: Gradio writes a .pyi
+    stub beside any module that subclasses a component.)"""
+    field.preprocess = lambda payload: payload
 
 
 def _report_background_compile(batch: int, guided: bool, compiling) -> None:
@@ -121,6 +123,10 @@ class Demo:
 
     def compare(self, mode, prompts, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
                 sampler, *lora_scales, owner=None, progress=gr.Progress()):
+        if not isinstance(prompts, (str, type(None))):
+            raise gr.Error(f"prompts must be text (one per line), got {type(prompts).__name__} {prompts!r:.80}")
+        if mode not in (COMPARE_PROMPTS, COMPARE_SEEDS):
+            raise gr.Error(f"compare mode must be {COMPARE_PROMPTS!r} or {COMPARE_SEEDS!r}, got {mode!r}")
         if mode == COMPARE_PROMPTS:
             make = lambda: self.service.request_prompt_comparison(  # noqa: E731
                 (prompts or "").splitlines(), negative_prompt, style, seed, guidance_scale, steps, width, height,
@@ -173,11 +179,12 @@ def create_demo(demo: Demo) -> gr.Blocks:
                         f"{settings.guidance_scale:g}.", elem_id="model-settings")
         with gr.Tabs():
             with gr.Tab("Generate"):
-                prompt = gr.Textbox("", label="Prompt", placeholder="Describe an image", lines=2, elem_id="prompt")
+                prompt = gr.Textbox("", label="Prompt", placeholder=settings.placeholder, lines=2, elem_id="prompt")
                 negative = gr.Textbox("", label="Negative prompt", placeholder="What to avoid (optional)")
                 style = gr.Dropdown(list(STYLES), value=NO_STYLE, label="Style")
                 run = gr.Button("Generate", variant="primary", elem_id="generate")
-                gr.Examples(EXAMPLES, inputs=[prompt, style])
+                examples = [[text, NO_STYLE] for text in settings.examples] or EXAMPLES
+                gr.Examples(examples, inputs=[prompt, style])
             with gr.Tab("Compare"):
                 mode = gr.Radio([COMPARE_PROMPTS, COMPARE_SEEDS], value=COMPARE_PROMPTS, label="Compare")
                 compare_prompts = gr.Textbox("", label="Prompts (one per line) or one prompt", lines=4)
@@ -203,8 +210,9 @@ def create_demo(demo: Demo) -> gr.Blocks:
                      for source, scale in service.loras.items()]
             width = gr.Number(value=native[0], precision=None, visible=False)
             height = gr.Number(value=native[1], precision=None, visible=False)
-        for field in (num_seeds, seed, guidance, steps, per_core, width, height, *loras):
-            _text_reaches_validation(field)
+        for field in (prompt, negative, compare_prompts, compare_negative, num_seeds, seed, guidance, steps, per_core,
+                      width, height, *loras, style, compare_style, mode, sampler):
+            _checked_by_the_service(field)
         gallery = gr.Gallery(label="Images", columns=min(4, service.max_images), format="png", elem_id="gallery")
         status = gr.Markdown(elem_id="status")
 
@@ -289,8 +297,8 @@ def main() -> None:
     except CheckpointError as e:  # missing, corrupt or not downloadable: the reason in a line, as the CLI says it
         parser.exit(2, f"error: {e}\n")
     loaded = time.perf_counter()
-    model_name = "tiny" if notice else model_label(args.model, args.unet)
-    settings = Recommended() if notice else recommended(args.model, args.unet, pipe.spec.default_sampler)
+    model_name = FALLBACK_MODEL if notice else model_label(args.model, args.unet)
+    settings = recommended(FALLBACK_MODEL if notice else args.model, args.unet, pipe.spec.default_sampler)
     service = TextToImage(pipe, max_images_per_core=args.max_images_per_core, max_queued=args.max_queue,
                           max_per_owner=args.max_per_user, notice=notice, loras=loras, recommended=settings)
     width, height = service.sizes[0]

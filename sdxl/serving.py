@@ -189,9 +189,12 @@ class DeviceQueue:
                     on_update(ticket)
 
 
+FALLBACK_MODEL = "shapes"  # trained here, shipped in assets/: it draws what it is told, offline
+
+
 def load_pipeline(model: str, config: str | None = None, **kwargs) -> tuple[Pipeline, str | None]:
     """Loads `model` (with a single file's `config`); a Hub model that can't be fetched falls back
-    to the built-in tiny model.
+    to the built-in `shapes` model.
 
     Returns the pipeline and, after a fallback, a notice saying why and how to get real weights.
     """
@@ -199,14 +202,15 @@ def load_pipeline(model: str, config: str | None = None, **kwargs) -> tuple[Pipe
         return Pipeline.from_pretrained(model, config=config, **kwargs), None
     except HubUnavailableError as e:
         notice = (
-            f"{e}. Showing the built-in tiny model instead (random weights, noise-like images). "
+            f"{e}. Showing the built-in {FALLBACK_MODEL} model instead: it draws coloured circles, squares and "
+            f"triangles on coloured backgrounds (try the examples). "
             f"For real images, start once where the Hub is reachable and without HF_HUB_OFFLINE=1: the "
             f"files the pipeline loads (configs, tokenizers, safetensors weights) are then downloaded into "
             f"your Hugging Face cache, and later starts read them from there, offline too."
         )
         log.warning(notice)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("scheduler", "unet")}  # the model's, not tiny's
-        return Pipeline.from_pretrained("tiny", **kwargs), notice
+        return Pipeline.from_pretrained(FALLBACK_MODEL, **kwargs), notice
 
 
 class TextToImage:
@@ -223,7 +227,7 @@ class TextToImage:
         self.recommended = recommended
         self.loras = dict(loras or {})
         self.max_images_per_core = max_images_per_core
-        self.sizes = size_presets(pipe)
+        self.sizes = list(recommended.sizes) if recommended.sizes else size_presets(pipe)
         self.queue = DeviceQueue(pipe, max_batch_images=pipe.num_devices * max_images_per_core, max_queued=max_queued,
                                  max_per_owner=max_per_owner)
 
@@ -250,7 +254,9 @@ class TextToImage:
     def _styled(prompt, negative_prompt, style) -> tuple[str, str]:
         if style not in STYLES:
             raise ValueError(f"unknown style {style!r}; choose one of: {', '.join(STYLES)}")
-        if not isinstance(prompt, str) or not prompt.strip():
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be text, got {type(prompt).__name__} {prompt!r:.80}")
+        if not prompt.strip():
             raise ValueError("please enter a prompt (an empty prompt would give unguided, random images)")
         if not isinstance(negative_prompt, (str, type(None))):
             raise ValueError(f"negative prompt must be text, got {negative_prompt!r:.80}")

@@ -1,5 +1,5 @@
-"""What published few-step models need and expect, told by their names: scheduler fields, steps and
-guidance, as their model cards give them.
+"""What known models need and expect, told by their names: scheduler fields, steps and guidance as
+their model cards give them, and for the built-in `shapes` model what the demo offers.
 
 A checkpoint's own scheduler config says which sampler it wants (`ModelSpec.default_sampler`), but
 not how many steps or how much guidance it was distilled for, and an SDXL-Lightning UNet comes as a
@@ -11,6 +11,7 @@ import dataclasses
 import re
 from pathlib import PurePosixPath
 
+from .. import shapes
 from ..request import DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS
 
 
@@ -22,6 +23,11 @@ class Recommended:
     guidance_scale: float = DEFAULT_GUIDANCE_SCALE
     scheduler: dict | None = None  # fields replacing the checkpoint's scheduler config
     note: str = ""  # where the numbers come from, for people
+    # For the demo: the sizes the model draws (None: its native aspect-ratio presets), prompts to try,
+    # and the prompt box's placeholder.
+    sizes: tuple[tuple[int, int], ...] | None = None
+    examples: tuple[str, ...] = ()
+    placeholder: str = "Describe an image"
 
     @property
     def few_step(self) -> bool:
@@ -33,6 +39,19 @@ _MODELS = {
     "stabilityai/sdxl-turbo": Recommended(1, 0.0, note="SDXL-Turbo: 1-4 steps without guidance"),
     "stabilityai/sd-turbo": Recommended(1, 0.0, note="SD-Turbo: 1-4 steps without guidance"),
     "latent-consistency/lcm-sdxl": Recommended(4, 1.0, note="LCM: 2-8 steps, guidance 1-2"),
+    "shapes": Recommended(
+        note="The built-in shapes model draws one circle, square or triangle, in red, green, blue, yellow, "
+        "orange, purple, white or black, small or large, in the center, at the top or bottom or on the left or "
+        "right, on a background of another of those colours, at 64x64",
+        sizes=((shapes.NATIVE_SIZE, shapes.NATIVE_SIZE),),
+        examples=(
+            "a red circle on a blue background",
+            "a large yellow triangle at the top on a purple background",
+            "a small white square on the left on a black background",
+            "an orange circle at the bottom on a green background",
+        ),
+        placeholder="a red circle on a blue background",
+    ),
 }
 # SDXL-Lightning's UNet files: "sdxl_lightning_4step_unet.safetensors" (1, 2, 4 and 8 steps).
 _LIGHTNING_UNET = re.compile(r"sdxl_lightning_(\d+)step_unet")
@@ -52,7 +71,7 @@ def recommended(model: str, unet: str | None = None, default_sampler: str | None
             return Recommended(steps, 0.0, scheduler, note)
     name = str(model).rstrip("/")
     for repo_id, settings in _MODELS.items():
-        if name == repo_id or name.endswith("/" + repo_id.split("/")[1]):
+        if name == repo_id or name.endswith("/" + repo_id.split("/")[-1]):  # or a folder named after it
             return settings
     if default_sampler == "lcm":
         return _MODELS["latent-consistency/lcm-sdxl"]
