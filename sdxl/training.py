@@ -1,16 +1,19 @@
 """Training the `shapes` model from scratch: the example of how to train or fine-tune with this code.
 
-    python -m sdxl train-shapes --out DIR [--seed 0] [--vae-steps N] [--steps N]
+    python -m sdxl train-shapes --out DIR [--seed 0] [--vae-steps N] [--steps N] [--decoder-steps N]
+    python -m sdxl train-shapes --init MODEL --out DIR ...   # fine-tune a shapes model instead
 
-Two phases, each a jitted optax step over batches that `sdxl.shapes` renders on the fly:
+Up to three phases, each a jitted optax step over batches that `sdxl.shapes` renders on the fly:
 
 1. The VAE: L1 reconstruction of a posterior sample, plus a small KL term towards N(0, 1).
 2. Both text encoders and the UNet together, on the frozen VAE's scaled latents, with the epsilon
-   loss of SDXL's scheduler (scaled-linear betas, 1000 steps). The UNet is conditioned exactly as
-   `sdxl.Pipeline` conditions it: both encoders' penultimate hidden states as the context, the
+   loss of the model's scheduler (`shapes.SCHEDULER`: DDPM's linear betas, 1000 steps). The UNet is
+   conditioned exactly as `sdxl.Pipeline` conditions it: both encoders' penultimate hidden states as the context, the
    second's projected pooled output and the size ids (h, w, 0, 0, h, w) as the added embedding. One
    caption in ten is dropped, with its conditioning zeroed as the pipeline zeroes an empty negative
    prompt (`force_zeros_for_empty_prompt`): that is the unconditional branch of classifier-free guidance.
+3. Optionally (`--decoder-steps`), the VAE's decoder alone, the encoder frozen: sharper images from
+   the same latents.
 
 Everything follows from the seed: batch `s` of a phase is rendered from (seed, phase, s) and its
 noise drawn from a key folded from the same, so a run stopped and resumed from a checkpoint (written
@@ -19,7 +22,8 @@ learning rate is constant after a warm-up, so the weights after N steps do not d
 Each checkpoint also exports the model (the UNet and text encoders' moving averages) to DIR/model,
 a diffusers folder that `sdxl.Pipeline.from_pretrained` loads.
 
-To fine-tune instead: load a model's parameters in place of `init_*`, and feed your own batches.
+To fine-tune: `--init MODEL` starts phase 2 from a model's parameters (keeping its VAE); to train on
+other data, feed your own batches to the same steps.
 """
 
 import argparse
@@ -59,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"), help="of the exported weights")
     parser.add_argument("--init", help="a shapes model folder to fine-tune: its VAE is kept (no phase 1), "
                         "its text encoders and UNet are trained on")
+    parser.add_argument("--decoder-steps", type=int, default=0,
+                        help="then sharpen the VAE's decoder alone, the encoder (so the latents) kept as they are")
+    parser.add_argument("--decoder-lr", type=float, default=3e-4)
 
 
 def command(args: argparse.Namespace) -> None:
@@ -73,7 +80,9 @@ def command(args: argparse.Namespace) -> None:
         vae_params = train_vae(args, out / "checkpoints" / "vae.msgpack")
         scaling_factor = latent_scaling_factor(vae_params, args.seed)
         print(f"VAE done; latent scaling factor {scaling_factor:.4f}", flush=True)
-    train_diffusion(args, out, vae_params, scaling_factor, initial)
+    diffusion = jax.device_get(train_diffusion(args, out, vae_params, scaling_factor, initial)["ema"])
+    if args.decoder_steps:
+        vae_params = train_decoder(args, out, vae_params, diffusion, scaling_factor)
     print(f"done in {(time.perf_counter() - start) / 60:.1f} min; the model is in {out / 'model'}", flush=True)
 
 
@@ -254,10 +263,44 @@ def train_diffusion(args, out: Path, vae_params: dict, scaling_factor: float, in
         return ids, keep.astype(np.float32)
 
     def export(state):
-        params = {"vae": vae_params, **jax.device_get(state["ema"])}
-        shapes.write_model(out / "model", params, scaling_factor, args.dtype)
+        export_model(out, vae_params, jax.device_get(state["ema"]), scaling_factor, args.dtype)
 
     return run(state, step, args.steps, args, path, phase=2, batch=args.batch, inputs=batch_inputs, export=export)
+
+
+def export_model(out: Path, vae_params: dict, diffusion_params: dict, scaling_factor: float, dtype: str) -> None:
+    """Writes the model (the VAE, and the text encoders and UNet) to out/model, a diffusers folder."""
+    shapes.write_model(out / "model", {"vae": vae_params, **diffusion_params}, scaling_factor, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 3 (optional): the decoder alone.
+
+DECODER_PARAMS = ("post_quant_conv", "decoder")
+
+
+def train_decoder(args, out: Path, vae_params: dict, diffusion_params: dict, scaling_factor: float) -> dict:
+    """The VAE with its decoder trained on for `--decoder-steps`, on the frozen encoder's posterior
+    samples: sharper corners, from the same latents the UNet learnt to draw."""
+    tx = optimizer(args.decoder_lr)
+    frozen = {k: v for k, v in vae_params.items() if k not in DECODER_PARAMS}
+    trained = {k: vae_params[k] for k in DECODER_PARAMS}
+    path = out / "checkpoints" / "decoder.msgpack"
+    state = restore(path, {"step": jnp.int32(0), "params": trained, "opt": tx.init(trained)})
+
+    @jax.jit
+    def step(state, images, key):
+        # The KL term does not depend on the decoder; the reconstruction is all that is left.
+        loss_fn = lambda decoder: vae_loss(frozen | decoder, images, key, kl_weight=0.0)  # noqa: E731
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    def export(state):
+        export_model(out, frozen | jax.device_get(state["params"]), diffusion_params, scaling_factor, args.dtype)
+
+    state = run(state, step, args.decoder_steps, args, path, phase=3, batch=args.vae_batch, export=export)
+    return frozen | jax.device_get(state["params"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ _MODELS = {
     "stabilityai/sdxl-turbo": Recommended(1, 0.0, note="SDXL-Turbo: 1-4 steps without guidance"),
     "stabilityai/sd-turbo": Recommended(1, 0.0, note="SD-Turbo: 1-4 steps without guidance"),
     "latent-consistency/lcm-sdxl": Recommended(4, 1.0, note="LCM: 2-8 steps, guidance 1-2"),
-    "shapes": Recommended(
+    "shapes": Recommended(  # its model card: guidance 3 scores best (assets/shapes/README.md)
+        guidance_scale=3.0,
         note="The built-in shapes model draws one circle, square or triangle, in red, green, blue, yellow, "
         "orange, purple, white or black, small or large, in the center, at the top or bottom or on the left or "
         "right, on a background of another of those colours, at 64x64",
