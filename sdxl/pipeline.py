@@ -173,6 +173,8 @@ class Pipeline:
     ) -> GenerateProgram:
         """The program for a sampler (None: the model's default sampler), size, output type and guidance."""
         sampler = self.spec.default_sampler if sampler is None else sampler
+        # An LCM UNet takes the guidance scale as an embedding, with no unconditional pass (as diffusers).
+        guided = guided and self.spec.unet.time_cond_proj_dim is None
         return GenerateProgram(self.spec, sampler, height, width, self.dtype, as_uint8, guided)
 
     def _compiled_stage(

@@ -120,8 +120,9 @@ class GenerateProgram:
     the CPU), and so saves tracing the UNet a second time.
 
     Without guidance (`guided=False`: no image of the batch has a guidance scale above 1, where
-    diffusers uses the conditional prediction alone) the UNet sees only the prompts, one pass per
-    step on B latents instead of 2B; the negative prompts' ids are then not read.
+    diffusers uses the conditional prediction alone, or an LCM UNet that takes the scale as an
+    embedding) the UNet sees only the prompts, one pass per step on B latents instead of 2B; the
+    negative prompts' ids are then not read.
 
     `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"]} parameter tree.
     """
@@ -150,6 +151,9 @@ class GenerateProgram:
             cond["text_embeds"] = pooled * keep[:, None].astype(pooled.dtype)
             cond["time_ids"] = jnp.broadcast_to(time_ids, (len(ids), 6))
 
+        if spec.unet.time_cond_proj_dim is not None:  # an LCM UNet: the guidance scale as an embedding
+            w = inputs.guidance_scale - 1
+            cond["timestep_cond"] = unet.guidance_scale_embedding(w, spec.unet.time_cond_proj_dim)
         noise_keys, sampler_keys = per_image_keys(inputs.seeds, inputs.image_index)
         noise = inputs.noise
         if noise is None:

@@ -108,7 +108,6 @@ class UNetConfig:
             "time_embedding_dim": None,
             "time_embedding_act_fn": None,
             "timestep_post_act": None,
-            "time_cond_proj_dim": None,
         }
         for name, supported in required.items():
             if getattr(self, name) != supported:
@@ -209,14 +208,24 @@ def timestep_embedding(timesteps: jax.Array, dim: int, flip_sin_to_cos: bool, fr
     return jnp.pad(jnp.concatenate(waves, axis=-1), ((0, 0), (0, dim % 2)))
 
 
+def guidance_scale_embedding(w: jax.Array, dim: int) -> jax.Array:
+    """[N, dim] float32: diffusers' `get_guidance_scale_embedding(w, dim)`, the sinusoidal embedding
+    of w * 1000 with frequencies 10000 ** (-i / (dim // 2 - 1)), sines first. LCM UNets take the
+    guidance scale this way (w = scale - 1) instead of a second, unconditional pass."""
+    return timestep_embedding(jnp.asarray(w, jnp.float32) * 1000.0, dim, flip_sin_to_cos=False, freq_shift=1)
+
+
 class TimestepEmbedding(nn.Module):
-    """Linear -> SiLU -> linear MLP that lifts a sinusoidal (or any) vector to the time-embedding width."""
+    """Linear -> SiLU -> linear MLP that lifts a sinusoidal (or any) vector to the time-embedding width;
+    with a `condition` (an LCM UNet's guidance embedding), its projection `cond_proj` is added first."""
 
     features: int
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x):  # [B, D] -> [B, features]
+    def __call__(self, x, condition=None):  # [B, D] (, [B, D_cond]) -> [B, features]
+        if condition is not None:
+            x = x + Linear(x.shape[-1], use_bias=False, dtype=self.dtype, name="cond_proj")(condition)
         x = nn.silu(Linear(self.features, dtype=self.dtype, name="linear_1")(x))
         return Linear(self.features, dtype=self.dtype, name="linear_2")(x)
 
@@ -380,7 +389,7 @@ class UNet2DConditionModel(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None):
+    def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None, timestep_cond=None):
         """Runs the UNet.
 
         Args:
@@ -390,6 +399,8 @@ class UNet2DConditionModel(nn.Module):
           text_embeds: [B, D_pooled] pooled text embedding; required for addition_embed_type 'text_time'.
           time_ids: [B, N] size and crop conditioning (N = 6 for SDXL base: original size, crop
             top-left, target size); required for addition_embed_type 'text_time'.
+          timestep_cond: [B, time_cond_proj_dim] the guidance embedding (`guidance_scale_embedding`);
+            required when the config has a time_cond_proj_dim (LCM UNets).
 
         Returns:
           [B, H, W, out_channels] in `dtype`.
@@ -402,7 +413,10 @@ class UNet2DConditionModel(nn.Module):
 
         timesteps = jnp.broadcast_to(jnp.asarray(timesteps, jnp.float32), (batch,))
         t_emb = timestep_embedding(timesteps, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
-        temb = TimestepEmbedding(cfg.time_embed_dim, dtype, name="time_embedding")(t_emb.astype(dtype))
+        if (timestep_cond is None) != (cfg.time_cond_proj_dim is None):
+            raise ValueError(f"time_cond_proj_dim={cfg.time_cond_proj_dim}: timestep_cond is needed exactly then")
+        condition = None if timestep_cond is None else timestep_cond.astype(dtype)
+        temb = TimestepEmbedding(cfg.time_embed_dim, dtype, name="time_embedding")(t_emb.astype(dtype), condition)
         if cfg.addition_embed_type == "text_time":
             if text_embeds is None or time_ids is None:
                 raise ValueError("addition_embed_type 'text_time' needs text_embeds and time_ids")
@@ -483,5 +497,7 @@ def abstract_params(config: UNetConfig) -> dict:
         # Only the concatenated width reaches a parameter, so one time id will do.
         pooled_dim = config.projection_class_embeddings_input_dim - config.addition_time_embed_dim
         inputs.update(text_embeds=dummy(1, pooled_dim), time_ids=dummy(1, 1))
+    if config.time_cond_proj_dim is not None:
+        inputs.update(timestep_cond=dummy(1, config.time_cond_proj_dim))
     model = UNet2DConditionModel(config)
     return jax.eval_shape(model.init, jax.random.key(0), **inputs)["params"]

@@ -176,6 +176,32 @@ def test_stochastic_samplers_match_diffusers_given_the_same_noise(
     assert np.abs(other_seed - got).max() > 1e-2, "the step noise must come from the seed"
 
 
+def test_an_lcm_unet_takes_the_guidance_as_an_embedding_like_diffusers(tmp_path, monkeypatch):
+    """An LCM UNet (time_cond_proj_dim, as SimianLuo/LCM_Dreamshaper_v7): guidance is the embedding
+    of scale - 1 added to the time embedding, and there is no unconditional pass."""
+    configs = {
+        **random_models.SDXL_CONFIGS,
+        "unet/config.json": {**random_models.SDXL_CONFIGS["unet/config.json"], "time_cond_proj_dim": 16},
+        "scheduler/scheduler_config.json": {
+            **random_models.SDXL_CONFIGS["scheduler/scheduler_config.json"], "_class_name": "LCMScheduler"},
+    }
+    ref = sdxl_pipeline(tmp_path, configs)
+    pipe = Pipeline.from_pretrained(tmp_path, dtype="float32", max_steps=8)
+    assert pipe.spec.default_sampler == "lcm"
+    seed, steps, latents = 3, 3, _latents(2, seed=7)
+    _diffusers_draws_our_step_noise(monkeypatch, scheduling_lcm, seed, 2)
+    expected = _diffusers_images(ref, PROMPTS, NEGATIVES, latents, steps=steps, guidance=6.0)
+    kwargs = dict(seed=seed, steps=steps, height=HEIGHT, width=WIDTH, latents=latents, output_type="np")
+    got = pipe.generate(PROMPTS, NEGATIVES, guidance_scale=6.0, **kwargs)
+    with CompileCounter() as compiles:  # the scale is a traced input of the one (unguided) program
+        other_guidance = pipe.generate(PROMPTS, NEGATIVES, guidance_scale=2.0, **kwargs)
+    diff = np.abs(got - expected).max()
+    print(f"LCM UNet max abs diff vs diffusers, same noise: {diff:.2e}")
+    assert diff <= 1e-4
+    assert np.abs(other_guidance - got).max() > 1e-2, "the guidance embedding must matter"
+    assert compiles.count == 0
+
+
 @pytest.mark.parametrize(
     "sampler, scheduler_cls, options",
     [

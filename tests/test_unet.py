@@ -209,7 +209,6 @@ def test_sdxl_base_parameter_count():
         dict(only_cross_attention=True),
         dict(addition_embed_type="text"),
         dict(class_embed_type="timestep"),
-        dict(time_cond_proj_dim=256),
         dict(down_block_types=("DownBlock2D", "AttnDownBlock2D", "CrossAttnDownBlock2D")),
         dict(transformer_layers_per_block=(1, 2)),
         dict(attention_head_dim=(5, 10, 7)),
