@@ -289,6 +289,23 @@ def test_same_seed_same_images_on_one_and_four_devices(reference, pipe):
     np.testing.assert_array_equal(np.asarray(pil[2]), np.round(four_images[2] * 255).astype(np.uint8))
 
 
+def test_what_a_larger_batch_guarantees(pipe):
+    """The README's promise: a request rendered alone (4 images) and merged into a batch of 16 gives
+    floats within 1e-4 and uint8 pixels within 1, in at most 0.1% of the values; again alone, the same."""
+    alone = Request.from_prompt("a cat", num_images=4, seed=11, steps=3, height=HEIGHT, width=WIDTH)
+    others = Request.from_prompt("a dog", num_images=12, seed=12, steps=3, height=HEIGHT, width=WIDTH)
+    merged = Request.merged([alone, others])
+    for as_uint8 in (False, True):
+        first = pipe.render(alone, as_uint8=as_uint8).images
+        in_batch = pipe.render(merged, as_uint8=as_uint8).images[:4]
+        np.testing.assert_array_equal(pipe.render(alone, as_uint8=as_uint8).images, first)
+        difference = np.abs(first.astype(np.float64) - in_batch)
+        if as_uint8:
+            assert difference.max() <= 1 and np.mean(difference > 0) <= 1e-3, np.mean(difference > 0)
+        else:
+            assert difference.max() <= 1e-4
+
+
 def test_two_processes_render_the_images_of_one(reference, pipe, tmp_path):
     """Several hosts, as on a TPU pod slice: 2 processes of 2 CPU devices make one 4-device mesh,
     and each gets every image of the batch, the same as one process with 4 devices."""
