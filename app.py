@@ -290,7 +290,7 @@ def main() -> None:
     start = time.perf_counter()
     loras = dict(args.lora)
     try:
-        scheduler = recommended(args.model, args.unet).scheduler
+        scheduler = recommended(args.model, args.unet, loras=tuple(loras)).scheduler
         pipe, notice = load_pipeline(args.model, config=args.config, dtype=args.dtype, scheduler=scheduler,
                                      unet=args.unet)
         pipe.set_loras(loras)  # each file read and checked now, not at a user's first request
@@ -298,7 +298,8 @@ def main() -> None:
         parser.exit(2, f"error: {e}\n")
     loaded = time.perf_counter()
     model_name = FALLBACK_MODEL if notice else model_label(args.model, args.unet)
-    settings = recommended(FALLBACK_MODEL if notice else args.model, args.unet, pipe.spec.default_sampler)
+    settings = recommended(FALLBACK_MODEL if notice else args.model, args.unet, pipe.spec.default_sampler,
+                           tuple(loras))
     service = TextToImage(pipe, max_images_per_core=args.max_images_per_core, max_queued=args.max_queue,
                           max_per_owner=args.max_per_user, notice=notice, loras=loras, recommended=settings)
     width, height = service.sizes[0]

@@ -17,13 +17,14 @@ from .sampling import SAMPLER_NAMES, SAMPLERS
 def generate_command(args: argparse.Namespace) -> None:
     enable_compilation_cache(args.cache_dir)
     start = time.perf_counter()
-    scheduler = known.recommended(args.model, args.unet).scheduler
+    lora_sources = tuple(source for source, _ in args.lora or ())
+    scheduler = known.recommended(args.model, args.unet, loras=lora_sources).scheduler
     pipe = Pipeline.from_pretrained(
         args.model, dtype=args.dtype, max_steps=max(100, args.steps or 0), config=args.config, scheduler=scheduler,
         unet=args.unet,
     )
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s ({pipe.dtype.name}, {pipe.device_description})")
-    settings = known.recommended(args.model, args.unet, pipe.spec.default_sampler)
+    settings = known.recommended(args.model, args.unet, pipe.spec.default_sampler, lora_sources)
     steps = settings.steps if args.steps is None else args.steps
     guidance_scale = settings.guidance_scale if args.guidance_scale is None else args.guidance_scale
     if settings.note:

@@ -332,3 +332,10 @@ def test_a_lightning_unet_file_replaces_the_base_unet_which_is_never_fetched(tin
 def test_recommended_settings_of_known_few_step_models(model, unet, sampler, expected):
     settings = known.recommended(model, unet, sampler)
     assert (settings.steps, settings.guidance_scale, settings.scheduler) == expected
+
+
+def test_a_hyper_sd_lora_asks_for_ddim_with_trailing_steps():
+    settings = known.recommended(SDXL_REPO, loras=("ByteDance/Hyper-SD/Hyper-SDXL-8steps-lora.safetensors",))
+    assert (settings.steps, settings.guidance_scale) == (8, 0.0)
+    assert settings.scheduler == {"_class_name": "DDIMScheduler", "timestep_spacing": "trailing"}
+    assert known.recommended(SDXL_REPO, loras=("style.safetensors",)).steps == 25

@@ -58,11 +58,24 @@ _MODELS = {
 }
 # SDXL-Lightning's UNet files: "sdxl_lightning_4step_unet.safetensors" (1, 2, 4 and 8 steps).
 _LIGHTNING_UNET = re.compile(r"sdxl_lightning_(\d+)step_unet")
+# Hyper-SD's N-step LoRAs: "Hyper-SDXL-8steps-lora.safetensors", "Hyper-SD15-4steps-lora.safetensors"
+# (DDIM with trailing steps, without guidance; the "CFG" variants keep guidance, and the 1-step
+# LoRA asks for TCD with eta 1, which the "tcd" sampler's fixed gamma 0.3 is not).
+_HYPER_SD_LORA = re.compile(r"Hyper-SD(?:XL|15)-(\d+)steps?-lora", re.IGNORECASE)
 
 
-def recommended(model: str, unet: str | None = None, default_sampler: str | None = None) -> Recommended:
-    """The settings a model's card gives, by its Hub id, its UNet file's name, or its scheduler (an
-    LCMScheduler, whose sampler is "lcm": 4 steps, guidance 1); the package's defaults for any other."""
+def recommended(
+    model: str, unet: str | None = None, default_sampler: str | None = None, loras: tuple[str, ...] = ()
+) -> Recommended:
+    """The settings a model's card gives, by its Hub id, its UNet file's name, a few-step LoRA's
+    name, or its scheduler (an LCMScheduler, whose sampler is "lcm": 4 steps, guidance 1); the
+    package's defaults for any other."""
+    for source in loras:
+        match = _HYPER_SD_LORA.search(PurePosixPath(str(source)).name)
+        if match and int(match.group(1)) > 1:
+            steps = int(match.group(1))
+            scheduler = {"_class_name": "DDIMScheduler", "timestep_spacing": "trailing"}
+            return Recommended(steps, 0.0, scheduler, f"Hyper-SD {steps}-step LoRA: DDIM with trailing steps")
     if unet is not None:
         match = _LIGHTNING_UNET.search(PurePosixPath(str(unet)).name)
         if match:
