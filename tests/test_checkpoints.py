@@ -225,15 +225,15 @@ REFINER_INDEX = {
             "an inpainting model",
         ),
         (SDXL_BASE_FILES, _sdxl_configs(**{"unet/config.json": {"in_channels": 8}}), "8 input channels"),
-        (SDXL_BASE_FILES, _sdxl_configs(**{"scheduler/scheduler_config.json": {"_class_name": "LCMScheduler"}}),
-         "scheduler LCMScheduler is not implemented"),
+        (SDXL_BASE_FILES, _sdxl_configs(**{"scheduler/scheduler_config.json": {"_class_name": "HeunScheduler"}}),
+         "scheduler HeunScheduler is not implemented"),
         (SDXL_BASE_FILES, _sdxl_configs(**{"scheduler/scheduler_config.json": {
             "_class_name": "EDMDPMSolverMultistepScheduler"}}), "EDMDPMSolverMultistepScheduler is not implemented"),
         (SDXL_BASE_FILES, _sdxl_configs(**{"unet/config.json": {"transformer_layers_per_block": [[1], [1, 2]]}}),
          "transformer_layers_per_block must be an int or one int per level"),
         (SDXL_BASE_FILES, _sdxl_configs(**{"vae/config.json": {"shift_factor": 0.1159}}), "shift_factor"),
     ],
-    ids=["refiner", "inpainting", "9-channel-unet", "lcm", "playground-edm", "ssd-1b-style-unet", "vae-shift"],
+    ids=["refiner", "inpainting", "9-channel-unet", "heun", "playground-edm", "ssd-1b-style-unet", "vae-shift"],
 )
 def test_an_unsupported_model_is_refused_before_its_weights_are_fetched(
     tiny_weights, tmp_path, monkeypatch, file_list, configs, reason
