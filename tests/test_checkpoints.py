@@ -225,8 +225,9 @@ REFINER_INDEX = {
             "an inpainting model",
         ),
         (SDXL_BASE_FILES, _sdxl_configs(**{"unet/config.json": {"in_channels": 8}}), "8 input channels"),
-        (SDXL_BASE_FILES, _sdxl_configs(**{"scheduler/scheduler_config.json": {"_class_name": "HeunScheduler"}}),
-         "scheduler HeunScheduler is not implemented"),
+        (SDXL_BASE_FILES,
+         _sdxl_configs(**{"scheduler/scheduler_config.json": {"_class_name": "HeunDiscreteScheduler"}}),
+         "scheduler HeunDiscreteScheduler is not implemented"),
         (SDXL_BASE_FILES, _sdxl_configs(**{"scheduler/scheduler_config.json": {
             "_class_name": "EDMDPMSolverMultistepScheduler"}}), "EDMDPMSolverMultistepScheduler is not implemented"),
         (SDXL_BASE_FILES, _sdxl_configs(**{"unet/config.json": {"transformer_layers_per_block": [[1], [1, 2]]}}),
