@@ -161,6 +161,10 @@ def _gradio_handler(handler, sources):
     return gradio_handler
 
 
+CACHE_EXPIRY = (600, 3600)  # Gradio's delete_cache: (every, older than), seconds
+# The demo has no upload field, yet Gradio's upload endpoint takes any file; bound what it accepts.
+MAX_UPLOAD = "1mb"
+
 COMPARE_PROMPTS = "One prompt per line, same seed"
 COMPARE_SEEDS = "One prompt, consecutive seeds"
 
@@ -170,7 +174,8 @@ def create_demo(demo: Demo) -> gr.Blocks:
     pipe = service.pipe
     settings = service.recommended
     native = service.sizes[0]
-    with gr.Blocks(title="SDXL on JAX") as blocks:
+    # Generated images are served from Gradio's cache: clear what is older than an hour, every 10 minutes.
+    with gr.Blocks(title="SDXL on JAX", delete_cache=CACHE_EXPIRY) as blocks:
         gr.Markdown(f"# SDXL on JAX\n`{demo.model_name}` on {pipe.device_description}: one image per core.")
         if service.notice:
             gr.Markdown(f"**Note:** {service.notice}", elem_id="model-notice")
@@ -320,7 +325,9 @@ def main() -> None:
         compiling = service.queue.compile_in_background(height, width, batch, guided=guided)
         if compiling is not None:
             compiling.add_done_callback(functools.partial(_report_background_compile, batch, guided))
-    create_demo(Demo(service, model_name)).launch(server_name=args.host, server_port=args.port, share=args.share)
+    create_demo(Demo(service, model_name)).launch(
+        server_name=args.host, server_port=args.port, share=args.share, max_file_size=MAX_UPLOAD
+    )
 
 
 if __name__ == "__main__":

@@ -237,6 +237,25 @@ def test_a_launched_lora_applies_at_the_scale_a_request_gives(client):
     assert [p.tobytes() for p in _pixels(again)] == [p.tobytes() for p in _pixels(plain)]
 
 
+def test_uploads_are_bounded(server):
+    """The demo has no upload field; Gradio's upload endpoint refuses files over 1 MB (issue 21, hole 4)."""
+    def upload(size: int) -> int:
+        boundary = "sdxlboundary"
+        head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"x.bin\"\r\n"
+                f"Content-Type: application/octet-stream\r\n\r\n")
+        body = head.encode() + b"x" * size + f"\r\n--{boundary}--\r\n".encode()
+        request = urllib.request.Request(server.url + "gradio_api/upload", data=body, method="POST",
+                                         headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert upload(1000) == 200
+    assert upload(2 * 2**20) == 413
+
+
 def test_one_image_is_counted_in_the_singular(client):  # what a one-core demo says every time
     _, status = client.submit(
         mode=COMPARE_SEEDS, prompts="a castle", seed=1, num_seeds=1, steps=1, api_name="/compare"
