@@ -182,44 +182,55 @@ def create_demo(demo: Demo) -> gr.Blocks:
         if settings.note:
             gr.Markdown(f"{settings.note}: the defaults below are {settings.steps} step(s) at guidance "
                         f"{settings.guidance_scale:g}.", elem_id="model-settings")
-        with gr.Tabs():
-            with gr.Tab("Generate"):
-                prompt = gr.Textbox("", label="Prompt", placeholder=settings.placeholder, lines=2, elem_id="prompt")
-                negative = gr.Textbox("", label="Negative prompt", placeholder="What to avoid (optional)")
-                style = gr.Dropdown(list(STYLES), value=NO_STYLE, label="Style")
-                run = gr.Button("Generate", variant="primary", elem_id="generate")
-                examples = [[text, NO_STYLE] for text in settings.examples] or EXAMPLES
-                gr.Examples(examples, inputs=[prompt, style])
-            with gr.Tab("Compare"):
-                mode = gr.Radio([COMPARE_PROMPTS, COMPARE_SEEDS], value=COMPARE_PROMPTS, label="Compare")
-                compare_prompts = gr.Textbox("", label="Prompts (one per line) or one prompt", lines=4)
-                compare_negative = gr.Textbox("", label="Negative prompt")
-                compare_style = gr.Dropdown(list(STYLES), value=NO_STYLE, label="Style")
-                num_seeds = gr.Slider(1, service.max_images, value=pipe.num_devices, step=1, label="Seeds")
-                compare_run = gr.Button("Compare", variant="primary")
-        with gr.Accordion("Advanced", open=False):
-            with gr.Row():
-                # precision=None: Gradio would round a fractional seed (1.5 -> 2) before our check sees it.
-                seed = gr.Number(label="Seed", value=0, precision=None, minimum=0, maximum=MAX_SEED)
-                randomize = gr.Checkbox(label="Randomize seed", value=True)
-            guidance = gr.Slider(*GUIDANCE_SCALE_RANGE, value=settings.guidance_scale, step=0.5, label="Guidance scale",
-                                 info="1 or less: no guidance, one UNet pass per step (about twice as fast)")
-            steps = gr.Slider(1, pipe.max_steps, value=settings.steps, step=1, label="Steps")
-            size = gr.Dropdown([_size_label(w, h) for w, h in service.sizes], value=_size_label(*native), label="Size")
-            per_core = gr.Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
-            sampler = gr.Dropdown([(label, name) for name, label in SAMPLER_NAMES.items()],
-                                  value=pipe.spec.default_sampler, label="Sampler",
-                                  info="the model's own by default; each sampler compiles once, then stays cached")
-            loras = [gr.Slider(*LORA_SCALE_RANGE, value=scale, step=0.05, label=f"LoRA {Path(source).stem}",
-                               info="0 turns it off; changing LoRAs never recompiles")
-                     for source, scale in service.loras.items()]
-            width = gr.Number(value=native[0], precision=None, visible=False)
-            height = gr.Number(value=native[1], precision=None, visible=False)
+        # Controls on the left, the gallery on the right: on a laptop screen the prompt, the button and
+        # the pictures are all in view; on a phone the columns stack.
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=1, min_width=380):
+                with gr.Tabs():
+                    with gr.Tab("Generate"):
+                        prompt = gr.Textbox("", label="Prompt", placeholder=settings.placeholder, lines=2,
+                                            elem_id="prompt")
+                        negative = gr.Textbox("", label="Negative prompt", placeholder="What to avoid (optional)")
+                        style = gr.Dropdown(list(STYLES), value=NO_STYLE, label="Style")
+                        run = gr.Button("Generate", variant="primary", elem_id="generate")
+                        examples = [[text, NO_STYLE] for text in settings.examples] or EXAMPLES
+                        gr.Examples(examples, inputs=[prompt, style])
+                    with gr.Tab("Compare"):
+                        mode = gr.Radio([COMPARE_PROMPTS, COMPARE_SEEDS], value=COMPARE_PROMPTS, label="Compare")
+                        compare_prompts = gr.Textbox("", label="Prompts (one per line) or one prompt", lines=4)
+                        compare_negative = gr.Textbox("", label="Negative prompt")
+                        compare_style = gr.Dropdown(list(STYLES), value=NO_STYLE, label="Style")
+                        num_seeds = gr.Slider(1, service.max_images, value=pipe.num_devices, step=1, label="Seeds")
+                        compare_run = gr.Button("Compare", variant="primary")
+                with gr.Accordion("Advanced", open=False):
+                    with gr.Row():
+                        # precision=None: Gradio would round a fractional seed (1.5 -> 2) before our check sees it.
+                        seed = gr.Number(label="Seed", value=0, precision=None, minimum=0, maximum=MAX_SEED)
+                        randomize = gr.Checkbox(label="Randomize seed", value=True)
+                    guidance = gr.Slider(
+                        *GUIDANCE_SCALE_RANGE, value=settings.guidance_scale, step=0.5, label="Guidance scale",
+                        info="1 or less: no guidance, one UNet pass per step (about twice as fast)",
+                    )
+                    steps = gr.Slider(1, pipe.max_steps, value=settings.steps, step=1, label="Steps")
+                    size = gr.Dropdown([_size_label(w, h) for w, h in service.sizes], value=_size_label(*native),
+                                       label="Size")
+                    per_core = gr.Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
+                    sampler = gr.Dropdown(
+                        [(label, name) for name, label in SAMPLER_NAMES.items()], value=pipe.spec.default_sampler,
+                        label="Sampler", info="the model's own by default; each compiles once, then stays cached",
+                    )
+                    loras = [gr.Slider(*LORA_SCALE_RANGE, value=scale, step=0.05, label=f"LoRA {Path(source).stem}",
+                                       info="0 turns it off; changing LoRAs never recompiles")
+                             for source, scale in service.loras.items()]
+                    width = gr.Number(value=native[0], precision=None, visible=False)
+                    height = gr.Number(value=native[1], precision=None, visible=False)
+            with gr.Column(scale=1, min_width=380):
+                gallery = gr.Gallery(label="Images", columns=min(4, service.max_images), format="png",
+                                     elem_id="gallery")
+                status = gr.Markdown(elem_id="status")
         for field in (prompt, negative, compare_prompts, compare_negative, num_seeds, seed, guidance, steps, per_core,
                       width, height, *loras, style, compare_style, mode, sampler):
             _checked_by_the_service(field)
-        gallery = gr.Gallery(label="Images", columns=min(4, service.max_images), format="png", elem_id="gallery")
-        status = gr.Markdown(elem_id="status")
 
         size.change(lambda label: [int(v) for v in label.split("×")], size, [width, height], api_name=False)
 

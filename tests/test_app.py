@@ -467,11 +467,15 @@ def test_browser_generate(shapes_server, tmp_path):
             executable_path=CHROMIUM,
             args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-            viewport={"width": 1280, "height": 1000},
+            viewport={"width": 1280, "height": 800},
         )
         try:
             page = browser.new_page()
             page.goto(shapes_server.url, wait_until="networkidle")
+            # On a 1280x800 window the prompt, the button and the top of the gallery need no scrolling.
+            for element in ("#prompt textarea", "#generate", "#gallery"):
+                box = page.locator(element).bounding_box()
+                assert box and 0 <= box["y"] and box["y"] + min(box["height"], 40) <= 800, (element, box)
             expect(page.locator("#model-notice")).to_contain_text("Showing the built-in shapes model instead",
                                                                   timeout=30_000)
             page.locator("#prompt textarea").fill("a red circle on a blue background")
@@ -485,7 +489,7 @@ def test_browser_generate(shapes_server, tmp_path):
             sources = [img.get_attribute("src") for img in page.locator("#gallery img").all()]
         finally:
             browser.close()
-    assert Image.open(artifacts / "app.png").size[0] == 1280
+    assert Image.open(artifacts / "app.png").size[0] == 1280  # artifacts/app.png: look at it
     scores = []
     for source in sources:
         with urllib.request.urlopen(urllib.parse.urljoin(shapes_server.url, source), timeout=30) as response:
