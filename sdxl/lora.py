@@ -45,6 +45,7 @@ from .checkpoints import ModelSpec, locate_file
 from .checkpoints.single_file import unet_original
 from .weights import CheckpointError, SafetensorsFile, flatten, torch_axes, unflatten
 
+# sd-scripts' prefix of each component's layer names (`lora_te_` is SD 1.x/2.x's one text encoder).
 KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_te1_": "text_encoder", "lora_te_": "text_encoder",
                   "lora_te2_": "text_encoder_2"}
 DIFFUSERS_PREFIXES = {"unet.": "unet", "text_encoder.": "text_encoder", "text_encoder_2.": "text_encoder_2"}
@@ -79,11 +80,6 @@ class LoraLayer:
     up: np.ndarray  # [out, rank(, 1, 1)] float32
     factor: float  # alpha / rank (or / sqrt(rank) for rsLoRA)
 
-    def delta(self, shape: tuple[int, ...]) -> np.ndarray:
-        """The update of a weight of PyTorch shape `shape`, before the user's scale (for tests)."""
-        rank = self.down.shape[0]
-        return self.factor * (self.up.reshape(-1, rank) @ self.down.reshape(rank, -1)).reshape(shape)
-
 
 @dataclasses.dataclass(frozen=True)
 class Lora:
@@ -91,10 +87,6 @@ class Lora:
 
     name: str
     layers: tuple[LoraLayer, ...]
-
-    @property
-    def components(self) -> set[str]:
-        return {layer.component for layer in self.layers}
 
 
 def targets(spec: ModelSpec) -> dict[str, dict[str, tuple[str, ...]]]:
@@ -120,7 +112,6 @@ def kohya_names(spec: ModelSpec) -> dict[str, tuple[str, str]]:
     original UNet, by the SGM names of the single-file layout too; the text encoders' by
     transformers' names, with and without `text_model_`.
     """
-    prefixes = {"unet": ["lora_unet_"], "text_encoder": ["lora_te1_", "lora_te_"], "text_encoder_2": ["lora_te2_"]}
     table = {}
     for component, modules in targets(spec).items():
         for module in modules:
@@ -128,7 +119,7 @@ def kohya_names(spec: ModelSpec) -> dict[str, tuple[str, str]]:
                 names = [module, unet_original(module + ".weight", spec.unet).key.removesuffix(".weight")]
             else:  # transformers 5 names CLIPTextModel's layers without `text_model.`, as LoRAs saved from it do
                 names = [module, module.removeprefix("text_model.")]
-            for prefix in prefixes[component]:
+            for prefix in (p for p, c in KOHYA_PREFIXES.items() if c == component):
                 for name in names:
                     table[prefix + name.replace(".", "_")] = (component, module)
     return table
@@ -149,14 +140,15 @@ def read(path: str | os.PathLike, spec: ModelSpec, name: str | None = None) -> L
     factors: dict[tuple[str, str], dict[str, str]] = {}  # (component, module) -> {"down": key, ...}
     unknown = []
     for key in file.keys():
-        found = _layer_of(key, spec, kohya)
+        found = _layer_of(key, kohya)
         if found is None:
             unknown.append(key)
             continue
         component, module, factor = found
-        if component != "unet" and module not in layer_paths[component]:
+        modules = layer_paths.get(component, {})  # an SD 1.x model has no text_encoder_2
+        if component != "unet" and module not in modules:
             module = f"text_model.{module}"  # transformers 5 names CLIPTextModel's layers without it
-        if module not in layer_paths.get(component, {}):
+        if module not in modules:
             unknown.append(key)
             continue
         factors.setdefault((component, module), {})[factor] = key
@@ -166,7 +158,7 @@ def read(path: str | os.PathLike, spec: ModelSpec, name: str | None = None) -> L
     if not factors:
         raise CheckpointError(f"LoRA {where}: no LoRA weights in the file")
 
-    config = _peft_configs(file)
+    configs = _peft_configs(file)
     abstract = spec.abstract_params()
     layers, problems = [], []
     for (component, module), keys in sorted(factors.items()):
@@ -174,23 +166,21 @@ def read(path: str | os.PathLike, spec: ModelSpec, name: str | None = None) -> L
             problems.append(f"{component} {module}: only {', '.join(sorted(keys))}")
             continue
         down, up = (file.tensor(keys[f]).astype(np.float32) for f in ("down", "up"))
-        param_path = layer_paths[component][module]
-        flax_shape = _leaf(abstract[component], param_path).shape
-        shape = tuple(flax_shape[a] for a in torch_axes(param_path, len(flax_shape)))
+        shape = _torch_shape(abstract[component], layer_paths[component][module])
         rank = down.shape[0]
         if up.shape[:2] != (shape[0], rank) or math.prod(down.shape[1:]) != math.prod(shape[1:]):
             problems.append(f"{keys['down']}: factors {down.shape} and {up.shape} do not fit the layer's {shape}")
             continue
-        alpha = float(file.tensor(keys["alpha"])) if "alpha" in keys else config.get(component, {}).get(module)
-        rslora = config.get(component, {}).get("use_rslora", False)
-        factor = 1.0 if alpha is None else alpha / (math.sqrt(rank) if rslora else rank)
+        peft = configs.get(component, _PeftConfig())
+        alpha = float(file.tensor(keys["alpha"])) if "alpha" in keys else peft.alpha(module)
+        factor = 1.0 if alpha is None else alpha / (math.sqrt(rank) if peft.use_rslora else rank)
         layers.append(LoraLayer(component, module, down, up, factor))
     if problems:
         raise CheckpointError(f"LoRA {where} does not fit the model:\n" + "\n".join(f"  {p}" for p in problems))
     return Lora(where, tuple(layers))
 
 
-def _layer_of(key: str, spec: ModelSpec, kohya: dict) -> tuple[str, str, str] | None:
+def _layer_of(key: str, kohya: dict) -> tuple[str, str, str] | None:
     """(component, module key, "down" | "up" | "alpha") of a stored key, or None."""
     for pattern, factor in _FACTORS:
         match = pattern.fullmatch(key)
@@ -199,55 +189,52 @@ def _layer_of(key: str, spec: ModelSpec, kohya: dict) -> tuple[str, str, str] | 
         name = match["module"]
         if name in kohya:
             return (*kohya[name], factor)
-        component = next((c for p, c in DIFFUSERS_PREFIXES.items() if name.startswith(p)), None)
-        if component is None:
-            component, module = "unet", name  # diffusers' `save_attn_procs` wrote the UNet's unprefixed
-        else:
-            module = name.removeprefix(next(p for p, c in DIFFUSERS_PREFIXES.items() if c == component))
+        # diffusers' `save_attn_procs` wrote the UNet's layers unprefixed.
+        prefix, component = next(((p, c) for p, c in DIFFUSERS_PREFIXES.items() if name.startswith(p)), ("", "unet"))
+        module = name.removeprefix(prefix)
         if match.groupdict().get("projection"):
             module += "." + _PROCESSOR_PROJECTIONS[component][match["projection"]]
         return component, module, factor
     return None
 
 
-def _peft_configs(file: SafetensorsFile) -> dict[str, dict]:
-    """{component: {module key: alpha, "use_rslora": bool}} from the PEFT configs diffusers stores in
-    the file's metadata (`lora_adapter_metadata`, {"unet.lora_alpha": ..., ...}); {} without them.
+@dataclasses.dataclass(frozen=True)
+class _PeftConfig:
+    """The part of a component's PEFT `LoraConfig` that scales its updates."""
 
-    PEFT's `alpha_pattern` keys match a module name's tail; its `lora_alpha` is the rest's.
-    """
+    lora_alpha: float | None = None
+    alpha_pattern: dict = dataclasses.field(default_factory=dict)  # module-name tail -> alpha
+    use_rslora: bool = False
+
+    def alpha(self, module: str) -> float | None:
+        for pattern, alpha in self.alpha_pattern.items():
+            if re.match(rf"(.*\.)?({pattern})$", module):  # as PEFT matches alpha_pattern keys
+                return alpha
+        return self.lora_alpha
+
+
+def _peft_configs(file: SafetensorsFile) -> dict[str, _PeftConfig]:
+    """{component: its PEFT config} from the configs diffusers stores in the file's metadata
+    (`lora_adapter_metadata`, {"unet.lora_alpha": ..., ...}); {} without them."""
     metadata = file.metadata.get("lora_adapter_metadata")
     if not metadata:
         return {}
-    packed = json.loads(metadata)
-    configs: dict[str, dict] = {}
-    for packed_key, value in packed.items():
+    fields: dict[str, dict] = {}
+    for packed_key, value in json.loads(metadata).items():
         component, _, field = packed_key.partition(".")
-        configs.setdefault(component, {})[field] = value
-    return {component: _AlphaLookup(config) for component, config in configs.items()}
+        fields.setdefault(component, {})[field] = value
+    return {
+        component: _PeftConfig(config.get("lora_alpha"), config.get("alpha_pattern") or {},
+                               bool(config.get("use_rslora", False)))
+        for component, config in fields.items()
+    }
 
 
-class _AlphaLookup(dict):
-    """A component's PEFT config, answering `get(module)` with that module's alpha."""
-
-    def __init__(self, config: dict):
-        super().__init__(use_rslora=bool(config.get("use_rslora", False)))
-        self.alpha = config.get("lora_alpha")
-        self.patterns = config.get("alpha_pattern") or {}
-
-    def get(self, module, default=None):
-        if module in self:
-            return self[module]
-        for pattern, alpha in self.patterns.items():
-            if re.match(rf"(.*\.)?({pattern})$", module):  # as PEFT matches alpha_pattern keys
-                return alpha
-        return self.alpha
-
-
-def _leaf(tree: dict, path: tuple[str, ...]):
+def _torch_shape(tree: dict, path: tuple[str, ...]) -> tuple[int, ...]:
+    """The PyTorch-layout shape of the parameter at `path` of a component's parameter tree."""
     for name in path:
         tree = tree[name]
-    return tree
+    return tuple(tree.shape[a] for a in torch_axes(path, len(tree.shape)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,8 +284,7 @@ def write_random(path: str | os.PathLike, spec: ModelSpec, *, rank: int = 4, see
     abstract = spec.abstract_params()
     for component, modules in targets(spec).items():
         for module, param_path in modules.items():
-            flax_shape = _leaf(abstract[component], param_path).shape
-            shape = tuple(flax_shape[a] for a in torch_axes(param_path, len(flax_shape)))
+            shape = _torch_shape(abstract[component], param_path)
             down = rng.standard_normal((rank, *shape[1:])) / math.prod(shape[1:]) ** 0.5
             up = rng.standard_normal((shape[0], rank, *(1,) * (len(shape) - 2))) / rank**0.5
             tensors[f"{component}.{module}.lora_A.weight"] = down.astype(dtype)

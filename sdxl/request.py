@@ -91,8 +91,8 @@ class Request:
     sampler: str | None = None  # a name in `sampling.SAMPLERS`; None: the model's (`ModelSpec.default_sampler`)
     # [N, h, w, C] float32 latents (NHWC) that replace the seeded starting noise.
     noise: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
-    # ((LoRA source, scale), ...), sorted: exactly these LoRAs (() for none); None: whichever the
-    # pipeline has set (`Pipeline.set_loras`).
+    # ((LoRA source, scale), ...): exactly these LoRAs (() for none; validated: sorted, scale 0 left
+    # out); None: whichever the pipeline has set (`Pipeline.set_loras`).
     loras: tuple[tuple[str, float], ...] | None = None
 
     @classmethod
@@ -191,11 +191,16 @@ class Request:
             guidance_scales=tuple(guidance_scale(g) for g in self.guidance_scales),
             steps=integer(self.steps, "steps", 1, max_steps),
             sampler=sampler,
-            loras=None if self.loras is None else tuple(sorted(
-                (source, number(scale, f"LoRA scale of {source}", *LORA_SCALE_RANGE)) for source, scale in self.loras
-            )),
+            loras=None if self.loras is None else _active(self.loras),
             **sizes,
         )
+
+
+def _active(loras) -> tuple[tuple[str, float], ...]:
+    """LoRA settings checked and in one form: sorted, and without those at scale 0 (which do nothing),
+    so that equal settings give equal batch keys."""
+    checked = ((source, number(scale, f"LoRA scale of {source}", *LORA_SCALE_RANGE)) for source, scale in loras)
+    return tuple(sorted((source, scale) for source, scale in checked if scale))
 
 
 _PER_IMAGE = ("prompts", "negative_prompts", "seeds", "image_index", "guidance_scales")

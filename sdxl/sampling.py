@@ -199,7 +199,7 @@ def tcd_step(denoiser: Denoiser, schedule: TCDSchedule, num_steps, i, x_vp: jax.
     sigma, sigma_s, sigma_next = schedule.sigmas[i], schedule.gamma_sigmas[i], schedule.sigmas[i + 1]
     x = x_vp / _vp_scale(sigma)
     clean = denoiser(x, sigma, schedule.timesteps[i])
-    jumped = (clean + sigma_s * (x - clean) / sigma) * _vp_scale(sigma_s)  # DDIM's step to sigma_s
+    jumped = _euler_step(x, clean, sigma, sigma_s) * _vp_scale(sigma_s)  # DDIM's step to sigma_s (`ddim_step`)
     # (alpha_next / alpha_s) * jumped + sqrt(1 - alpha_next^2 / alpha_s^2) * noise
     ratio = _vp_scale(sigma_next) / _vp_scale(sigma_s)
     renoised = ratio * jumped + jnp.sqrt(jnp.maximum(1 - ratio**2, 0)) * step_noise(keys, i, x_vp.shape[1:])

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from .checkpoints import HubUnavailableError
 from .checkpoints.known import Recommended
 from .pipeline import Generation, Pipeline
-from .request import LORA_SCALE_RANGE, MAX_SEED, Request, integer, number
+from .request import MAX_SEED, Request, integer
 from .styles import STYLES
 
 log = logging.getLogger(__name__)
@@ -130,8 +130,9 @@ class DeviceQueue:
         self._last_started = {o: n for o, n in self._last_started.items() if o in waiting_owners}
         self._last_started[first.owner] = self._batches_started
         self._batches_started += 1
-        height, width, sampler, guided = (getattr(first.request, f) for f in ("height", "width", "sampler", "guided"))
-        batch, size = [first], len(first.request)
+        lead = first.request
+        height, width, sampler, guided = lead.height, lead.width, lead.sampler, lead.guided
+        batch, size = [first], len(lead)
         for ticket in list(self._waiting):
             merged = size + len(ticket.request)
             if ticket.request.batch_key != first.request.batch_key or merged > self.max_batch_images:
@@ -209,7 +210,7 @@ def load_pipeline(model: str, config: str | None = None, **kwargs) -> tuple[Pipe
             f"your Hugging Face cache, and later starts read them from there, offline too."
         )
         log.warning(notice)
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("scheduler", "unet")}  # the model's, not tiny's
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("scheduler", "unet")}  # the model's, not the fallback's
         return Pipeline.from_pretrained(FALLBACK_MODEL, **kwargs), notice
 
 
@@ -242,9 +243,7 @@ class TextToImage:
         if len(scales) != len(self.loras):
             names = ", ".join(self.loras) or "none are loaded"
             raise ValueError(f"give one LoRA scale per LoRA ({names}), got {len(scales)}")
-        chosen = [(source, number(scale, f"LoRA scale of {source}", *LORA_SCALE_RANGE))
-                  for source, scale in zip(self.loras, scales)]
-        request = self.pipe.validated(dataclasses.replace(request, loras=tuple((s, v) for s, v in chosen if v)))
+        request = self.pipe.validated(dataclasses.replace(request, loras=tuple(zip(self.loras, scales))))
         if (request.width, request.height) not in self.sizes:
             presets = ", ".join(f"{w}x{h}" for w, h in self.sizes)
             raise ValueError(f"size {request.width}x{request.height} is not one of this model's sizes: {presets}")

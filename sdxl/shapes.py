@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .weights import write_params
+from .weights import flatten, write_params
 
 NATIVE_SIZE = 64  # pixels; the VAE's latents are 16x16
 
@@ -329,18 +329,10 @@ def write_model(folder: Path, params: dict, scaling_factor: float, dtype="float3
     for component, tree in params.items():
         library = CONFIGS["model_index.json"][component][0]
         filename = "model.safetensors" if library == "transformers" else "diffusion_pytorch_model.safetensors"
-        write_params(folder / component / filename, tree, np.dtype(dtype), functools.partial(_leaf, _flatten(tree)))
+        write_params(folder / component / filename, tree, np.dtype(dtype), functools.partial(_leaf, flatten(tree)))
     for tokenizer in ("tokenizer", "tokenizer_2"):
         write_tokenizer(folder / tokenizer, TEXT_ENCODER["max_position_embeddings"])
     return folder
-
-
-def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
-    """{parameter path: array} of a nested parameter tree."""
-    flat = {}
-    for name, value in tree.items():
-        flat.update(_flatten(value, prefix + (name,)) if isinstance(value, dict) else {prefix + (name,): value})
-    return flat
 
 
 def _leaf(flat: dict, path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:

@@ -244,6 +244,16 @@ def test_unknown_keys_are_named_and_nothing_changes(sdxl, tmp_path):
         pipe.set_loras({str(tmp_path / "missing.safetensors"): 1.0})
 
 
+def test_a_layer_of_a_component_the_model_lacks_is_named(sd1, tmp_path):
+    _, pipe = sd1  # SD 1.x: no text_encoder_2
+    key = "text_encoder_2.text_model.encoder.layers.0.mlp.fc1"
+    tensors = {f"{key}.lora_A.weight": np.zeros((2, 32), np.float32),
+               f"{key}.lora_B.weight": np.zeros((37, 2), np.float32)}
+    safetensors.numpy.save_file(tensors, tmp_path / "sdxl-only.safetensors")
+    with pytest.raises(CheckpointError, match=f"2 key.*match no layer of the model: {key}.lora_A"):
+        lora.read(tmp_path / "sdxl-only.safetensors", pipe.spec)
+
+
 def test_kohya_names_cover_every_layer_in_both_layouts(sdxl):
     _, pipe = sdxl
     table = lora.kohya_names(pipe.spec)

@@ -66,9 +66,10 @@ def test_requests_merge_in_order_and_keep_their_batch_key():
 
 
 def test_loras_are_checked_sorted_and_part_of_the_batch_key():
-    request = _request(loras=(("b.safetensors", "0.5"), ("a.safetensors", -1)))
+    request = _request(loras=(("b.safetensors", "0.5"), ("a.safetensors", -1), ("c.safetensors", 0)))
     checked = request.validated(SPEC, max_steps=50)
-    assert checked.loras == (("a.safetensors", -1.0), ("b.safetensors", 0.5))
+    assert checked.loras == (("a.safetensors", -1.0), ("b.safetensors", 0.5))  # scale 0 does nothing
+    assert _request(loras=(("a.safetensors", 0),)).validated(SPEC, max_steps=50).loras == ()
     assert checked.batch_key != _request(loras=()).validated(SPEC, max_steps=50).batch_key
     assert _request().validated(SPEC, max_steps=50).loras is None  # the pipeline's own LoRAs
     with pytest.raises(ValueError, match=r"LoRA scale of a.safetensors must be a number from -4 to 4, got 9"):

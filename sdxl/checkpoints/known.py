@@ -29,10 +29,6 @@ class Recommended:
     examples: tuple[str, ...] = ()
     placeholder: str = "Describe an image"
 
-    @property
-    def few_step(self) -> bool:
-        return self.steps < 10
-
 
 # Hub repo ids (and the folders people name after them) of few-step models.
 _MODELS = {
