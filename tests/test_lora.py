@@ -276,3 +276,30 @@ def test_kohya_names_cover_every_layer_in_both_layouts(sdxl):
 ])
 def test_lora_option(text, expected):
     assert lora.parse_option(text) == expected
+
+
+def test_loras_as_users_hold_them_a_hub_repo_and_a_half_precision_kohya_file(sdxl, tmp_path, monkeypatch):
+    """A diffusers LoRA repo (its pytorch_lora_weights.safetensors) through huggingface_hub, online
+    then offline from the cache; and a kohya file as sd-scripts saves it, float16 with float16 alphas."""
+    from fake_hub import FakeHub, hub_at
+
+    _, pipe = sdxl
+    pipe.set_loras({})
+    peft = peft_file(tmp_path / "peft.safetensors", sdxl[0], seed=10)
+    with FakeHub({"someone/style-lora": {"pytorch_lora_weights.safetensors": peft.read_bytes()}}) as fake:
+        with hub_at(fake, tmp_path / "hf", monkeypatch):
+            online = lora.read(lora.locate("someone/style-lora"), pipe.spec)
+        assert fake.downloaded("someone/style-lora") == ["pytorch_lora_weights.safetensors"]
+        with hub_at(fake, tmp_path / "hf", monkeypatch, offline=True):
+            offline = lora.read(lora.locate("someone/style-lora"), pipe.spec)
+    local = lora.read(peft, pipe.spec)
+    for got in (online, offline):
+        assert [(x.module, x.factor) for x in got.layers] == [(x.module, x.factor) for x in local.layers]
+        assert all(np.array_equal(a.up, b.up) for a, b in zip(got.layers, local.layers))
+
+    kohya = kohya_file(tmp_path / "kohya.safetensors", sdxl[0], sgm=True, seed=11)
+    half = {k: v.astype(np.float16) for k, v in safetensors.numpy.load_file(kohya).items()}
+    safetensors.numpy.save_file(half, tmp_path / "kohya-fp16.safetensors")
+    read_half = lora.read(tmp_path / "kohya-fp16.safetensors", pipe.spec)
+    assert {x.factor for x in read_half.layers} == {3.0 / 2, 3.0 / 4}  # alpha 3 over ranks 2 and 4
+    assert all(x.down.dtype == np.float32 for x in read_half.layers)
