@@ -1,17 +1,22 @@
 """Command line: `python -m sdxl generate|bench|write-checkpoint|train-shapes ...`."""
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
-from . import bench, lora, training
+import numpy as np
+
+from . import bench, images, lora, training
 from .checkpoints import CheckpointError, known, random_models
 from .compilation import enable_compilation_cache
 from .images import grid, image_count, model_label, parameters_text, save_png, to_pil
-from .pipeline import NonFiniteImageError, Pipeline
-from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_STEPS, Request
+from .pipeline import NonFiniteImageError, Pipeline, program_variant, render_refined
+from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_STEPS, Request, default_strength
 from .sampling import SAMPLER_NAMES, SAMPLERS
+
+DEFAULT_REFINE_FROM = 0.8  # the handoff diffusers' SDXL documentation uses
 
 
 def generate_command(args: argparse.Namespace) -> None:
@@ -30,20 +35,48 @@ def generate_command(args: argparse.Namespace) -> None:
     if settings.note:
         print(f"{settings.note}: {steps} step(s), guidance {guidance_scale:g} unless given")
 
+    refiner = None
+    if args.refiner:
+        refiner = Pipeline.from_pretrained(args.refiner, dtype=args.dtype, max_steps=pipe.max_steps)
+        pipe.check_refiner(refiner)
+        print(f"loaded the refiner {args.refiner}; it takes over at {args.refine_from:g} of the noise")
+
     num_images = pipe.num_devices if args.num_images is None else args.num_images
     if num_images < 1:
         raise ValueError(f"--num-images must be at least 1, got {num_images}")
-    request = pipe.validated(Request.from_prompt(
+    picture = None if args.image is None else images.pixels(images.read_image(args.image))
+    mask = None if args.mask is None else images.mask(images.read_image(args.mask))
+    if mask is not None and picture is None:
+        raise ValueError("--mask needs --image, the image to inpaint")
+    size = (pipe.spec.native_size,) * 2 if picture is None else picture.shape[:2]
+    strength = args.strength
+    if strength is None:
+        strength = default_strength(pipe.spec, inpainting=mask is not None)
+    request = Request.from_prompt(
         args.prompt, args.negative_prompt, num_images=num_images, seed=args.seed, guidance_scale=guidance_scale,
-        steps=steps, height=args.height or pipe.spec.native_size, width=args.width or pipe.spec.native_size,
-        sampler=args.sampler,
-    ))
+        steps=steps, height=args.height or size[0], width=args.width or size[1], sampler=args.sampler,
+    )
+    if picture is not None:
+        request = dataclasses.replace(
+            request, strength=strength, images=np.repeat(picture[None], num_images, axis=0),
+            masks=None if mask is None else np.repeat(mask[None], num_images, axis=0),
+        )
+    request = pipe.validated(request)
     if args.lora:
         loras = dict(args.lora)
         print(f"applied {len(loras)} LoRA(s) in {pipe.set_loras(loras):.2f} s")
-    compile_seconds = pipe.warmup(request.height, request.width, num_images, request.sampler, guided=request.guided)
+    size = (request.height, request.width, num_images)
+    if refiner is None:
+        compile_seconds = pipe.warmup(*size, request.sampler, **program_variant(request))
+    else:
+        compile_seconds = pipe.warmup(*size, request.sampler, **program_variant(request, "latents")) + refiner.warmup(
+            *size, request.sampler, guided=request.guided, start_from="latents"
+        )
     print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
-    result = pipe.render(request)
+    if refiner is None:
+        result = pipe.render(request)
+    else:
+        result = render_refined(pipe, refiner, request, args.refine_from)
     result.raise_if_not_finite()
     for prompt in result.truncated_prompts:
         print(f"warning: prompt truncated to {pipe.spec.max_tokens} tokens: {prompt!r}", file=sys.stderr)
@@ -51,16 +84,17 @@ def generate_command(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    images = to_pil(result.images)
-    for i, image in enumerate(images):
+    pictures = to_pil(result.images)
+    for i, image in enumerate(pictures):
         text = parameters_text(
             prompt=args.prompt, negative_prompt=args.negative_prompt, steps=request.steps,
             sampler=SAMPLER_NAMES[request.sampler], guidance_scale=request.guidance_scales[i], seed=request.seeds[i],
             index=i, width=request.width, height=request.height, model=model_label(args.model, args.unet),
-            loras=tuple(pipe.loras.items()),
+            loras=tuple(pipe.loras.items()), strength=None if picture is None else request.strength,
+            refiner=args.refiner and (args.refiner, args.refine_from),
         )
         print(save_png(image, out / f"{args.seed}-{i}.png", text))
-    grid(images).save(out / f"{args.seed}-grid.png")
+    grid(pictures).save(out / f"{args.seed}-grid.png")
     print(out / f"{args.seed}-grid.png")
 
 
@@ -92,8 +126,25 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="apply a LoRA (scale 1 by default); repeatable. A .safetensors file (kohya/A1111 or diffusers/PEFT), "
         "a Hub repo id, or owner/name/file.safetensors",
     )
-    parser.add_argument("--height", type=int, help="default: the model's native size")
-    parser.add_argument("--width", type=int, help="default: the model's native size")
+    parser.add_argument(
+        "--image", help="an image to start from (image-to-image; a PNG or JPEG whose size the model renders)"
+    )
+    parser.add_argument("--mask", help="with --image: inpaint where this image is white, keep where it is black")
+    parser.add_argument(
+        "--strength", type=float,
+        help="with --image: how far it is noised, above 0 to 1 (default as diffusers: 0.3 SDXL, 0.8 SD 1.x; "
+        "inpainting 0.9999, 1)",
+    )
+    parser.add_argument(
+        "--refiner", help="an SDXL refiner (e.g. stabilityai/stable-diffusion-xl-refiner-1.0) that finishes each "
+        "image from --refine-from; both models are held on every device",
+    )
+    parser.add_argument(
+        "--refine-from", type=float, default=DEFAULT_REFINE_FROM,
+        help="the fraction of the noise the base removes before the refiner takes over (default: %(default)s)",
+    )
+    parser.add_argument("--height", type=int, help="default: the image's size, else the model's native size")
+    parser.add_argument("--width", type=int, help="default: the image's size, else the model's native size")
     parser.add_argument("--num-images", type=int, help="default: one per device")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16, float32 on CPU")
     parser.add_argument("--out", default="out", help="output folder (default: %(default)s)")

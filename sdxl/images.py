@@ -1,4 +1,10 @@
-"""Saving generated images: PNGs that carry their generation parameters, and contact-sheet grids."""
+"""Images in and out: the images and masks users give (PIL images, arrays) as the arrays a `Request`
+carries, and PNGs that carry their generation parameters, and contact-sheet grids.
+
+diffusers' image processor reads a PIL image's pixels as they are and a mask as its greyscale
+("L") version, binarized at one half; `pixels` and `mask` do the same, and refuse what they cannot
+read with a sentence that says why.
+"""
 
 import math
 from collections.abc import Sequence
@@ -6,6 +12,88 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, PngImagePlugin
+
+
+# Modes PIL converts to RGB without losing what the picture shows; 16- and 32-bit modes would be
+# clipped, not scaled, so they are refused.
+_CONVERTIBLE_MODES = ("RGB", "RGBA", "RGBX", "RGBa", "L", "LA", "La", "P", "PA", "1", "CMYK", "YCbCr", "LAB", "HSV")
+
+
+def pixels(image) -> np.ndarray:
+    """[H, W, 3] pixels of a PIL image or an array: uint8, or float32 in [0, 1] for a float array.
+
+    Raises:
+      ValueError: a mode or shape that is not an RGB or greyscale picture.
+    """
+    if isinstance(image, Image.Image):
+        if image.mode not in _CONVERTIBLE_MODES:
+            raise ValueError(f"images in mode {image.mode} (16-bit or float) are not supported: save 8-bit RGB")
+        # diffusers' load_image does the same: an alpha channel is dropped, not composited.
+        return np.asarray(image.convert("RGB"))
+    array = np.asarray(image)
+    if array.ndim == 2:
+        array = np.repeat(array[..., None], 3, axis=-1)
+    if array.ndim != 3 or array.shape[-1] not in (3, 4):
+        raise ValueError(f"an image array must be [height, width, 3] (RGB), got shape {array.shape}")
+    array = array[..., :3]
+    if array.dtype == np.uint8:
+        return array
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.number):
+        raise ValueError(f"an image array must hold uint8 or floats in [0, 1], got {array.dtype}")
+    return array.astype(np.float32)
+
+
+# A bound on what one uploaded or opened image may decode to: SDXL's largest bucket is 1.6
+# megapixels, the largest size here (MAX_SIZE squared) 16.8; PIL's own bound is 89.
+MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+def read_image(source) -> Image.Image:
+    """Opens an image file (a path or a binary file), refusing before it decodes one whose header
+    claims more than `MAX_IMAGE_PIXELS` (a decompression bomb: a small file that decodes to
+    gigabytes) or that PIL cannot read.
+
+    Raises:
+      ValueError: one sentence naming the problem.
+    """
+    try:
+        image = Image.open(source)
+    except (OSError, Image.DecompressionBombError) as e:
+        raise ValueError(f"cannot read the image: {e}") from e
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(
+            f"the image is {width}x{height}, {width * height / 1e6:.0f} megapixels; at most "
+            f"{MAX_IMAGE_PIXELS / 1e6:.1f} are read"
+        )
+    try:
+        image.load()
+    except (OSError, Image.DecompressionBombError) as e:
+        raise ValueError(f"cannot read the image: {e}") from e
+    return image
+
+
+def mask(image) -> np.ndarray:
+    """[H, W] bool, True where the image is repainted: a PIL image's greyscale (as diffusers' mask
+    processor, "L") or an array's values, above one half.
+
+    Raises:
+      ValueError: a mask that is not one greyscale or RGB picture.
+    """
+    if isinstance(image, Image.Image):
+        if image.mode not in _CONVERTIBLE_MODES:
+            raise ValueError(f"masks in mode {image.mode} are not supported: save an 8-bit greyscale image")
+        return np.asarray(image.convert("L")) >= 128  # diffusers: x / 255 >= 0.5
+    array = np.asarray(image)
+    if array.ndim == 3 and array.shape[-1] == 1:
+        array = array[..., 0]
+    if array.ndim == 3 and array.shape[-1] in (3, 4):  # as PIL's "L": ITU-R 601-2 luma
+        array = array[..., :3].astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32)
+    if array.ndim != 2:
+        raise ValueError(f"a mask array must be [height, width], got shape {np.shape(image)}")
+    if np.asarray(image).dtype == np.uint8:
+        return array >= 127.5
+    return np.asarray(array, np.float32) >= 0.5
 
 
 def image_count(n: int) -> str:
@@ -21,9 +109,11 @@ def model_label(model: str, unet: str | None) -> str:
 def parameters_text(
     *, prompt: str, negative_prompt: str, steps: int, sampler: str, guidance_scale: float, seed: int,
     index: int, width: int, height: int, model: str, loras: Sequence[tuple[str, float]] = (),
+    strength: float | None = None, refiner: tuple[str, float] | None = None,
 ) -> str:
     """The generation parameters in the widely read "parameters" PNG-chunk format (as A1111 writes it);
-    `loras` as (source, scale) pairs."""
+    `loras` as (source, scale) pairs, `strength` an image-to-image strength, `refiner` (model, the
+    fraction it takes over at)."""
     lines = [prompt]
     if negative_prompt:
         lines.append(f"Negative prompt: {negative_prompt}")
@@ -31,6 +121,10 @@ def parameters_text(
         f"Steps: {steps}, Sampler: {sampler}, CFG scale: {guidance_scale:g}, Seed: {seed}, Image index: {index}, "
         f"Size: {width}x{height}, Model: {model}"
     )
+    if strength is not None:
+        lines[-1] += f", Denoising strength: {strength:g}"
+    if refiner:
+        lines[-1] += f", Refiner: {refiner[0]}, Refiner switch at: {refiner[1]:g}"
     if loras:
         lines[-1] += ", LoRAs: " + " ".join(f"{Path(source).stem}:{scale:g}" for source, scale in loras)
     return "\n".join(lines)

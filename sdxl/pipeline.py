@@ -1,10 +1,11 @@
 """The host side of generation: a checkpoint loaded onto a device mesh, and requests run on it.
 
 `Pipeline` owns the parameters (replicated over a 1-D mesh of all devices), the tokenizers and the
-compiled programs (one per stage of `sdxl.program`, image size, sampler and batch size).
-`render(request)` tokenizes a `Request`, places its arrays with the image batch sharded over the
-mesh, runs the compiled program and fetches the images: each device renders its share of the
-images with no communication. `generate` is the same for one prompt, in diffusers' terms.
+compiled programs (one per stage of `sdxl.program`, image size, sampler, batch size and starting
+point). `render(request)` tokenizes a `Request`, places its arrays with the image batch sharded
+over the mesh, runs the compiled program and fetches the images: each device renders its share of
+the images with no communication. `generate` is the same for one prompt, in diffusers' terms:
+text-to-image, image-to-image, inpainting, and the SDXL refiner's two uses.
 """
 
 import dataclasses
@@ -18,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import checkpoints, lora
+from . import checkpoints, images, lora
 from .checkpoints import ModelSpec
 from .program import GenerateProgram, Inputs
-from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request
+from .request import DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_strength
 from .sampling import SAMPLERS
 from .schedulers import Schedule, SchedulerConfig
 from .tokenizer import load_tokenizer, tokenize
@@ -41,7 +42,7 @@ class NonFiniteImageError(RuntimeError):
 class Generation:
     """A request's images, with what the caller may want to report."""
 
-    images: np.ndarray  # [N, H, W, 3] uint8, or float32 in [0, 1]
+    images: np.ndarray  # [N, H, W, 3] uint8, or float32 in [0, 1]; or a jax.Array of latents, left on the devices
     finite: np.ndarray  # [N] bool: False where the model produced NaN/inf
     devices: list[str]  # the device that rendered each image
     truncated_prompts: list[str]
@@ -162,6 +163,30 @@ class Pipeline:
         """The sampler's noise schedule for `steps` steps, padded to `max_steps`."""
         return _padded_schedule(sampler, self.spec.scheduler, steps, self.max_steps)
 
+    def check_refiner(self, refiner: "Pipeline") -> None:
+        """Raises CheckpointError unless `refiner` can continue this model's latents (`render_refined`):
+        latents of the same shape and meaning (the VAE's channels, downscaling and scaling), on the
+        same noise schedule, on the same devices."""
+        mine, theirs = self.spec, refiner.spec
+        checks = {
+            "latent channels": (mine.vae.latent_channels, theirs.vae.latent_channels),
+            "VAE downscaling": (mine.vae.downscale_factor, theirs.vae.downscale_factor),
+            "latent scaling": (
+                (mine.vae.scaling_factor, mine.vae.latents_mean, mine.vae.latents_std),
+                (theirs.vae.scaling_factor, theirs.vae.latents_mean, theirs.vae.latents_std),
+            ),
+            "training timesteps": (mine.scheduler.num_train_timesteps, theirs.scheduler.num_train_timesteps),
+            "devices": (list(self.mesh.devices.flat), list(refiner.mesh.devices.flat)),
+        }
+        for what, (base_value, refiner_value) in checks.items():
+            if base_value != refiner_value:
+                raise checkpoints.CheckpointError(
+                    f"the refiner {refiner.name} cannot continue {self.name}'s latents: its {what} differ "
+                    f"({refiner_value} vs {base_value})"
+                )
+        if theirs.is_inpainting:
+            raise checkpoints.CheckpointError(f"the refiner {refiner.name} is an inpainting model")
+
     def validated(self, request: Request) -> Request:
         """The request checked against this model and converted (`Request.validated`). Raises ValueError."""
         return request.validated(self.spec, max_steps=self.max_steps)
@@ -169,13 +194,24 @@ class Pipeline:
     # Compiling: every program is compiled once, on first use or ahead of time by `warmup`.
 
     def _program(
-        self, sampler: str | None, height: int, width: int, as_uint8: bool = True, guided: bool = True
+        self,
+        sampler: str | None,
+        height: int,
+        width: int,
+        output: str = "uint8",
+        guided: bool = True,
+        start_from: str = "noise",
+        inpaint: bool = False,
     ) -> GenerateProgram:
-        """The program for a sampler (None: the model's default sampler), size, output type and guidance."""
+        """The program for a sampler (None: the model's default sampler), size, output, guidance and
+        starting point (`sdxl.program.START_FROM`, with or without a mask)."""
         sampler = self.spec.default_sampler if sampler is None else sampler
         # An LCM UNet takes the guidance scale as an embedding, with no unconditional pass (as diffusers).
         guided = guided and self.spec.unet.time_cond_proj_dim is None
-        return GenerateProgram(self.spec, sampler, height, width, self.dtype, as_uint8, guided)
+        return GenerateProgram(self.spec, sampler, height, width, self.dtype, output, guided, start_from, inpaint)
+
+    def _request_program(self, request: Request, output: str = "uint8") -> GenerateProgram:
+        return self._program(request.sampler, request.height, request.width, **program_variant(request, output))
 
     def _compiled_stage(
         self, stage: str, program: GenerateProgram, batch: int, with_noise: bool
@@ -216,16 +252,28 @@ class Pipeline:
             return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._replicated)
 
         spec = self.spec
-        noise = sharded((batch, *spec.latent_shape(program.height, program.width)), np.float32)
+        latents = sharded((batch, *spec.latent_shape(program.height, program.width)), np.float32)
+        pixels = (batch, program.height, program.width)
+        images = {
+            "noise": {},
+            "image": {"image": sharded((*pixels, 3), np.float32), "from_noise": replicated(np.bool_(False))},
+            "latents": {"image": latents},
+        }[program.start_from]
+        time_ids = len(spec.time_ids(program.height, program.width, 0.0))
         return Inputs(
             ids=sharded((batch, 2, len(spec.text_encoders), spec.max_tokens), np.int32),
             zero_negative=sharded((batch,), np.bool_),
+            time_ids=sharded((batch, 2, time_ids), np.float32) if spec.is_sdxl else None,
             seeds=sharded((batch,), np.uint32),
             image_index=sharded((batch,), np.uint32),
             guidance_scale=sharded((batch,), np.float32),
             schedule=jax.tree.map(replicated, self.schedule(program.sampler, 1)),
             num_steps=replicated(np.int32(1)),
-            noise=noise if with_noise else None,
+            first_step=replicated(np.int32(0)),
+            stop_step=replicated(np.int32(1)),
+            noise=latents if with_noise else None,
+            mask=sharded((*pixels, 1), np.float32) if program.inpaint else None,
+            **images,
         )
 
     def compiled(
@@ -235,13 +283,18 @@ class Pipeline:
         num_images: int | None = None,
         sampler: str | None = None,
         stage: str = "whole",
-        *,
-        guided: bool = True,
+        **variant,
     ) -> jax.stages.Compiled:
-        """The whole-generation program (uint8 output) for a size and batch, compiled on first request,
-        or one of the stages that progress reports run ("prepare", "denoise", "finish"); with
-        classifier-free guidance, or (`guided=False`) the variant for batches that need none."""
-        program = self._program(sampler, height, width, guided=guided)
+        """The whole-generation program for a size and batch, compiled on first request, or one of the
+        stages that progress reports run ("prepare", "denoise", "finish").
+
+        Args:
+          variant: `GenerateProgram`'s other fields, by default uint8 output, classifier-free
+            guidance, from text: `output` ("uint8", "float", "latents"), `guided` (False: the
+            variant for batches that need no guidance), `start_from` ("noise", "image", "latents")
+            and `inpaint`.
+        """
+        program = self._program(sampler, height, width, **variant)
         return self._compiled_stage(stage, program, self.padded_batch(num_images or self.num_devices), False)
 
     def lowered(
@@ -269,19 +322,19 @@ class Pipeline:
         sampler: str | None = None,
         *,
         progress: bool = False,
-        guided: bool = True,
+        **variant,
     ) -> float:
         """Compiles ahead of time for one size and batch; returns the seconds it took.
 
         Args:
           progress: compile the stage programs that `render(..., on_step=...)` uses, instead of the
             single whole-generation program.
-          guided: compile the program with classifier-free guidance (requests with a guidance
-            scale above 1), else the one without (all at most 1).
+          variant: which program (`compiled`): e.g. `guided=False` for requests with guidance
+            scales at most 1, `start_from="image"` for image-to-image.
         """
         start = time.perf_counter()
         for stage in _stages(progress):
-            self.compiled(height, width, num_images, sampler, stage, guided=guided)
+            self.compiled(height, width, num_images, sampler, stage, **variant)
         return time.perf_counter() - start
 
     def is_compiled(
@@ -292,10 +345,10 @@ class Pipeline:
         sampler: str | None = None,
         *,
         progress: bool = False,
-        guided: bool = True,
+        **variant,
     ) -> bool:
         """Whether `warmup` with the same arguments has nothing left to compile."""
-        program = self._program(sampler, height, width, guided=guided)
+        program = self._program(sampler, height, width, **variant)
         batch = self.padded_batch(num_images)
         return all((stage, program, batch, False) in self._executables for stage in _stages(progress))
 
@@ -343,28 +396,85 @@ class Pipeline:
         ids = np.stack(per_encoder, axis=1)[[row[p] for p in prompts]]
         return ids, [p for p in distinct if p in truncated]
 
+    def steps_run(self, request: Request) -> tuple[int, int]:
+        """The steps first..stop-1 of the request's schedule that run, as diffusers picks them: a
+        strength skips the first steps (`get_timesteps`), `denoising_start` the steps at or above
+        its timestep cutoff, and `denoising_end` stops before the steps below its own.
+
+        Raises:
+          ValueError: no step is left to run.
+        """
+        steps = request.steps
+        timesteps = np.asarray(self.schedule(request.sampler, steps).timesteps)[:steps]
+        train_steps = self.spec.scheduler.num_train_timesteps
+
+        def cutoff(fraction: float) -> int:
+            return int(round(train_steps - fraction * train_steps))
+
+        first, stop = 0, steps
+        if request.start_from == "image":
+            first = steps - min(int(steps * request.strength), steps)
+        elif request.denoising_start is not None:
+            first = steps - int((timesteps < cutoff(request.denoising_start)).sum())
+        if request.denoising_end is not None:
+            stop = first + int((timesteps[first:] >= cutoff(request.denoising_end)).sum())
+        if stop <= first:
+            raise ValueError(
+                f"denoising_start {request.denoising_start} and denoising_end {request.denoising_end} leave none of "
+                f"the {steps} steps to run; move them apart or add steps"
+            )
+        return first, stop
+
     def _inputs(self, request: Request, batch: int) -> tuple[Inputs, list[str]]:
         """The request's arrays on the mesh, padded to `batch` images; and the truncated prompts."""
         pad = batch - len(request)
 
         def sharded(values, dtype):
+            if isinstance(values, jax.Array):  # already on the devices (a base model's latents)
+                values = values.astype(dtype)
+                if pad:
+                    values = jnp.concatenate([values, jnp.repeat(values[-1:], pad, axis=0)])
+                return jax.device_put(values, self._sharded)
             values = np.asarray(values, dtype=dtype)
             if pad:
                 values = np.concatenate([values, np.repeat(values[-1:], pad, axis=0)])
             return place(values, self._sharded)
 
+        def replicated(value):
+            return place(np.asarray(value), self._replicated)
+
+        spec, n = self.spec, len(request)
         positive, truncated = self._tokenize(request.prompts)
         negative, truncated_negative = self._tokenize(request.negative_prompts)
-        zero_negative = [self.spec.force_zeros_for_empty_prompt and not p for p in request.negative_prompts]
+        zero_negative = [spec.force_zeros_for_empty_prompt and not p for p in request.negative_prompts]
+        time_ids = None
+        if spec.is_sdxl:
+            score, negative_score = request.aesthetic_scores
+            pair = [spec.time_ids(request.height, request.width, s) for s in (negative_score, score)]
+            time_ids = sharded(np.broadcast_to(np.array(pair, np.float32), (n, *np.shape(pair))), np.float32)
+        first, stop = self.steps_run(request)
+        start = {}
+        if request.start_from == "image":
+            pixels = request.images if request.images.dtype != np.uint8 else request.images / np.float32(255)
+            # diffusers' inpainting starts from noise alone at strength 1; its image-to-image never does.
+            from_noise = request.masks is not None and request.strength == 1
+            start = {"image": sharded(pixels * 2 - 1, np.float32), "from_noise": replicated(from_noise)}
+        elif request.start_from == "latents":
+            start = {"image": sharded(request.start_latents, np.float32)}
         inputs = Inputs(
             ids=sharded(np.stack([negative, positive], axis=1), np.int32),
             zero_negative=sharded(zero_negative, np.bool_),
+            time_ids=time_ids,
             seeds=sharded(request.seeds, np.uint32),
             image_index=sharded(request.image_index, np.uint32),
             guidance_scale=sharded(request.guidance_scales, np.float32),
             schedule=jax.tree.map(lambda a: place(a, self._replicated), self.schedule(request.sampler, request.steps)),
-            num_steps=place(np.int32(request.steps), self._replicated),
+            num_steps=replicated(np.int32(request.steps)),
+            first_step=replicated(np.int32(first)),
+            stop_step=replicated(np.int32(stop)),
             noise=None if request.noise is None else sharded(request.noise, np.float32),
+            mask=None if request.masks is None else sharded(request.masks[..., None], np.float32),
+            **start,
         )
         return inputs, truncated + truncated_negative
 
@@ -372,17 +482,20 @@ class Pipeline:
         self,
         request: Request,
         *,
-        as_uint8: bool = True,
+        output: str = "uint8",
         on_step: Callable[[int], None] | None = None,
         steps_per_report: int = 1,
     ) -> Generation:
         """Renders a request's images in one compiled call (or a chain of them, for progress).
 
         Args:
-          as_uint8: images as uint8, else float32 in [0, 1].
-          on_step: called with the number of finished steps, every `steps_per_report` steps. The
-            loop then runs as a chain of compiled calls; the next is always queued on the devices
-            before the host waits for the last, so the devices never idle for the report.
+          output: "uint8" images, "float" (float32 in [0, 1]), or "latents": the sampler's latents
+            [N, h, w, C], undecoded and left on the devices, for a refiner to continue
+            (`Request.start_latents`).
+          on_step: called with the number of finished steps (of those that run: fewer than the
+            request's steps for image-to-image), every `steps_per_report` steps. The loop then runs
+            as a chain of compiled calls; the next is always queued on the devices before the host
+            waits for the last, so the devices never idle for the report.
 
         Raises:
           ValueError: a value of the request is out of range.
@@ -393,18 +506,21 @@ class Pipeline:
         if request.loras is not None:
             self.set_loras(dict(request.loras))
         inputs, truncated = self._inputs(request, batch)
-        program = self._program(request.sampler, request.height, request.width, as_uint8, request.guided)
+        program = self._request_program(request, output)
         stage = functools.partial(
             self._compiled_stage, program=program, batch=batch, with_noise=request.noise is not None
         )
         if on_step is None:
             images, finite = stage("whole")(self.params, inputs)
         else:
-            evaluations = SAMPLERS[request.sampler].evaluations(request.steps)
-            reports = _ProgressReports(on_step, request.steps)
-            images, finite = _run_in_stages(stage, self.params, inputs, evaluations, reports, steps_per_report)
-        images, finite = _fetch(images)[:n], _fetch(finite)[:n]
-        return Generation(images, finite, self.devices_of(n), truncated, time.perf_counter() - start)
+            evaluations = SAMPLERS[request.sampler].evaluations
+            first, stop = self.steps_run(request)
+            reports = _ProgressReports(on_step, stop - first, evaluations(first))
+            images, finite = _run_in_stages(
+                stage, self.params, inputs, evaluations(first), evaluations(stop), reports, steps_per_report
+            )
+        images = images[:n] if output == "latents" else _fetch(images)[:n]
+        return Generation(images, _fetch(finite)[:n], self.devices_of(n), truncated, time.perf_counter() - start)
 
     def generate(
         self,
@@ -419,21 +535,48 @@ class Pipeline:
         num_images: int | None = None,
         sampler: str | None = None,
         latents: np.ndarray | None = None,
+        image=None,
+        mask_image=None,
+        strength: float | None = None,
+        denoising_start: float | None = None,
+        denoising_end: float | None = None,
+        aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[0],
+        negative_aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[1],
         output_type: str = "pil",
     ):
         """Generates images; image i depends only on (seed, i), whatever the device count.
+
+        Text-to-image, or with `image` image-to-image (diffusers' StableDiffusion[XL]Img2ImgPipeline),
+        with `image` and `mask_image` inpainting (StableDiffusion[XL]InpaintPipeline: with an
+        inpainting UNet, or with any other, which keeps the unmasked region after every step).
 
         Args:
           prompt, negative_prompt: a string (used for every image) or a list (one per image). An
             empty negative prompt means "none", and is treated as diffusers treats a missing one:
             SDXL (force_zeros_for_empty_prompt) uses zero conditioning, SD 1.x/2.x encodes "".
-          height, width: default to the model's native resolution (1024 for SDXL, 512 for SD 1.x).
-          num_images: defaults to the prompt list's length, else one image per device.
+          height, width: default to the image's size, else the model's native resolution (1024
+            for SDXL, 512 for SD 1.x).
+          num_images: defaults to the prompt or image list's length, else one image per device.
           sampler: a name in `sampling.SAMPLERS` ("euler", "euler_ancestral", "dpmpp_2m",
-            "dpmpp_2m_karras", "ddim", "pndm"); by default the one that reproduces the checkpoint's
-            scheduler (`ModelSpec.default_sampler`). Each sampler compiles once.
-          latents: [N, C, h, w] noise in diffusers' layout, replacing the seeded noise.
-          output_type: "pil" for PIL images, "np" for a float32 [N, H, W, 3] array in [0, 1].
+            "dpmpp_2m_karras", "ddim", "pndm", "lcm", "tcd"); by default the one that reproduces
+            the checkpoint's scheduler (`ModelSpec.default_sampler`). Each sampler compiles once.
+          latents: [N, C, h, w] noise in diffusers' layout, replacing the seeded noise: the starting
+            noise, or the noise added to the image's latents.
+          image: a PIL image or an [H, W, 3] array (uint8, or floats in [0, 1]) for every image, or
+            a list of them (or an [N, H, W, 3] array), one per image. Its size is the output's, and
+            must be one the model renders (a multiple of `spec.latent_factor`). Or the latents a
+            base model returned (`output_type="latent"`), which `denoising_start` continues.
+          mask_image: for inpainting, a PIL image or array (or one per image): white (> 0.5) is
+            repainted, black kept.
+          strength: how far the image is noised, 0 (not at all) to 1 (entirely): the last
+            int(steps * strength) steps run. Defaults as diffusers': image-to-image 0.3 for SDXL
+            and 0.8 for SD 1.x/2.x, inpainting 0.9999 for SDXL and 1 for SD 1.x/2.x.
+          denoising_end: stop at this fraction of the schedule and return latents for a refiner
+            (with `output_type="latent"`).
+          denoising_start: continue a base model's latents (`image`) from this fraction.
+          aesthetic_score, negative_aesthetic_score: the SDXL refiner's conditioning.
+          output_type: "pil" for PIL images, "np" for a float32 [N, H, W, 3] array in [0, 1], or
+            "latent": the latents as a jax.Array [N, h, w, C], left on the devices.
 
         Raises:
           ValueError: an argument is out of range.
@@ -442,28 +585,104 @@ class Pipeline:
         Warns:
           PromptTruncatedWarning: a prompt was longer than the text encoder's 77 tokens.
         """
-        if output_type not in ("pil", "np"):
-            raise ValueError(f'output_type must be "pil" or "np", got {output_type!r}')
+        if output_type not in ("pil", "np", "latent"):
+            raise ValueError(f'output_type must be "pil", "np" or "latent", got {output_type!r}')
+        start_latents = None
+        if isinstance(image, jax.Array) and image.ndim == 4 and image.shape[-1] == self.spec.vae.latent_channels:
+            start_latents, image = image, None
+        image, mask_image = _per_image(image, images.pixels), _per_image(mask_image, images.mask)
         if num_images is None:
             lists = [p for p in (prompt, negative_prompt) if not isinstance(p, str)]
-            num_images = len(lists[0]) if lists else (len(latents) if latents is not None else self.num_devices)
+            given = [len(a) for a in (latents, start_latents, image) if a is not None and len(a) > 1]
+            num_images = len(lists[0]) if lists else (given[0] if given else self.num_devices)
+        image, mask_image = (_repeated(a, num_images) for a in (image, mask_image))
+        size = None if image is None else image.shape[1:3]
+        f = self.spec.latent_factor
+        if size is not None and (size[0] % f or size[1] % f):
+            fitting = f"{max(f, size[1] // f * f)}x{max(f, size[0] // f * f)}"
+            raise ValueError(
+                f"the image is {size[1]}x{size[0]} (width x height); this model renders sizes in multiples of {f}: "
+                f"crop or resize it, to {fitting} for example"
+            )
+        if start_latents is not None:
+            size = tuple(d * self.spec.vae.downscale_factor for d in start_latents.shape[1:3])
+        native = (self.spec.native_size,) * 2
+        if strength is None:
+            strength = default_strength(self.spec, inpainting=mask_image is not None)
         request = Request.from_prompt(
             prompt, negative_prompt, num_images=num_images, seed=seed, guidance_scale=guidance_scale, steps=steps,
-            height=self.spec.native_size if height is None else height,
-            width=self.spec.native_size if width is None else width,
+            height=(size or native)[0] if height is None else height,
+            width=(size or native)[1] if width is None else width,
             sampler=sampler,
             noise=None if latents is None else np.asarray(latents, np.float32).transpose(0, 2, 3, 1),
         )
-        result = self.render(request, as_uint8=output_type == "pil")
+        request = dataclasses.replace(
+            request, images=image, masks=mask_image, strength=strength, denoising_start=denoising_start,
+            denoising_end=denoising_end, start_latents=start_latents,
+            aesthetic_scores=(aesthetic_score, negative_aesthetic_score),
+        )
+        output = {"pil": "uint8", "np": "float", "latent": "latents"}[output_type]
+        result = self.render(request, output=output)
         result.raise_if_not_finite()
         for p in result.truncated_prompts:
             message = f"prompt truncated to {self.spec.max_tokens} tokens: {p!r}"
             warnings.warn(PromptTruncatedWarning(message), stacklevel=2)
-        if output_type == "np":
+        if output_type != "pil":
             return result.images
         from PIL import Image
 
         return [Image.fromarray(image) for image in result.images]
+
+
+def program_variant(request: Request, output: str = "uint8") -> dict:
+    """The program a request needs, as `Pipeline.compiled`'s `variant` arguments."""
+    return dict(output=output, guided=request.guided, start_from=request.start_from, inpaint=request.masks is not None)
+
+
+def render_refined(
+    base: Pipeline,
+    refiner: Pipeline,
+    request: Request,
+    refine_from: float,
+    *,
+    output: str = "uint8",
+    on_step: Callable[[int], None] | None = None,
+    steps_per_report: int = 1,
+) -> Generation:
+    """diffusers' "ensemble of expert denoisers": `base` runs the request's schedule down to the
+    fraction `refine_from` of its noise (`denoising_end`), and `refiner` (`Pipeline.check_refiner`)
+    continues its latents from there (`denoising_start`). The latents stay on the devices in between.
+
+    The request's LoRAs are the base's; the refiner keeps its own. `on_step` hears the steps of
+    both runs as one count.
+    """
+    handing_off = base.validated(dataclasses.replace(request, denoising_end=refine_from))
+    first = base.render(handing_off, output="latents", on_step=on_step, steps_per_report=steps_per_report)
+    start, stop = base.steps_run(handing_off)
+    continued = None if on_step is None else (lambda done: on_step(stop - start + done))
+    second = refiner.render(
+        dataclasses.replace(
+            request, images=None, masks=None, start_latents=first.images, denoising_start=refine_from, loras=None,
+        ),
+        output=output, on_step=continued, steps_per_report=steps_per_report,
+    )
+    second.seconds += first.seconds
+    second.truncated_prompts = list(dict.fromkeys(first.truncated_prompts + second.truncated_prompts))
+    return second
+
+
+def _repeated(stack: np.ndarray | None, n: int) -> np.ndarray | None:
+    """One image or mask for all `n` images: [1, ...] repeated to [n, ...]."""
+    return stack if stack is None or len(stack) != 1 else np.repeat(stack, n, axis=0)
+
+
+def _per_image(given, read) -> np.ndarray | None:
+    """An image or mask for every image ([1, ...]) or a list or stack of them ([N, ...]), each read by `read`."""
+    if given is None:
+        return None
+    if isinstance(given, list | tuple) or (isinstance(given, np.ndarray) and given.ndim == 4):
+        return np.stack([read(item) for item in given])
+    return read(given)[None]
 
 
 def _stages(progress: bool) -> tuple[str, ...]:
@@ -471,28 +690,29 @@ def _stages(progress: bool) -> tuple[str, ...]:
 
 
 class _ProgressReports:
-    """Reports model evaluations as steps done: one each, but for PLMS's second step, which takes two
-    (its last report is then the step count again, which is not repeated)."""
+    """Reports model evaluations as steps done since the first that runs: one each, but for PLMS's
+    second step, which takes two (its last report is then the step count again, which is not
+    repeated)."""
 
-    def __init__(self, on_step: Callable[[int], None], steps: int):
-        self.on_step, self.steps, self.reported = on_step, steps, 0
+    def __init__(self, on_step: Callable[[int], None], steps: int, first: int):
+        self.on_step, self.steps, self.first, self.reported = on_step, steps, first, 0
 
     def __call__(self, evaluations: int) -> None:
-        done = min(evaluations, self.steps)
+        done = min(evaluations - self.first, self.steps)
         if done > self.reported:
             self.reported = done
             self.on_step(done)
 
 
-def _run_in_stages(stage, params, inputs: Inputs, evaluations: int, on_step, steps_per_report: int):
+def _run_in_stages(stage, params, inputs: Inputs, first: int, evaluations: int, on_step, steps_per_report: int):
     """The whole program's work as prepare, denoise over `steps_per_report` model evaluations at a
-    time, finish; `on_step` hears the evaluations done."""
+    time (from `first`), finish; `on_step` hears the evaluations done."""
     state, invariants = stage("prepare")(params, inputs)
     denoise = stage("denoise")
     replicated = inputs.num_steps.sharding
     in_flight = []  # (steps done when it finishes, its output)
     carry = state.carry
-    for start in range(0, evaluations, steps_per_report):
+    for start in range(first, evaluations, steps_per_report):
         stop = min(start + steps_per_report, evaluations)
         bounds = [place(np.int32(i), replicated) for i in (start, stop)]
         carry = denoise(params, invariants, state.replace(carry=carry), inputs, *bounds)

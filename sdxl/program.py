@@ -1,4 +1,4 @@
-"""The pure program of text-to-image: every stage a function of arrays, compiled by `sdxl.pipeline`.
+"""The pure program of generation: every stage a function of arrays, compiled by `sdxl.pipeline`.
 
 `GenerateProgram` holds only static, hashable fields (the model's spec, the sampler, the image size,
 the dtype), so it can be a static argument of `jax.jit`; its methods are the stages. The array
@@ -10,8 +10,15 @@ reports the same stages compile separately (`prepare`, then `denoise` over a few
 then `finish`), so the host learns how far the loop is without callbacks inside it: host callbacks
 would keep JAX from writing the program to the persistent compilation cache on multi-device machines.
 
-Only the batch size, the image size and the sampler are static. Prompts, seeds, guidance scales and
-the number of steps are array inputs, so changing them reuses the compiled program.
+Only the batch size, the image size, the sampler and where the loop starts from are static. Prompts,
+seeds, guidance scales, the number of steps and the stretch of them that runs are array inputs, so
+changing them reuses the compiled program.
+
+Where the loop starts (`GenerateProgram.start_from`), as diffusers' SDXL pipelines start:
+- "noise": text-to-image, from noise times the schedule's `init_noise_sigma`.
+- "image": image-to-image and inpainting, from the VAE's encoding of an image, noised to the level
+  of the first step that runs (`Inputs.first_step`; a strength picks it on the host).
+- "latents": the second expert of a base-plus-refiner run, from another run's latents as they are.
 """
 
 import dataclasses
@@ -24,12 +31,14 @@ from flax import struct
 from . import clip, unet, vae
 from .checkpoints import ModelSpec
 from .layers import STEP_INVARIANTS
-from .sampling import SAMPLERS, denoised_from_model_output, run_steps
+from .sampling import SAMPLERS, Sampler, add_noise, denoised_from_model_output, run_steps
 from .schedulers import Schedule
 
 
 # The stages, by their method names: the whole generation, or its three parts for progress reports.
 STAGES = ("whole", "prepare", "denoise", "finish")
+START_FROM = ("noise", "image", "latents")
+OUTPUTS = ("uint8", "float", "latents")  # images as uint8, or float32 in [0, 1]; or the latents, not decoded
 
 
 @struct.dataclass
@@ -38,12 +47,25 @@ class Inputs:
 
     ids: jax.Array  # [B, 2, E, T] int32 token ids; axis 1 is (negative, positive), axis 2 the text encoders
     zero_negative: jax.Array  # [B] bool: all-zero negative conditioning (SDXL's empty negative prompt)
+    time_ids: jax.Array | None  # [B, 2, K] float32 SDXL's size (and aesthetic score) ids, (negative, positive)
     seeds: jax.Array  # [B] uint32; image b's noise depends only on (seeds[b], image_index[b])
     image_index: jax.Array  # [B] uint32
     guidance_scale: jax.Array  # [B] float32 classifier-free guidance weights
     schedule: Schedule  # the sampler's padded noise schedule
     num_steps: jax.Array  # scalar int32, at most the schedule's length
+    # Scalar int32: the steps first_step..stop_step-1 of the num_steps-step schedule run (0 and
+    # num_steps for text-to-image; a later first step for image-to-image, an earlier stop for a base
+    # model that hands its latents to a refiner).
+    first_step: jax.Array
+    stop_step: jax.Array
     noise: jax.Array | None  # optional [B, h, w, C] float32 latents that replace the sampled noise
+    # start_from "image": [B, H, W, 3] float32 in [-1, 1], the images to start from; start_from
+    # "latents": [B, h, w, C] float32, the sampler's state to continue.
+    image: jax.Array | None = None
+    # Inpainting: [B, H, W, 1] float32, 1 where the image is repainted and 0 where it is kept.
+    mask: jax.Array | None = None
+    # start_from "image": scalar bool, start from noise alone all the same (diffusers' inpainting at strength 1).
+    from_noise: jax.Array | None = None
 
 
 @struct.dataclass
@@ -53,6 +75,17 @@ class State:
     cond: dict  # the UNet's text conditioning, [2B, ...] as (negative, positive) pairs
     carry: Any  # the sampler's loop state (`sdxl.sampling`)
     keys: jax.Array | None  # [B] PRNG keys for the noise a stochastic sampler adds, else None
+    known: "Known | None" = None  # inpainting: what the mask keeps
+
+
+@struct.dataclass
+class Known:
+    """What inpainting keeps of the image, in latents (h x w, as the UNet sees them)."""
+
+    mask: jax.Array  # [B, h, w, 1] 1 where the image is repainted (the pixel mask, nearest-sampled)
+    latents: jax.Array | None  # [B, h, w, C] the whole image's scaled latents (4-channel UNets blend them back)
+    noise: jax.Array | None  # [B, h, w, C] the starting noise, which re-noises `latents` at each step
+    masked_latents: jax.Array | None  # [B, h, w, C] the kept pixels' latents (9-channel inpainting UNets' input)
 
 
 def encode_text(spec: ModelSpec, params: dict, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
@@ -78,11 +111,21 @@ def unscaled_latents(spec: ModelSpec, latents: jax.Array) -> jax.Array:
     """The VAE's latents from the diffusion model's, [B, h, w, C], as the diffusers pipelines undo the
     scaling: SDXL with the VAE's per-channel `latents_mean` and `latents_std` where it has them
     (Playground v2.5), else (and SD 1.x/2.x always) dividing by `scaling_factor`."""
+    mean, std = _latent_statistics(spec)
+    return latents * std / spec.vae.scaling_factor + mean
+
+
+def scaled_latents(spec: ModelSpec, latents: jax.Array) -> jax.Array:
+    """The diffusion model's latents from the VAE's: `unscaled_latents` undone."""
+    mean, std = _latent_statistics(spec)
+    return (latents - mean) * spec.vae.scaling_factor / std
+
+
+def _latent_statistics(spec: ModelSpec) -> tuple:
     config = spec.vae
     if spec.is_sdxl and config.latents_mean is not None and config.latents_std is not None:
-        mean, std = jnp.asarray(config.latents_mean), jnp.asarray(config.latents_std)
-        return latents * std / config.scaling_factor + mean
-    return latents / config.scaling_factor
+        return jnp.asarray(config.latents_mean), jnp.asarray(config.latents_std)
+    return 0.0, 1.0
 
 
 def per_image_keys(seeds: jax.Array, image_index: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -132,42 +175,86 @@ class GenerateProgram:
     height: int
     width: int
     dtype: jnp.dtype
-    as_uint8: bool
+    output: str = "uint8"  # one of `OUTPUTS`
     guided: bool = True  # classifier-free guidance: the UNet also sees the negative prompts
+    start_from: str = "noise"  # one of `START_FROM`
+    inpaint: bool = False  # `Inputs.mask` says what to repaint; the rest is kept (`Known`)
 
     def initial_state(self, params, inputs: Inputs) -> State:
-        """Text conditioning, the starting noise and the sampler's state."""
+        """Text conditioning, the starting latents and the sampler's state."""
         spec = self.spec
         if self.guided:  # [2B]: (negative, positive) pairs, a zeroed negative where asked
             ids = inputs.ids.reshape(-1, *inputs.ids.shape[2:])
             keep = _interleave(~inputs.zero_negative, jnp.ones_like(inputs.zero_negative))
+            time_ids = None if inputs.time_ids is None else inputs.time_ids.reshape(-1, inputs.time_ids.shape[-1])
         else:  # [B]: the prompts alone
             ids, keep = inputs.ids[:, 1], jnp.ones(inputs.ids.shape[0], bool)
+            time_ids = None if inputs.time_ids is None else inputs.time_ids[:, 1]
         context, pooled = encode_text(spec, params, ids, self.dtype)
         cond = {"encoder_hidden_states": context * keep[:, None, None].astype(context.dtype)}
         if spec.is_sdxl:
-            # (original size, crop top-left, target size), as diffusers' _get_add_time_ids.
-            time_ids = jnp.array([self.height, self.width, 0, 0, self.height, self.width], jnp.float32)
             cond["text_embeds"] = pooled * keep[:, None].astype(pooled.dtype)
-            cond["time_ids"] = jnp.broadcast_to(time_ids, (len(ids), 6))
-
+            cond["time_ids"] = time_ids
         if spec.unet.time_cond_proj_dim is not None:  # an LCM UNet: the guidance scale as an embedding
             w = inputs.guidance_scale - 1
             cond["timestep_cond"] = unet.guidance_scale_embedding(w, spec.unet.time_cond_proj_dim)
+
         noise_keys, sampler_keys = per_image_keys(inputs.seeds, inputs.image_index)
         noise = inputs.noise
         if noise is None:
             shape = spec.latent_shape(self.height, self.width)
             noise = jax.vmap(lambda key: jax.random.normal(key, shape))(noise_keys)
         method = SAMPLERS[self.sampler]
-        carry = method.init(noise.astype(jnp.float32) * inputs.schedule.init_noise_sigma)
-        return State(cond, carry, sampler_keys if method.stochastic else None)
+        schedule = inputs.schedule
+        from_noise = noise.astype(jnp.float32) * schedule.init_noise_sigma
+        known = None
+        if self.start_from == "noise":
+            latents = from_noise
+        elif self.start_from == "latents":
+            latents = inputs.image
+        else:
+            encoded = self.encode(params, inputs.image)
+            # scheduler.add_noise at the first step that runs.
+            latents = add_noise(method, encoded, noise, schedule.sigmas[inputs.first_step])
+            if inputs.from_noise is not None:
+                latents = jnp.where(inputs.from_noise, from_noise, latents)
+            if self.inpaint:
+                known = self._known(params, inputs, encoded, noise)
+        stochastic = method.stochastic
+        return State(cond, method.init(latents), sampler_keys if stochastic else None, known)
+
+    def encode(self, params, images: jax.Array) -> jax.Array:
+        """[B, H, W, 3] images in [-1, 1] -> [B, h, w, C] the diffusion model's latents.
+
+        The posterior's mean: diffusers samples the posterior with the call's generator, but the
+        published VAEs' posteriors are narrow, and the mean keeps an image's encoding the same
+        for every seed. As diffusers' SDXL pipelines, a VAE that says it overflows in float16
+        (`force_upcast`) encodes in float32.
+        """
+        spec = self.spec
+        dtype = jnp.float32 if spec.is_sdxl and spec.vae.force_upcast else self.dtype
+        encoder = vae.AutoencoderKL(spec.vae, dtype=dtype)
+        mean, _ = encoder.apply({"params": params["vae"]}, images.astype(dtype), method=encoder.encode)
+        return scaled_latents(spec, mean.astype(self.dtype).astype(jnp.float32))
+
+    def _known(self, params, inputs: Inputs, encoded: jax.Array, noise: jax.Array) -> Known:
+        """What the mask keeps, as diffusers' inpainting pipelines prepare it: the mask at the
+        latents' size (torch's nearest interpolation: every f-th pixel), and either the masked image's
+        latents (a 9-channel UNet's extra input) or the image's latents and noise (a 4-channel UNet's
+        known region, blended back after every step)."""
+        f = self.spec.vae.downscale_factor
+        mask = inputs.mask[:, ::f, ::f]
+        if self.spec.unet.in_channels > self.spec.vae.latent_channels:
+            masked = self.encode(params, inputs.image * (inputs.mask < 0.5))
+            return Known(mask, None, None, masked)
+        return Known(mask, encoded, noise.astype(jnp.float32), None)
 
     def prepare(self, params, inputs: Inputs) -> tuple[State, dict]:
         """The initial state and the UNet's step invariants."""
         state = self.initial_state(params, inputs)
         batch = len(state.cond["encoder_hidden_states"])  # 2B with guidance, else B
-        x_in = jnp.zeros((batch, *self.spec.latent_shape(self.height, self.width)), self.dtype)
+        h, w, _ = self.spec.latent_shape(self.height, self.width)
+        x_in = jnp.zeros((batch, h, w, self.spec.unet.in_channels), self.dtype)
         # The model's output is unused, so the compiled program keeps only what computes the invariants.
         _, invariants = self._unet().apply(
             {"params": params["unet"]}, x_in, jnp.zeros(batch), **state.cond, mutable=[STEP_INVARIANTS]
@@ -182,12 +269,19 @@ class GenerateProgram:
         step count in all) with the guided UNet as the denoiser; returns the new carry."""
         model, variables = self._unet(), {"params": params["unet"], **invariants}
         g = inputs.guidance_scale[:, None, None, None]
+        known = state.known
+        extra = None  # a 9-channel inpainting UNet's mask and masked-image latents, after the latents
+        if known is not None and known.masked_latents is not None:
+            extra = jnp.concatenate([known.mask, known.masked_latents], axis=-1)
+            extra = _interleave(extra, extra) if self.guided else extra
 
         def denoiser(x, sigma, timestep):
             batch = x.shape[0]
             x_in = x / jnp.sqrt(sigma**2 + 1)
             if self.guided:
                 x_in = _interleave(x_in, x_in)
+            if extra is not None:
+                x_in = jnp.concatenate([x_in, extra], axis=-1)
             t = jnp.broadcast_to(timestep, (len(x_in),))
             out = model.apply(variables, x_in.astype(self.dtype), t, **state.cond).astype(jnp.float32)
             if self.guided:
@@ -198,11 +292,17 @@ class GenerateProgram:
             return denoised_from_model_output(x, out, sigma, self.spec.scheduler.prediction_type)
 
         method = SAMPLERS[self.sampler]
+        if known is not None and known.latents is not None:
+            method = _blending_known(method, known, method.evaluations(inputs.stop_step))
         return run_steps(method, denoiser, state.carry, inputs.schedule, inputs.num_steps, start, stop, state.keys)
 
     def finish(self, params, state: State) -> tuple[jax.Array, jax.Array]:
-        """VAE decoding. Returns images [B, H, W, 3] (uint8, or float32 in [0, 1]) and finite [B]."""
-        latents = unscaled_latents(self.spec, SAMPLERS[self.sampler].finish(state.carry))
+        """VAE decoding. Returns images [B, H, W, 3] (uint8, or float32 in [0, 1]), or the latents
+        [B, h, w, C] undecoded; and finite [B]."""
+        latents = SAMPLERS[self.sampler].finish(state.carry)
+        if self.output == "latents":
+            return latents, jnp.isfinite(latents).all(axis=(1, 2, 3))
+        latents = unscaled_latents(self.spec, latents)
         # diffusers' SDXL pipeline decodes in float32 a float16 VAE that says it overflows (force_upcast).
         upcast = self.spec.is_sdxl and self.spec.vae.force_upcast and self.dtype == jnp.float16
         dtype = jnp.float32 if upcast else self.dtype
@@ -211,13 +311,27 @@ class GenerateProgram:
         images = images.astype(jnp.float32)
         finite = jnp.isfinite(images).all(axis=(1, 2, 3))
         images = jnp.clip(images / 2 + 0.5, 0.0, 1.0)
-        if self.as_uint8:
+        if self.output == "uint8":
             images = jnp.round(images * 255).astype(jnp.uint8)
         return images, finite
 
     def whole(self, params, inputs: Inputs) -> tuple[jax.Array, jax.Array]:
         """All stages in one program."""
         state = self.initial_state(params, inputs)
-        evaluations = SAMPLERS[self.sampler].evaluations(inputs.num_steps)
-        carry = self.denoise(params, {}, state, inputs, 0, evaluations)
+        evaluations = SAMPLERS[self.sampler].evaluations
+        carry = self.denoise(params, {}, state, inputs, evaluations(inputs.first_step), evaluations(inputs.stop_step))
         return self.finish(params, state.replace(carry=carry))
+
+
+def _blending_known(method: Sampler, known: Known, stop) -> Sampler:
+    """`method` with diffusers' inpainting step for a 4-channel UNet: after every step, the kept region
+    is the image's latents noised to the level the step reached (clean after the last, stop - 1)."""
+
+    def step(denoiser, schedule, num_steps, i, carry, keys):
+        carry = method.step(denoiser, schedule, num_steps, i, carry, keys)
+        sigma = jnp.where(i < stop - 1, schedule.sigmas[i + 1], 0.0)
+        kept = add_noise(method, known.latents, known.noise, sigma)
+        latents = (1 - known.mask) * kept + known.mask * method.finish(carry)
+        return method.with_latents(carry, latents)
+
+    return method._replace(step=step)

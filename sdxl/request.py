@@ -2,8 +2,9 @@
 
 The library (`Pipeline.generate`), the CLI, the benchmark and the demo all build a `Request`, and
 `Pipeline.render` runs it. Per-image values (prompt, negative prompt, seed, image index, guidance
-scale) are lists, so that one compiled call can render a batch that mixes them; the size, the step
-count and the sampler are one per request. Requests with equal `batch_key`s can merge into one call.
+scale, and the image and mask to edit) are lists, so that one compiled call can render a batch that
+mixes them; the size, the step count, the sampler and the strength are one per request. Requests
+with equal `batch_key`s can merge into one call.
 
 `Request.validated` is the one check of every value, with the one set of limits below, wherever the
 values come from: Python callers, the command line, or a browser's JSON.
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .sampling import SAMPLERS
+from .sampling import SAMPLERS, WHOLE_SCHEDULE_ONLY
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
 DEFAULT_STEPS = 25
@@ -28,6 +29,18 @@ MAX_SIZE = 4096
 MAX_PROMPT_CHARACTERS = 2000
 # LoRA scales people use run from about -2 (slider LoRAs, reversed) to 2; beyond 4 images break up.
 LORA_SCALE_RANGE = (-4.0, 4.0)
+# The SDXL refiner's aesthetic-score conditioning: its training scores ran from 0 to 10; diffusers'
+# defaults ask for a 6 and steer away from a 2.5.
+AESTHETIC_SCORE_RANGE = (0.0, 10.0)
+DEFAULT_AESTHETIC_SCORES = (6.0, 2.5)
+
+
+def default_strength(spec, *, inpainting: bool) -> float:
+    """The strength diffusers' pipelines default to: image-to-image 0.3 for SDXL and 0.8 for SD
+    1.x/2.x, inpainting 0.9999 for SDXL and 1 for SD 1.x/2.x."""
+    if inpainting:
+        return 0.9999 if spec.is_sdxl else 1.0
+    return 0.3 if spec.is_sdxl else 0.8
 
 
 def integer(value, label: str, low: int, high: int) -> int:
@@ -94,6 +107,22 @@ class Request:
     # ((LoRA source, scale), ...): exactly these LoRAs (() for none; validated: sorted, scale 0 left
     # out); None: whichever the pipeline has set (`Pipeline.set_loras`).
     loras: tuple[tuple[str, float], ...] | None = None
+    # Image-to-image and inpainting: [N, height, width, 3] images (uint8, or float in [0, 1]) that
+    # the images start from, noised to `strength` (1: pure noise's level, all steps run; 0.3: the
+    # last 30% of the steps run), as diffusers' img2img and inpainting pipelines.
+    images: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    # Inpainting: [N, height, width], where > 0.5 is repainted and the rest kept.
+    masks: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    strength: float = 1.0
+    # A base model's and a refiner's share of one schedule (diffusers' "ensemble of expert
+    # denoisers"): the base stops at the fraction `denoising_end` of its noise and returns latents
+    # (`Pipeline.render(output="latents")`), which the refiner continues, given as
+    # `start_latents`, from `denoising_start`.
+    denoising_end: float | None = None
+    denoising_start: float | None = None
+    start_latents: object = dataclasses.field(default=None, compare=False, repr=False)  # [N, h, w, C] jax.Array
+    # The refiner's conditioning (`ModelSpec.requires_aesthetics_score`); other models ignore them.
+    aesthetic_scores: tuple[float, float] = DEFAULT_AESTHETIC_SCORES  # (positive, negative)
 
     @classmethod
     def from_prompt(
@@ -136,18 +165,35 @@ class Request:
         return any(float(g) > 1 for g in self.guidance_scales)
 
     @property
+    def start_from(self) -> str:
+        """Where the sampling loop starts (`sdxl.program.START_FROM`)."""
+        if self.start_latents is not None:
+            return "latents"
+        return "noise" if self.images is None else "image"
+
+    @property
     def batch_key(self) -> tuple:
         """Requests with equal keys can share a compiled call."""
-        return (self.height, self.width, self.steps, self.sampler, self.guided, self.loras)
+        return (
+            self.height, self.width, self.steps, self.sampler, self.guided, self.loras, self.start_from,
+            self.masks is not None, self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores,
+        )
 
     @classmethod
     def merged(cls, requests: Sequence["Request"]) -> "Request":
-        """One request for the images of several with the same `batch_key`, in order (no noise)."""
+        """One request for the images of several with the same `batch_key`, in order (no noise, no
+        start latents)."""
         first = requests[0]
+        arrays = {
+            name: None if getattr(first, name) is None else np.concatenate([getattr(r, name) for r in requests])
+            for name in ("images", "masks")
+        }
         return dataclasses.replace(
             first,
             **{f: tuple(v for r in requests for v in getattr(r, f)) for f in _PER_IMAGE},
+            **arrays,
             noise=None,
+            start_latents=None,
         )
 
     def validated(self, spec, *, max_steps: int) -> "Request":
@@ -178,10 +224,12 @@ class Request:
             if size is None or size % f:
                 raise ValueError(f"{label} must be a multiple of {f} from {f} to {MAX_SIZE}, got {value!r}")
             sizes[label] = size
-        if self.noise is not None:
-            expected = (n, *spec.latent_shape(sizes["height"], sizes["width"]))
-            if tuple(np.shape(self.noise)) != expected:
-                raise ValueError(f"noise must have shape {expected} (NHWC), got {tuple(np.shape(self.noise))}")
+        latent_shape = (n, *spec.latent_shape(sizes["height"], sizes["width"]))
+        if self.noise is not None and tuple(np.shape(self.noise)) != latent_shape:
+            raise ValueError(f"noise must have shape {latent_shape} (NHWC), got {tuple(np.shape(self.noise))}")
+        steps = integer(self.steps, "steps", 1, max_steps)
+        strength = number(self.strength, "strength", 0.0, 1.0)
+        self._check_start(spec, sampler, steps, strength, sizes["height"], sizes["width"], latent_shape)
         return dataclasses.replace(
             self,
             prompts=tuple(_text(p, "prompt") for p in self.prompts),
@@ -189,11 +237,71 @@ class Request:
             seeds=tuple(integer(s, "seed", 0, MAX_SEED) for s in self.seeds),
             image_index=tuple(integer(i, "image index", 0, MAX_SEED) for i in self.image_index),
             guidance_scales=tuple(guidance_scale(g) for g in self.guidance_scales),
-            steps=integer(self.steps, "steps", 1, max_steps),
+            steps=steps,
             sampler=sampler,
             loras=None if self.loras is None else _active(self.loras),
+            images=None if self.images is None else _pixels(self.images),
+            masks=None if self.masks is None else np.asarray(self.masks, np.float32) > 0.5,
+            strength=strength,
+            aesthetic_scores=tuple(number(a, label, *AESTHETIC_SCORE_RANGE) for a, label in zip(
+                self.aesthetic_scores, ("aesthetic score", "negative aesthetic score"))),
             **sizes,
         )
+
+    def _check_start(
+        self, spec, sampler: str, steps: int, strength: float, height: int, width: int, latent_shape: tuple
+    ) -> None:
+        """Checks the image, mask, strength and handoff settings against each other and the model."""
+        n, start = len(self), self.start_from
+        if start == "image":
+            shape = np.shape(self.images)
+            if len(shape) != 4 or shape[0] != n or shape[3] != 3:
+                raise ValueError(f"images must be {n} RGB image(s), [N, height, width, 3], got shape {shape}")
+            if shape[1:3] != (height, width):
+                raise ValueError(
+                    f"the image is {shape[2]}x{shape[1]} (width x height), but the request is for {width}x{height}: "
+                    f"sizes must be multiples of {spec.latent_factor} (resize or crop the image)"
+                )
+        if start == "latents" and tuple(np.shape(self.start_latents)) != latent_shape:
+            raise ValueError(f"start latents must have shape {latent_shape}, got {tuple(np.shape(self.start_latents))}")
+        if self.masks is not None:
+            if start != "image":
+                raise ValueError("a mask needs an image to inpaint")
+            if np.shape(self.masks) != (n, height, width):
+                raise ValueError(f"masks must be [N, height, width] = {(n, height, width)}, got {np.shape(self.masks)}")
+            if not (np.asarray(self.masks, np.float32) > 0.5).any(axis=(1, 2)).all():
+                raise ValueError("the mask is empty: paint the region to repaint")
+        elif spec.is_inpainting:
+            raise ValueError("this is an inpainting model: give it an image and a mask")
+        if start == "image" and int(steps * strength) < 1:
+            raise ValueError(
+                f"strength {strength:g} of {steps} steps leaves no step to run: raise the strength or the steps"
+            )
+        for label in ("denoising_start", "denoising_end"):
+            value = getattr(self, label)
+            if value is not None and not (isinstance(value, float | int) and 0 < value < 1):
+                raise ValueError(f"{label} must be a fraction above 0 and below 1, got {value!r}")
+        if (self.denoising_start is not None) != (start == "latents"):
+            raise ValueError("denoising_start continues a base model's latents: give both, or neither")
+        if None not in (self.denoising_start, self.denoising_end) and self.denoising_start >= self.denoising_end:
+            raise ValueError(f"denoising_start {self.denoising_start} must be below denoising_end {self.denoising_end}")
+        partial = start != "noise" or self.denoising_end is not None
+        if sampler in WHOLE_SCHEDULE_ONLY and partial and not (start == "image" and strength == 1):
+            raise ValueError(
+                f"the {sampler} sampler runs whole schedules only; choose another for image-to-image, "
+                "inpainting below strength 1, or a refiner handoff"
+            )
+
+
+def _pixels(images) -> np.ndarray:
+    """Images as uint8, or float32 in [0, 1] (as diffusers takes arrays)."""
+    images = np.asarray(images)
+    if images.dtype == np.uint8:
+        return images
+    images = images.astype(np.float32)
+    if not np.isfinite(images).all() or images.min() < 0 or images.max() > 1:
+        raise ValueError("images given as floats must lie in [0, 1]")
+    return images
 
 
 def _active(loras) -> tuple[tuple[str, float], ...]:

@@ -5,15 +5,16 @@ the clean latents from x = x0 + sigma * noise. Classifier-free guidance and the 
 parametrisation live in the caller that builds the denoiser (see `denoised_from_model_output`), so
 the samplers know nothing of them.
 
-A sampler is its loop's pieces: `init` turns the starting noise into the loop state, `step(i)`
-advances it by one step, `finish` reads the latents out. `run_steps` runs steps start..stop-1 of
-the loop (a `lax.fori_loop` whose bounds and `num_steps` may be traced, so one compiled program
-serves every step count up to the schedule's padded length): all of it, or a stretch at a time, so
-a caller can report progress between stretches without host callbacks inside the loop.
+A sampler is its loop's pieces: `init` turns the starting latents into the loop state, `step(i)`
+advances it by one step, `finish` reads the latents out (and `with_latents` puts them back).
+`run_steps` runs steps start..stop-1 of the loop (a `lax.fori_loop` whose bounds and `num_steps`
+may be traced, so one compiled program serves every step count up to the schedule's padded
+length): all of it, or a stretch at a time, so a caller can report progress between stretches
+without host callbacks inside the loop, or start part-way for image-to-image.
 
-Each sampler reproduces one diffusers scheduler's `step`: it starts from standard normal noise
-times `schedule.init_noise_sigma` and finishes with what diffusers hands to the VAE. All
-arithmetic is float32.
+Each sampler reproduces one diffusers scheduler's `step`: from text it starts from standard normal
+noise times `schedule.init_noise_sigma`, from an image at `add_noise`'s level, and finishes with
+what diffusers hands to the VAE. All arithmetic is float32.
 """
 
 from collections.abc import Callable
@@ -117,25 +118,27 @@ def dpmpp_2m_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, carry: C
     """DPM-Solver++(2M), Lu et al. 2022 Algorithm 2, as DPMSolverMultistepScheduler with its defaults.
 
     That is algorithm_type "dpmsolver++", solver_order 2, solver_type "midpoint", and
-    lower_order_final: the first step, and the last one when there are fewer than 15 steps or it ends
-    at sigma 0, are first order (DDIM) steps. The state is (variance-preserving latents, the previous
-    step's denoised prediction); diffusers' sample here is variance preserving (init_noise_sigma 1).
+    lower_order_final: the first step that runs (diffusers counts from it, also when image-to-image
+    starts part-way), and the last one when there are fewer than 15 steps or it ends at sigma 0, are
+    first order (DDIM) steps. The state is (variance-preserving latents, the previous step's denoised
+    prediction, [B] whether there is one); diffusers' sample here is variance preserving
+    (init_noise_sigma 1).
     """
-    x, denoised_prev = carry
+    x, denoised_prev, has_previous = carry
     sigmas = schedule.sigmas
     last_first_order = (num_steps < 15) | (sigmas[num_steps] == 0)
     sigma_prev, sigma, sigma_next = sigmas[jnp.maximum(i - 1, 0)], sigmas[i], sigmas[i + 1]
     alpha, alpha_next = _vp_scale(sigma), _vp_scale(sigma_next)
     denoised = denoiser(x / alpha, sigma, schedule.timesteps[i])
     h = jnp.log(sigma) - jnp.log(sigma_next)  # the step in log-SNR, lambda = -log(sigma)
-    first_order = (i == 0) | ((i == num_steps - 1) & last_first_order)
+    first_order = ~has_previous[:, None, None, None] | ((i == num_steps - 1) & last_first_order)
     # Second order: extrapolate the denoised prediction linearly in lambda to the step's midpoint.
     r = (jnp.log(sigma_prev) - jnp.log(sigma)) / h
     extrapolation = jnp.where(first_order, 0.0, 0.5 / r)
     denoised_mid = denoised + extrapolation * (denoised - denoised_prev)
     # sigma_vp_next / sigma_vp = exp(-h) * alpha_next / alpha.
     x = (sigma_next * alpha_next) / (sigma * alpha) * x - alpha_next * jnp.expm1(-h) * denoised_mid
-    return x, denoised
+    return x, denoised, jnp.ones_like(has_previous)
 
 
 def ddim_step(denoiser: Denoiser, schedule: DDIMSchedule, num_steps, i, x_vp: jax.Array, keys) -> jax.Array:
@@ -212,11 +215,15 @@ def _pndm_init(x: jax.Array) -> Carry:
 
 
 def _dpmpp_2m_init(x: jax.Array) -> Carry:
-    return x.astype(jnp.float32), jnp.zeros(x.shape, jnp.float32)
+    return x.astype(jnp.float32), jnp.zeros(x.shape, jnp.float32), jnp.zeros(x.shape[0], bool)
 
 
-def _dpmpp_2m_finish(carry: Carry) -> jax.Array:
+def _first(carry: Carry) -> jax.Array:
     return carry[0]
+
+
+def _with_first(carry: Carry, x: jax.Array) -> Carry:
+    return (x, *carry[1:])
 
 
 class Sampler(NamedTuple):
@@ -227,10 +234,20 @@ class Sampler(NamedTuple):
     step: Callable[..., Carry]
     # Whether `step` injects noise drawn from `keys`: [B] per-image PRNG keys.
     stochastic: bool = False
+    # Whether its latents are diffusers' variance-preserving sample x / sqrt(sigma^2 + 1), not x.
+    variance_preserving: bool = False
     init: Callable[[jax.Array], Carry] = lambda x: x.astype(jnp.float32)
     finish: Callable[[Carry], jax.Array] = lambda carry: carry
+    with_latents: Callable[[Carry, jax.Array], Carry] = lambda carry, x: x
     # The model evaluations, so loop iterations, of a `num_steps`-step run (an int or a traced one).
     evaluations: Callable = lambda num_steps: num_steps
+
+
+def add_noise(sampler: Sampler, latents: jax.Array, noise: jax.Array, sigma: jax.Array) -> jax.Array:
+    """Clean latents noised to level sigma, as the sampler's state holds them: diffusers'
+    `scheduler.add_noise` (x0 + sigma * noise, variance-preserving where the sampler's state is)."""
+    x = latents + sigma * noise
+    return x * _vp_scale(sigma) if sampler.variance_preserving else x
 
 
 def run_steps(
@@ -255,18 +272,25 @@ SAMPLER_NAMES = {  # for people: the names A1111-style UIs and the PNG "paramete
 SAMPLERS = {
     "euler": Sampler(euler_schedule, euler_step),
     "euler_ancestral": Sampler(euler_ancestral_schedule, euler_ancestral_step, stochastic=True),
-    "dpmpp_2m": Sampler(dpmpp_2m_schedule, dpmpp_2m_step, init=_dpmpp_2m_init, finish=_dpmpp_2m_finish),
-    "dpmpp_2m_karras": Sampler(
-        dpmpp_2m_karras_schedule, dpmpp_2m_step, init=_dpmpp_2m_init, finish=_dpmpp_2m_finish
+    "dpmpp_2m": Sampler(
+        dpmpp_2m_schedule, dpmpp_2m_step, variance_preserving=True, init=_dpmpp_2m_init, finish=_first,
+        with_latents=_with_first,
     ),
-    "ddim": Sampler(ddim_schedule, ddim_step),
+    "dpmpp_2m_karras": Sampler(
+        dpmpp_2m_karras_schedule, dpmpp_2m_step, variance_preserving=True, init=_dpmpp_2m_init, finish=_first,
+        with_latents=_with_first,
+    ),
+    "ddim": Sampler(ddim_schedule, ddim_step, variance_preserving=True),
     "pndm": Sampler(
-        pndm_schedule, pndm_step, init=_pndm_init, finish=lambda carry: carry[0],
+        pndm_schedule, pndm_step, variance_preserving=True, init=_pndm_init, finish=_first, with_latents=_with_first,
         evaluations=lambda num_steps: num_steps + (num_steps > 1),  # the second step evaluates twice
     ),
-    "lcm": Sampler(lcm_schedule, lcm_step, stochastic=True),
-    "tcd": Sampler(tcd_schedule, tcd_step, stochastic=True),
+    "lcm": Sampler(lcm_schedule, lcm_step, stochastic=True, variance_preserving=True),
+    "tcd": Sampler(tcd_schedule, tcd_step, stochastic=True, variance_preserving=True),
 }
+# Samplers whose loop cannot start or stop part-way through its schedule as diffusers' would: PLMS
+# counts its model evaluations from the first, and its second step re-evaluates.
+WHOLE_SCHEDULE_ONLY = ("pndm",)
 
 # diffusers' scheduler classes, and the sampler that reproduces each.
 SCHEDULER_SAMPLERS = {

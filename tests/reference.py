@@ -6,7 +6,7 @@ from pathlib import Path
 import diffusers
 import numpy as np
 import torch
-from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
+from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from sdxl.checkpoints import random_models
@@ -43,15 +43,17 @@ def _text_encoder(config: dict) -> CLIPTextModel | CLIPTextModelWithProjection:
 
 
 def _components(folder: Path, configs: dict) -> dict:
-    """The components both pipeline classes share, as `configs` describe them."""
+    """The components the pipeline classes share, as `configs` describe them (the SDXL refiner has
+    no first text encoder: None)."""
     tokenizer_dir = folder / "_tokenizer_source"
     write_byte_level_tokenizer(tokenizer_dir)
     scheduler = configs[SCHEDULER_JSON]
+    first = configs.get("text_encoder/config.json")
     return {
         "vae": AutoencoderKL(**_without_class(configs["vae/config.json"])),
         "unet": UNet2DConditionModel(**_without_class(configs["unet/config.json"])),
-        "text_encoder": _text_encoder(configs["text_encoder/config.json"]),
-        "tokenizer": CLIPTokenizer.from_pretrained(tokenizer_dir),
+        "text_encoder": None if first is None else _text_encoder(first),
+        "tokenizer": None if first is None else CLIPTokenizer.from_pretrained(tokenizer_dir),
         # As diffusers loads a checkpoint's scheduler: the class the JSON names, from the JSON.
         "scheduler": getattr(diffusers, scheduler["_class_name"]).from_config(scheduler),
     }
@@ -68,15 +70,22 @@ def _randomize_and_save(pipe: diffusers.DiffusionPipeline, folder: Path, configs
     (folder / SCHEDULER_JSON).write_text(json.dumps(configs[SCHEDULER_JSON], indent=2))
 
 
-def sdxl_pipeline(folder: Path, configs: dict = random_models.SDXL_CONFIGS, seed: int = 0) -> StableDiffusionXLPipeline:
-    """A random diffusers SDXL pipeline with `configs`, saved (safetensors) to `folder`."""
+def sdxl_pipeline(
+    folder: Path, configs: dict = random_models.SDXL_CONFIGS, seed: int = 0
+) -> diffusers.DiffusionPipeline:
+    """A random diffusers SDXL pipeline with `configs`, saved (safetensors) to `folder`: of the
+    class model_index.json names (text-to-image, image-to-image as the refiner, or inpainting)."""
     components = _components(folder, configs)
-    pipe = StableDiffusionXLPipeline(
+    index = configs["model_index.json"]
+    cls = getattr(diffusers, index["_class_name"])
+    options = {"requires_aesthetics_score": True} if index.get("requires_aesthetics_score") else {}
+    pipe = cls(
         **components,
         text_encoder_2=_text_encoder(configs["text_encoder_2/config.json"]),
-        tokenizer_2=components["tokenizer"],
-        force_zeros_for_empty_prompt=True,
+        tokenizer_2=CLIPTokenizer.from_pretrained(folder / "_tokenizer_source"),
+        force_zeros_for_empty_prompt=index["force_zeros_for_empty_prompt"],
         add_watermarker=False,
+        **options,
     )
     _randomize_and_save(pipe, folder, configs, seed)
     return pipe

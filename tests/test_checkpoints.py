@@ -97,12 +97,16 @@ def test_one_weight_set_is_chosen_per_component():
 
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory):
-    """Tiny random SDXL and SD 1.x checkpoints, each in float32 and float16 (the fp16 variant)."""
+    """Tiny random SDXL, SDXL refiner and SD 1.x checkpoints, each in float32 and float16 (the fp16 variant)."""
     root = tmp_path_factory.mktemp("tiny-weights")
     write = random_models.write_checkpoint
+    families = (
+        ("sdxl", random_models.SDXL_CONFIGS), ("refiner", random_models.REFINER_CONFIGS),
+        ("sd1", random_models.SD1_CONFIGS),
+    )
     return {
         (family, dtype): write(root / f"{family}-{dtype}", configs, dtype=dtype)
-        for family, configs in (("sdxl", random_models.SDXL_CONFIGS), ("sd1", random_models.SD1_CONFIGS))
+        for family, configs in families
         for dtype in ("float32", "float16")
     }
 
@@ -217,12 +221,13 @@ REFINER_INDEX = {
 @pytest.mark.parametrize(
     "file_list, configs, reason",
     [
-        (REFINER_FILES, _sdxl_configs(**{"model_index.json": REFINER_INDEX}), "StableDiffusionXLImg2ImgPipeline"),
+        (REFINER_FILES, _sdxl_configs(**{"model_index.json": REFINER_INDEX}),
+         "5 time ids .* does model_index.json's requires_aesthetics_score fit this UNet"),
         (
             SDXL_BASE_FILES,
-            _sdxl_configs(**{"model_index.json": {"_class_name": "StableDiffusionXLInpaintPipeline"},
-                             "unet/config.json": {"in_channels": 9}}),
-            "an inpainting model",
+            _sdxl_configs(**{"model_index.json": {"_class_name": "StableDiffusionInstructPix2PixPipeline"},
+                             "unet/config.json": {"in_channels": 8}}),
+            "an instruct-pix2pix model",
         ),
         (SDXL_BASE_FILES, _sdxl_configs(**{"unet/config.json": {"in_channels": 8}}), "8 input channels"),
         (SDXL_BASE_FILES,
@@ -234,7 +239,7 @@ REFINER_INDEX = {
          "transformer_layers_per_block must be an int or one int per level"),
         (SDXL_BASE_FILES, _sdxl_configs(**{"vae/config.json": {"shift_factor": 0.1159}}), "shift_factor"),
     ],
-    ids=["refiner", "inpainting", "9-channel-unet", "heun", "playground-edm", "ssd-1b-style-unet", "vae-shift"],
+    ids=["refiner-index-over-a-base-unet", "instruct-pix2pix", "8-channel-unet", "heun", "playground-edm", "ssd-1b-style-unet", "vae-shift"],
 )
 def test_an_unsupported_model_is_refused_before_its_weights_are_fetched(
     tiny_weights, tmp_path, monkeypatch, file_list, configs, reason
@@ -244,6 +249,20 @@ def test_an_unsupported_model_is_refused_before_its_weights_are_fetched(
         with hub_at(fake, tmp_path / "hf", monkeypatch), pytest.raises(CheckpointError, match=reason):
             _load(repo)
         assert fake.downloaded(repo) and _weights(fake.downloaded(repo)) == []
+
+
+def test_the_refiner_repo_fetches_its_one_text_encoder_and_loads(tiny_weights, tmp_path, monkeypatch):
+    """stabilityai/stable-diffusion-xl-refiner-1.0's layout: text_encoder_2 alone, the aesthetic score."""
+    repo = "stabilityai/stable-diffusion-xl-refiner-1.0"
+    with FakeHub({repo: _repo(tiny_weights, "refiner", REFINER_FILES)}) as fake:
+        with hub_at(fake, tmp_path / "hf", monkeypatch):
+            pipe = _load(repo)
+        assert _weights(fake.downloaded(repo)) == [
+            "text_encoder_2/model.safetensors", "unet/diffusion_pytorch_model.safetensors",
+            "vae/diffusion_pytorch_model.safetensors",
+        ]
+    assert pipe.spec.text_encoder_names == ("text_encoder_2",) and pipe.spec.requires_aesthetics_score
+    assert sorted(pipe.params) == ["text_encoder_2", "unet", "vae"]
 
 
 def test_a_model_missing_from_the_cache_without_network_is_hub_unavailable(tmp_path, monkeypatch):

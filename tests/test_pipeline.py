@@ -257,8 +257,8 @@ def test_without_guidance_the_unet_sees_the_prompts_alone(reference, pipe):
     request = Request(tuple(PROMPTS * 2), tuple(NEGATIVES * 2), (1,) * 4, (0, 1, 2, 3), (1.0, 0.0, 0.5, 1.0), 2,
                       HEIGHT, WIDTH, noise=latents.transpose(0, 2, 3, 1))
     assert not request.guided
-    unguided = pipe.render(request, as_uint8=False).images
-    program = pipe._program(None, HEIGHT, WIDTH, as_uint8=False, guided=True)  # forced: the guided program
+    unguided = pipe.render(request, output="float").images
+    program = pipe._program(None, HEIGHT, WIDTH, output="float", guided=True)  # forced: the guided program
     guided = pipe._compiled_stage("whole", program, 4, True)(pipe.params, pipe._inputs(pipe.validated(request), 4)[0])
     np.testing.assert_allclose(unguided, np.asarray(guided[0]), atol=1e-5)
     # A denoising step (the loop's body, which the cost analysis counts once) costs about half.
@@ -295,12 +295,12 @@ def test_what_a_larger_batch_guarantees(pipe):
     alone = Request.from_prompt("a cat", num_images=4, seed=11, steps=3, height=HEIGHT, width=WIDTH)
     others = Request.from_prompt("a dog", num_images=12, seed=12, steps=3, height=HEIGHT, width=WIDTH)
     merged = Request.merged([alone, others])
-    for as_uint8 in (False, True):
-        first = pipe.render(alone, as_uint8=as_uint8).images
-        in_batch = pipe.render(merged, as_uint8=as_uint8).images[:4]
-        np.testing.assert_array_equal(pipe.render(alone, as_uint8=as_uint8).images, first)
+    for output in ("float", "uint8"):
+        first = pipe.render(alone, output=output).images
+        in_batch = pipe.render(merged, output=output).images[:4]
+        np.testing.assert_array_equal(pipe.render(alone, output=output).images, first)
         difference = np.abs(first.astype(np.float64) - in_batch)
-        if as_uint8:
+        if output == "uint8":
             assert difference.max() <= 1 and np.mean(difference > 0) <= 1e-3, np.mean(difference > 0)
         else:
             assert difference.max() <= 1e-4

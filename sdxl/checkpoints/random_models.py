@@ -12,6 +12,10 @@ end with no download. Their images are noise-like patterns: the weights are rand
   conditioning, convolutional attention projections, one head count for every level, and
   stable-diffusion-v1-5's (PNDM) scheduler config. Like a checkpoint saved without its safety
   checker, its model_index.json lists `safety_checker` and `feature_extractor` as null.
+- "tiny-refiner": the SDXL refiner's layout. text_encoder_2 alone, whose states are the context,
+  and an aesthetic score in place of the target size in the size ids (`requires_aesthetics_score`).
+- "tiny-inpaint": "tiny" with an inpainting UNet (9 input channels: the latents, the mask and the
+  masked image's latents), as `diffusers/stable-diffusion-xl-1.0-inpainting-0.1`.
 - "medium": SDXL's layout at a fifth of its width, for the benchmark on a CPU.
 - A folder of published configs in `BUILTIN_CONFIGS` ("sdxl-base-1.0"): full size, for the
   benchmark on accelerators (`python -m sdxl write-checkpoint`).
@@ -122,6 +126,35 @@ SDXL_CONFIGS = {
     "scheduler/scheduler_config.json": read_json(BUILTIN_CONFIGS / "sdxl-base-1.0/scheduler/scheduler_config.json"),
 }
 
+REFINER_CONFIGS = {
+    "model_index.json": {
+        **_COMPONENTS,
+        "_class_name": "StableDiffusionXLImg2ImgPipeline",
+        "force_zeros_for_empty_prompt": False,
+        "requires_aesthetics_score": True,
+        "scheduler": ["diffusers", "EulerDiscreteScheduler"],
+        "text_encoder": [None, None],
+        "tokenizer": [None, None],
+        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+        "tokenizer_2": ["transformers", "CLIPTokenizer"],
+    },
+    "unet/config.json": {
+        **SDXL_CONFIGS["unet/config.json"],
+        "cross_attention_dim": _TEXT_ENCODER_2["hidden_size"],
+        # (original size, crop top-left, aesthetic score): 5 time ids
+        "projection_class_embeddings_input_dim": _TEXT_ENCODER_2["projection_dim"] + 5 * 8,
+    },
+    "vae/config.json": SDXL_CONFIGS["vae/config.json"],
+    "text_encoder_2/config.json": _TEXT_ENCODER_2,
+    "scheduler/scheduler_config.json": SDXL_CONFIGS["scheduler/scheduler_config.json"],
+}
+
+INPAINT_CONFIGS = {
+    **SDXL_CONFIGS,
+    "model_index.json": {**SDXL_CONFIGS["model_index.json"], "_class_name": "StableDiffusionXLInpaintPipeline"},
+    "unet/config.json": {**SDXL_CONFIGS["unet/config.json"], "in_channels": 9},
+}
+
 SD1_CONFIGS = {
     "model_index.json": {
         **_COMPONENTS,
@@ -212,9 +245,16 @@ MEDIUM_CONFIGS = {
 }
 
 # The random models by name; `configs_of` also takes the folders in `BUILTIN_CONFIGS` ("sdxl-base-1.0").
-MODELS = {"tiny": SDXL_CONFIGS, "tiny-sd1": SD1_CONFIGS, "medium": MEDIUM_CONFIGS}
+MODELS = {
+    "tiny": SDXL_CONFIGS,
+    "tiny-sd1": SD1_CONFIGS,
+    "tiny-refiner": REFINER_CONFIGS,
+    "tiny-inpaint": INPAINT_CONFIGS,
+    "medium": MEDIUM_CONFIGS,
+}
 # The ones small enough to be written on first use by `Pipeline.from_pretrained(name)`.
-ON_DEMAND = {"tiny": VERSION, "tiny-sd1": VERSION, "medium": MEDIUM_VERSION}
+ON_DEMAND = {"tiny": VERSION, "tiny-sd1": VERSION, "tiny-refiner": VERSION, "tiny-inpaint": VERSION,
+             "medium": MEDIUM_VERSION}
 
 
 def configs_of(name: str) -> dict:

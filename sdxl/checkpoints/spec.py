@@ -20,13 +20,18 @@ from .folder import read_model_index
 
 # The text encoders in the order the UNet's context concatenates them.
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
-# The pipelines whose checkpoints this package runs: text-to-image SDXL and SD 1.x/2.x.
-PIPELINE_CLASSES = ("StableDiffusionXLPipeline", "StableDiffusionPipeline")
+# The pipelines whose checkpoints this package runs: SDXL and SD 1.x/2.x, text-to-image, image-to-image
+# (the SDXL refiner is published as the latter) and inpainting. Every one of them does all three here.
+PIPELINE_CLASSES = (
+    "StableDiffusionXLPipeline",
+    "StableDiffusionPipeline",
+    "StableDiffusionXLImg2ImgPipeline",
+    "StableDiffusionImg2ImgPipeline",
+    "StableDiffusionXLInpaintPipeline",
+    "StableDiffusionInpaintPipeline",
+)
 # What other pipeline classes are, for the message that refuses them.
 _OTHER_PIPELINES = {
-    "StableDiffusionXLImg2ImgPipeline": "the SDXL refiner or an image-to-image model",
-    "StableDiffusionXLInpaintPipeline": "an inpainting model",
-    "StableDiffusionInpaintPipeline": "an inpainting model",
     "StableDiffusionInstructPix2PixPipeline": "an instruct-pix2pix model",
     "StableDiffusionXLInstructPix2PixPipeline": "an instruct-pix2pix model",
     "StableDiffusionDepth2ImgPipeline": "a depth-to-image model",
@@ -51,15 +56,16 @@ class ModelSpec:
     force_zeros_for_empty_prompt: bool
     # The sampler that matches the checkpoint's scheduler class (`sampling.sampler_for_scheduler`).
     default_sampler: str = "euler"
+    # The folders of `text_encoders`, in the order the context concatenates them: SDXL base has both,
+    # the SDXL refiner only text_encoder_2, SD 1.x/2.x only text_encoder.
+    text_encoder_names: tuple[str, ...] = TEXT_ENCODERS
+    # The SDXL refiner's conditioning: an aesthetic score in place of the target size in the time ids.
+    requires_aesthetics_score: bool = False
 
     @property
     def is_sdxl(self) -> bool:
         """SDXL conditions on two encoders' penultimate states plus pooled text and size ids."""
         return self.unet.addition_embed_type == "text_time"
-
-    @property
-    def text_encoder_names(self) -> tuple[str, ...]:
-        return TEXT_ENCODERS[: len(self.text_encoders)]
 
     @property
     def tokenizer_names(self) -> tuple[str, ...]:
@@ -73,7 +79,18 @@ class ModelSpec:
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         """(h, w, channels) of the latents of a height x width image (NHWC, without the batch)."""
         f = self.vae.downscale_factor
-        return height // f, width // f, self.unet.in_channels
+        return height // f, width // f, self.vae.latent_channels
+
+    @property
+    def is_inpainting(self) -> bool:
+        """An inpainting UNet: it takes the mask and the masked image's latents after the latents."""
+        return self.unet.in_channels == 2 * self.vae.latent_channels + 1
+
+    def time_ids(self, height: int, width: int, aesthetic_score: float) -> tuple[float, ...]:
+        """SDXL's size conditioning, as diffusers' `_get_add_time_ids`: (original size, crop top-left,
+        target size), the refiner's (original size, crop top-left, aesthetic score)."""
+        last = (aesthetic_score,) if self.requires_aesthetics_score else (height, width)
+        return (height, width, 0, 0, *last)
 
     @property
     def native_size(self) -> int:
@@ -104,7 +121,7 @@ class ModelSpec:
         folder = Path(folder)
         index = read_model_index(folder)
         _check_pipeline(folder, index)
-        names = [n for n in TEXT_ENCODERS if index.get(n) and index[n][0] is not None]
+        names = tuple(n for n in TEXT_ENCODERS if index.get(n) and index[n][0] is not None)
         configs = {
             "unet": _read(folder, "unet/config.json"),
             "vae": _read(folder, "vae/config.json"),
@@ -119,26 +136,43 @@ class ModelSpec:
                 scheduler=config_from_dict(SchedulerConfig, configs["scheduler"]),
                 force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", False)),
                 default_sampler=sampler_for_scheduler(configs["scheduler"]),
+                text_encoder_names=names,
+                requires_aesthetics_score=bool(index.get("requires_aesthetics_score", False)),
             )
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{folder}: {e}") from e
-        spec.check_supported(folder, names)
+        spec.check_supported(folder)
         return spec
 
-    def check_supported(self, where, text_encoder_names: list[str]) -> None:
+    def check_supported(self, where) -> None:
         """Raises CheckpointError naming what in these configs this package cannot run."""
-        if not text_encoder_names:
+        names = self.text_encoder_names
+        if not names:
             raise CheckpointError(f"{where}: model_index.json names no text encoder")
-        if self.is_sdxl and text_encoder_names != list(TEXT_ENCODERS):
+        if self.is_sdxl and names not in (TEXT_ENCODERS, TEXT_ENCODERS[1:]):
             raise CheckpointError(
-                f"{where}: an SDXL UNet with only {', '.join(text_encoder_names)} (the SDXL refiner's layout) "
-                "is not supported; SDXL base needs text_encoder and text_encoder_2"
+                f"{where}: an SDXL UNet with only {', '.join(names)}; SDXL needs text_encoder and text_encoder_2 "
+                "(base) or text_encoder_2 (the refiner)"
             )
-        if self.unet.in_channels != self.vae.latent_channels:
+        if not self.is_sdxl and names != TEXT_ENCODERS[:1]:
+            raise CheckpointError(f"{where}: an SD 1.x/2.x UNet needs text_encoder alone, got {', '.join(names)}")
+        if self.requires_aesthetics_score and not self.is_sdxl:
+            raise CheckpointError(f"{where}: aesthetic-score conditioning needs an SDXL UNet")
+        if self.is_sdxl:
+            ids = len(self.time_ids(0, 0, 0.0))
+            width = ids * self.unet.addition_time_embed_dim + self.text_encoders[-1].projection_dim
+            if width != self.unet.projection_class_embeddings_input_dim:
+                what = "an aesthetic score" if self.requires_aesthetics_score else "the target size"
+                raise CheckpointError(
+                    f"{where}: the UNet's added embedding takes {self.unet.projection_class_embeddings_input_dim} "
+                    f"values, but {ids} time ids (with {what}) and the pooled text give {width}: does "
+                    "model_index.json's requires_aesthetics_score fit this UNet?"
+                )
+        if self.unet.in_channels not in (self.vae.latent_channels, 2 * self.vae.latent_channels + 1):
             raise CheckpointError(
                 f"{where}: the UNet takes {self.unet.in_channels} input channels for "
-                f"{self.vae.latent_channels}-channel latents (an inpainting, depth or instruct-pix2pix model); "
-                "only text-to-image UNets are supported"
+                f"{self.vae.latent_channels}-channel latents (a depth or instruct-pix2pix model?); "
+                "only text-to-image and inpainting UNets are supported"
             )
         if self.vae.shift_factor:
             raise CheckpointError(f"{where}: a VAE with shift_factor={self.vae.shift_factor} is not supported")
@@ -167,14 +201,12 @@ def _read(folder: Path, path: str) -> dict:
 
 
 def _check_pipeline(folder: Path, index: dict) -> None:
-    """Refuses a pipeline class other than text-to-image SD/SDXL, and the refiner's conditioning."""
+    """Refuses a pipeline class other than SD/SDXL text-to-image, image-to-image and inpainting."""
     name = index.get("_class_name", PIPELINE_CLASSES[0])
     if name not in PIPELINE_CLASSES:
-        what = _OTHER_PIPELINES.get(name, "not a text-to-image Stable Diffusion pipeline")
-        supported = " and ".join(PIPELINE_CLASSES)
+        what = _OTHER_PIPELINES.get(name, "not a Stable Diffusion pipeline")
+        supported = ", ".join(PIPELINE_CLASSES)
         raise CheckpointError(f"{folder}: {name} ({what}) is not supported; this package runs {supported} checkpoints")
-    if index.get("requires_aesthetics_score"):
-        raise CheckpointError(f"{folder}: aesthetic-score conditioning (the SDXL refiner's) is not supported")
 
 
 @functools.cache
