@@ -38,6 +38,9 @@ def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
     [
         (["--steps", "0"], "error: steps must be an integer from 1 to"),
         (["--num-images", "-3"], "error: --num-images must be at least 1, got -3"),
+        (["--image", "missing.png"], "error: cannot read the image"),
+        (["--image", str(ROOT / "assets/shapes/README.md")], "error: cannot read the image"),
+        (["--refiner", "tiny-sd1"], "error: the refiner tiny-sd1 cannot continue tiny's latents: its latent scaling"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line_reason(args, reason):
@@ -45,6 +48,31 @@ def test_bad_input_exits_nonzero_with_one_line_reason(args, reason):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert result.stderr.startswith(reason)
+
+
+def test_an_image_is_edited_inpainted_and_refined(tmp_path):
+    """--image with --strength (its size is the output's), --mask, and --refiner's handoff, each
+    recorded in the PNGs; a mask of the wrong size is one line and exit status 2."""
+    picture = np.zeros((64, 96, 3), np.uint8)
+    picture[:, :48] = (200, 30, 30)
+    Image.fromarray(picture).save(tmp_path / "in.png")
+    mask = np.zeros((64, 96), np.uint8)
+    mask[16:48, 32:80] = 255
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    common = ("--prompt", "a lighthouse", "--steps", "4", "--num-images", "2")
+    edited = _cli(*common, "--image", str(tmp_path / "in.png"), "--strength", "0.5", "--out", str(tmp_path / "a"))
+    assert edited.returncode == 0, edited.stderr
+    image = Image.open(tmp_path / "a/0-0.png")
+    assert image.size == (96, 64) and "Denoising strength: 0.5" in image.text["parameters"]
+    inpainted = _cli(*common, "--image", str(tmp_path / "in.png"), "--mask", str(tmp_path / "mask.png"),
+                     "--strength", "0.75", "--out", str(tmp_path / "b"))
+    assert inpainted.returncode == 0, inpainted.stderr
+    refined = _cli(*common, "--refiner", "tiny-refiner", "--refine-from", "0.7", "--out", str(tmp_path / "c"))
+    assert refined.returncode == 0, refined.stderr
+    assert "Refiner: tiny-refiner, Refiner switch at: 0.7" in Image.open(tmp_path / "c/0-1.png").text["parameters"]
+    Image.fromarray(mask[:32]).save(tmp_path / "small-mask.png")
+    wrong = _cli(*common, "--image", str(tmp_path / "in.png"), "--mask", str(tmp_path / "small-mask.png"))
+    assert wrong.returncode == 2 and wrong.stderr.startswith("error: masks must be") and wrong.stderr.count("\n") == 1
 
 
 def test_missing_checkpoint_exits_nonzero(tmp_path):
