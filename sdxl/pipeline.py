@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import checkpoints, images, lora
+from . import checkpoints, images, lora, previews
 from .checkpoints import ModelSpec
 from .program import GenerateProgram, Inputs
 from .request import DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_strength
@@ -208,7 +208,10 @@ class Pipeline:
         sampler = self.spec.default_sampler if sampler is None else sampler
         # An LCM UNet takes the guidance scale as an embedding, with no unconditional pass (as diffusers).
         guided = guided and self.spec.unet.time_cond_proj_dim is None
-        return GenerateProgram(self.spec, sampler, height, width, self.dtype, output, guided, start_from, inpaint)
+        factors = previews.factors_for(self.spec, self.name)
+        return GenerateProgram(
+            self.spec, sampler, height, width, self.dtype, output, guided, start_from, inpaint, factors
+        )
 
     def _request_program(self, request: Request, output: str = "uint8") -> GenerateProgram:
         return self._program(request.sampler, request.height, request.width, **program_variant(request, output))
@@ -484,6 +487,7 @@ class Pipeline:
         *,
         output: str = "uint8",
         on_step: Callable[[int], None] | None = None,
+        on_preview: Callable[[int, np.ndarray], None] | None = None,
         steps_per_report: int = 1,
     ) -> Generation:
         """Renders a request's images in one compiled call (or a chain of them, for progress).
@@ -496,6 +500,8 @@ class Pipeline:
             request's steps for image-to-image), every `steps_per_report` steps. The loop then runs
             as a chain of compiled calls; the next is always queued on the devices before the host
             waits for the last, so the devices never idle for the report.
+          on_preview: called with the same step count and [N, h, w, 3] uint8 previews of the
+            images (`sdxl.previews`), at the latents' size, as the steps are reported.
 
         Raises:
           ValueError: a value of the request is out of range.
@@ -510,12 +516,12 @@ class Pipeline:
         stage = functools.partial(
             self._compiled_stage, program=program, batch=batch, with_noise=request.noise is not None
         )
-        if on_step is None:
+        if on_step is None and on_preview is None:
             images, finite = stage("whole")(self.params, inputs)
         else:
             evaluations = SAMPLERS[request.sampler].evaluations
             first, stop = self.steps_run(request)
-            reports = _ProgressReports(on_step, stop - first, evaluations(first))
+            reports = _ProgressReports(on_step, on_preview, stop - first, evaluations(first), n)
             images, finite = _run_in_stages(
                 stage, self.params, inputs, evaluations(first), evaluations(stop), reports, steps_per_report
             )
@@ -692,16 +698,21 @@ def _stages(progress: bool) -> tuple[str, ...]:
 class _ProgressReports:
     """Reports model evaluations as steps done since the first that runs: one each, but for PLMS's
     second step, which takes two (its last report is then the step count again, which is not
-    repeated)."""
+    repeated); with the previews of the first `n` images."""
 
-    def __init__(self, on_step: Callable[[int], None], steps: int, first: int):
-        self.on_step, self.steps, self.first, self.reported = on_step, steps, first, 0
+    def __init__(self, on_step, on_preview, steps: int, first: int, n: int):
+        self.on_step, self.on_preview, self.steps, self.first, self.n = on_step, on_preview, steps, first, n
+        self.reported = 0
 
-    def __call__(self, evaluations: int) -> None:
+    def __call__(self, evaluations: int, preview: jax.Array | None = None) -> None:
         done = min(evaluations - self.first, self.steps)
-        if done > self.reported:
-            self.reported = done
+        if done <= self.reported:
+            return
+        self.reported = done
+        if self.on_step is not None:
             self.on_step(done)
+        if self.on_preview is not None and preview is not None:
+            self.on_preview(done, _fetch(preview)[: self.n])
 
 
 def _run_in_stages(stage, params, inputs: Inputs, first: int, evaluations: int, on_step, steps_per_report: int):
@@ -710,17 +721,17 @@ def _run_in_stages(stage, params, inputs: Inputs, first: int, evaluations: int, 
     state, invariants = stage("prepare")(params, inputs)
     denoise = stage("denoise")
     replicated = inputs.num_steps.sharding
-    in_flight = []  # (steps done when it finishes, its output)
+    in_flight = []  # (steps done when it finishes, its carry, its previews)
     carry = state.carry
     for start in range(first, evaluations, steps_per_report):
         stop = min(start + steps_per_report, evaluations)
         bounds = [place(np.int32(i), replicated) for i in (start, stop)]
-        carry = denoise(params, invariants, state.replace(carry=carry), inputs, *bounds)
-        in_flight.append((stop, carry))
+        carry, preview = denoise(params, invariants, state.replace(carry=carry), inputs, *bounds)
+        in_flight.append((stop, carry, preview))
         if len(in_flight) > 1:
-            done, finished = in_flight.pop(0)
+            done, finished, preview = in_flight.pop(0)
             jax.block_until_ready(finished)
-            on_step(done)
+            on_step(done, preview)
     images = stage("finish")(params, state.replace(carry=carry))
     jax.block_until_ready(carry)
     on_step(evaluations)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from . import clip, unet, vae
+from . import clip, previews, unet, vae
 from .checkpoints import ModelSpec
 from .layers import STEP_INVARIANTS
 from .sampling import SAMPLERS, Sampler, add_noise, denoised_from_model_output, run_steps
@@ -179,6 +179,8 @@ class GenerateProgram:
     guided: bool = True  # classifier-free guidance: the UNet also sees the negative prompts
     start_from: str = "noise"  # one of `START_FROM`
     inpaint: bool = False  # `Inputs.mask` says what to repaint; the rest is kept (`Known`)
+    # `previews.project`'s (matrix, bias) for the previews `denoise` returns; None: the family's.
+    preview_factors: tuple | None = None
 
     def initial_state(self, params, inputs: Inputs) -> State:
         """Text conditioning, the starting latents and the sampler's state."""
@@ -264,9 +266,18 @@ class GenerateProgram:
     def _unet(self) -> unet.UNet2DConditionModel:
         return unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
 
-    def denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop) -> Any:
+    def denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop) -> tuple[Any, jax.Array]:
         """Sampler iterations start..stop-1 (one model evaluation each; `Sampler.evaluations` of the
-        step count in all) with the guided UNet as the denoiser; returns the new carry."""
+        step count in all) with the guided UNet as the denoiser. Returns the new carry, and [B, h, w, 3]
+        uint8 previews: the last step's clean-latent prediction through `previews.project`."""
+        denoised = jnp.zeros_like(SAMPLERS[self.sampler].finish(state.carry))
+        carry, denoised = self._denoise(params, invariants, state, inputs, start, stop, denoised)
+        factors = self.preview_factors or previews.factors_for(self.spec)
+        return carry, previews.project(denoised, factors)
+
+    def _denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop, denoised=None) -> Any:
+        """The denoising loop over iterations start..stop-1: the new carry (and given `denoised`, the
+        last denoised prediction: `sampling.run_steps`)."""
         model, variables = self._unet(), {"params": params["unet"], **invariants}
         g = inputs.guidance_scale[:, None, None, None]
         known = state.known
@@ -294,7 +305,9 @@ class GenerateProgram:
         method = SAMPLERS[self.sampler]
         if known is not None and known.latents is not None:
             method = _blending_known(method, known, method.evaluations(inputs.stop_step))
-        return run_steps(method, denoiser, state.carry, inputs.schedule, inputs.num_steps, start, stop, state.keys)
+        return run_steps(
+            method, denoiser, state.carry, inputs.schedule, inputs.num_steps, start, stop, state.keys, denoised=denoised
+        )
 
     def finish(self, params, state: State) -> tuple[jax.Array, jax.Array]:
         """VAE decoding. Returns images [B, H, W, 3] (uint8, or float32 in [0, 1]), or the latents
@@ -319,7 +332,7 @@ class GenerateProgram:
         """All stages in one program."""
         state = self.initial_state(params, inputs)
         evaluations = SAMPLERS[self.sampler].evaluations
-        carry = self.denoise(params, {}, state, inputs, evaluations(inputs.first_step), evaluations(inputs.stop_step))
+        carry = self._denoise(params, {}, state, inputs, evaluations(inputs.first_step), evaluations(inputs.stop_step))
         return self.finish(params, state.replace(carry=carry))
 
 

@@ -251,12 +251,30 @@ def add_noise(sampler: Sampler, latents: jax.Array, noise: jax.Array, sigma: jax
 
 
 def run_steps(
-    sampler: Sampler, denoiser: Denoiser, carry: Carry, schedule: Schedule, num_steps, start, stop, keys=None
+    sampler: Sampler, denoiser: Denoiser, carry: Carry, schedule: Schedule, num_steps, start, stop, keys=None,
+    *, denoised: jax.Array | None = None,
 ) -> Carry:
-    """Runs steps start..stop-1 (each possibly traced) of a `num_steps`-step loop."""
-    return jax.lax.fori_loop(
-        start, stop, lambda i, c: sampler.step(denoiser, schedule, num_steps, i, c, keys), carry
-    )
+    """Runs steps start..stop-1 (each possibly traced) of a `num_steps`-step loop.
+
+    Given `denoised` (an array like the latents, returned as it is if no step runs), returns
+    (carry, the last step's denoised prediction), for previews.
+    """
+    if denoised is None:
+        return jax.lax.fori_loop(
+            start, stop, lambda i, c: sampler.step(denoiser, schedule, num_steps, i, c, keys), carry
+        )
+
+    def step(i, state):
+        seen = []  # what the step's denoiser returned, within this trace of the loop's body
+
+        def recording(x, sigma, timestep):
+            seen.append(denoiser(x, sigma, timestep))
+            return seen[-1]
+
+        carry = sampler.step(recording, schedule, num_steps, i, state[0], keys)
+        return carry, seen[-1]
+
+    return jax.lax.fori_loop(start, stop, step, (carry, denoised))
 
 
 SAMPLER_NAMES = {  # for people: the names A1111-style UIs and the PNG "parameters" chunk use

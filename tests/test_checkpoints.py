@@ -239,7 +239,10 @@ REFINER_INDEX = {
          "transformer_layers_per_block must be an int or one int per level"),
         (SDXL_BASE_FILES, _sdxl_configs(**{"vae/config.json": {"shift_factor": 0.1159}}), "shift_factor"),
     ],
-    ids=["refiner-index-over-a-base-unet", "instruct-pix2pix", "8-channel-unet", "heun", "playground-edm", "ssd-1b-style-unet", "vae-shift"],
+    ids=[
+        "refiner-index-over-a-base-unet", "instruct-pix2pix", "8-channel-unet", "heun", "playground-edm",
+        "ssd-1b-style-unet", "vae-shift",
+    ],
 )
 def test_an_unsupported_model_is_refused_before_its_weights_are_fetched(
     tiny_weights, tmp_path, monkeypatch, file_list, configs, reason

@@ -292,7 +292,8 @@ def run_benchmark(
         unguided = dataclasses.replace(request, guidance_scales=(0.0,) * len(request))
         calls = {
             "ours": lambda: pipe.render(request),
-            "progress": lambda: pipe.render(request, on_step=lambda done: None),
+            # Progress as the demo shows it: a report and the images' previews after every step.
+            "progress": lambda: pipe.render(request, on_step=lambda done: None, on_preview=lambda done, images: None),
             "unguided": lambda: pipe.render(unguided),  # the program without the negative prompts' pass
         }
         reference = {}
