@@ -12,7 +12,7 @@ from . import bench, images, lora, training
 from .checkpoints import CheckpointError, known, random_models
 from .compilation import enable_compilation_cache
 from .images import grid, image_count, model_label, parameters_text, save_png, to_pil
-from .pipeline import NonFiniteImageError, Pipeline, program_variant, render_refined
+from .pipeline import NonFiniteImageError, Pipeline, program_variant
 from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_STEPS, Request, default_strength
 from .sampling import SAMPLER_NAMES, SAMPLERS
 
@@ -38,7 +38,7 @@ def generate_command(args: argparse.Namespace) -> None:
     refiner = None
     if args.refiner:
         refiner = Pipeline.from_pretrained(args.refiner, dtype=args.dtype, max_steps=pipe.max_steps)
-        pipe.check_refiner(refiner)
+        pipe.set_refiner(refiner)
         print(f"loaded the refiner {args.refiner}; it takes over at {args.refine_from:g} of the noise")
 
     num_images = pipe.num_devices if args.num_images is None else args.num_images
@@ -61,6 +61,8 @@ def generate_command(args: argparse.Namespace) -> None:
             request, strength=strength, images=np.repeat(picture[None], num_images, axis=0),
             masks=None if mask is None else np.repeat(mask[None], num_images, axis=0),
         )
+    if refiner is not None:
+        request = dataclasses.replace(request, refine_from=args.refine_from)
     request = pipe.validated(request)
     if args.lora:
         loras = dict(args.lora)
@@ -73,10 +75,7 @@ def generate_command(args: argparse.Namespace) -> None:
             *size, request.sampler, guided=request.guided, start_from="latents"
         )
     print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
-    if refiner is None:
-        result = pipe.render(request)
-    else:
-        result = render_refined(pipe, refiner, request, args.refine_from)
+    result = pipe.render(request)
     result.raise_if_not_finite()
     for prompt in result.truncated_prompts:
         print(f"warning: prompt truncated to {pipe.spec.max_tokens} tokens: {prompt!r}", file=sys.stderr)

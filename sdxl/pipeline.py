@@ -92,6 +92,7 @@ class Pipeline:
         self.dtype = jnp.dtype(dtype)
         self.max_steps = max_steps
         self.name = name
+        self.refiner: Pipeline | None = None  # continues requests with `refine_from` (`set_refiner`)
         self._executables: dict[tuple, jax.stages.Compiled] = {}
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._sharded = NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
@@ -163,10 +164,21 @@ class Pipeline:
         """The sampler's noise schedule for `steps` steps, padded to `max_steps`."""
         return _padded_schedule(sampler, self.spec.scheduler, steps, self.max_steps)
 
-    def check_refiner(self, refiner: "Pipeline") -> None:
-        """Raises CheckpointError unless `refiner` can continue this model's latents (`render_refined`):
-        latents of the same shape and meaning (the VAE's channels, downscaling and scaling), on the
-        same noise schedule, on the same devices."""
+    def set_refiner(self, refiner: "Pipeline | None") -> None:
+        """Makes `refiner` (an SDXL refiner, loaded on the same devices) the model that finishes
+        requests with `refine_from`, as diffusers' "ensemble of expert denoisers": this model runs
+        the schedule down to that fraction of the noise, and the refiner continues the latents,
+        which stay on the devices. Both models' weights stay on every device.
+
+        Raises:
+          CheckpointError: the refiner cannot continue this model's latents: other latent channels,
+            scaling or VAE downscaling, another training schedule, other devices, or an inpainting UNet.
+        """
+        if refiner is not None:
+            self._check_refiner(refiner)
+        self.refiner = refiner
+
+    def _check_refiner(self, refiner: "Pipeline") -> None:
         mine, theirs = self.spec, refiner.spec
         checks = {
             "latent channels": (mine.vae.latent_channels, theirs.vae.latent_channels),
@@ -189,6 +201,8 @@ class Pipeline:
 
     def validated(self, request: Request) -> Request:
         """The request checked against this model and converted (`Request.validated`). Raises ValueError."""
+        if request.refine_from is not None and self.refiner is None:
+            raise ValueError("no refiner is loaded to refine with (start the demo or the CLI with --refiner)")
         return request.validated(self.spec, max_steps=self.max_steps)
 
     # Compiling: every program is compiled once, on first use or ahead of time by `warmup`.
@@ -507,6 +521,8 @@ class Pipeline:
           ValueError: a value of the request is out of range.
         """
         request = self.validated(request)
+        if request.refine_from is not None:
+            return self._render_refined(request, output, on_step, on_preview, steps_per_report)
         n, batch = len(request), self.padded_batch(len(request))
         start = time.perf_counter()
         if request.loras is not None:
@@ -528,6 +544,30 @@ class Pipeline:
         images = images[:n] if output == "latents" else _fetch(images)[:n]
         return Generation(images, _fetch(finite)[:n], self.devices_of(n), truncated, time.perf_counter() - start)
 
+    def _render_refined(self, request: Request, output: str, on_step, on_preview, steps_per_report) -> Generation:
+        """This model down to `request.refine_from` of the noise (`denoising_end`), then the refiner from
+        there (`denoising_start`) on the latents, which never leave the devices. The request's LoRAs
+        are this model's; the refiner keeps its own. The reports count both runs' steps as one."""
+        handing_off = dataclasses.replace(request, refine_from=None, denoising_end=request.refine_from)
+        start, stop = self.steps_run(handing_off)
+
+        def continued(report):
+            return None if report is None else (lambda done, *preview: report(stop - start + done, *preview))
+
+        first = self.render(handing_off, output="latents", on_step=on_step, on_preview=on_preview,
+                            steps_per_report=steps_per_report)
+        refining = dataclasses.replace(
+            request, refine_from=None, images=None, masks=None, start_latents=first.images,
+            denoising_start=request.refine_from, loras=None,
+        )
+        second = self.refiner.render(
+            refining, output=output, on_step=continued(on_step), on_preview=continued(on_preview),
+            steps_per_report=steps_per_report,
+        )
+        second.seconds += first.seconds
+        second.truncated_prompts = list(dict.fromkeys(first.truncated_prompts + second.truncated_prompts))
+        return second
+
     def generate(
         self,
         prompt: str | Sequence[str],
@@ -548,6 +588,7 @@ class Pipeline:
         denoising_end: float | None = None,
         aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[0],
         negative_aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[1],
+        refine_from: float | None = None,
         output_type: str = "pil",
     ):
         """Generates images; image i depends only on (seed, i), whatever the device count.
@@ -581,6 +622,8 @@ class Pipeline:
             (with `output_type="latent"`).
           denoising_start: continue a base model's latents (`image`) from this fraction.
           aesthetic_score, negative_aesthetic_score: the SDXL refiner's conditioning.
+          refine_from: finish with the refiner (`set_refiner`) from this fraction of the noise: both
+            runs of the handoff above in one call.
           output_type: "pil" for PIL images, "np" for a float32 [N, H, W, 3] array in [0, 1], or
             "latent": the latents as a jax.Array [N, h, w, C], left on the devices.
 
@@ -625,7 +668,7 @@ class Pipeline:
         request = dataclasses.replace(
             request, images=image, masks=mask_image, strength=strength, denoising_start=denoising_start,
             denoising_end=denoising_end, start_latents=start_latents,
-            aesthetic_scores=(aesthetic_score, negative_aesthetic_score),
+            aesthetic_scores=(aesthetic_score, negative_aesthetic_score), refine_from=refine_from,
         )
         output = {"pil": "uint8", "np": "float", "latent": "latents"}[output_type]
         result = self.render(request, output=output)
@@ -643,38 +686,6 @@ class Pipeline:
 def program_variant(request: Request, output: str = "uint8") -> dict:
     """The program a request needs, as `Pipeline.compiled`'s `variant` arguments."""
     return dict(output=output, guided=request.guided, start_from=request.start_from, inpaint=request.masks is not None)
-
-
-def render_refined(
-    base: Pipeline,
-    refiner: Pipeline,
-    request: Request,
-    refine_from: float,
-    *,
-    output: str = "uint8",
-    on_step: Callable[[int], None] | None = None,
-    steps_per_report: int = 1,
-) -> Generation:
-    """diffusers' "ensemble of expert denoisers": `base` runs the request's schedule down to the
-    fraction `refine_from` of its noise (`denoising_end`), and `refiner` (`Pipeline.check_refiner`)
-    continues its latents from there (`denoising_start`). The latents stay on the devices in between.
-
-    The request's LoRAs are the base's; the refiner keeps its own. `on_step` hears the steps of
-    both runs as one count.
-    """
-    handing_off = base.validated(dataclasses.replace(request, denoising_end=refine_from))
-    first = base.render(handing_off, output="latents", on_step=on_step, steps_per_report=steps_per_report)
-    start, stop = base.steps_run(handing_off)
-    continued = None if on_step is None else (lambda done: on_step(stop - start + done))
-    second = refiner.render(
-        dataclasses.replace(
-            request, images=None, masks=None, start_latents=first.images, denoising_start=refine_from, loras=None,
-        ),
-        output=output, on_step=continued, steps_per_report=steps_per_report,
-    )
-    second.seconds += first.seconds
-    second.truncated_prompts = list(dict.fromkeys(first.truncated_prompts + second.truncated_prompts))
-    return second
 
 
 def _repeated(stack: np.ndarray | None, n: int) -> np.ndarray | None:

@@ -121,6 +121,9 @@ class Request:
     denoising_end: float | None = None
     denoising_start: float | None = None
     start_latents: object = dataclasses.field(default=None, compare=False, repr=False)  # [N, h, w, C] jax.Array
+    # Finish with the pipeline's refiner (`Pipeline.set_refiner`) from this fraction of the noise: the
+    # two runs above, one request.
+    refine_from: float | None = None
     # The refiner's conditioning (`ModelSpec.requires_aesthetics_score`); other models ignore them.
     aesthetic_scores: tuple[float, float] = DEFAULT_AESTHETIC_SCORES  # (positive, negative)
 
@@ -177,6 +180,7 @@ class Request:
         return (
             self.height, self.width, self.steps, self.sampler, self.guided, self.loras, self.start_from,
             self.masks is not None, self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores,
+            self.refine_from,
         )
 
     @classmethod
@@ -277,15 +281,17 @@ class Request:
             raise ValueError(
                 f"strength {strength:g} of {steps} steps leaves no step to run: raise the strength or the steps"
             )
-        for label in ("denoising_start", "denoising_end"):
+        for label in ("denoising_start", "denoising_end", "refine_from"):
             value = getattr(self, label)
             if value is not None and not (isinstance(value, float | int) and 0 < value < 1):
                 raise ValueError(f"{label} must be a fraction above 0 and below 1, got {value!r}")
         if (self.denoising_start is not None) != (start == "latents"):
             raise ValueError("denoising_start continues a base model's latents: give both, or neither")
+        if self.refine_from is not None and (self.masks is not None or start == "latents" or self.denoising_end):
+            raise ValueError("refine_from refines a whole generation: not an inpainting, nor a handoff of its own")
         if None not in (self.denoising_start, self.denoising_end) and self.denoising_start >= self.denoising_end:
             raise ValueError(f"denoising_start {self.denoising_start} must be below denoising_end {self.denoising_end}")
-        partial = start != "noise" or self.denoising_end is not None
+        partial = start != "noise" or self.denoising_end is not None or self.refine_from is not None
         if sampler in WHOLE_SCHEDULE_ONLY and partial and not (start == "image" and strength == 1):
             raise ValueError(
                 f"the {sampler} sampler runs whole schedules only; choose another for image-to-image, "

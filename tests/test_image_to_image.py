@@ -193,6 +193,22 @@ def test_base_hands_its_latents_to_the_refiner_like_diffusers(sdxl, refiner):
     _compare("base latents at denoising_end", np.asarray(latents).transpose(0, 3, 1, 2), expected_latents.numpy())
     got = refiner_pipe.generate(PROMPTS, NEGATIVES, **ours, image=latents, denoising_start=0.7, output_type="np")
     _compare("refiner from denoising_start", got, expected)
+    # The same in one call, with the refiner set on the base; a refiner that cannot continue is refused.
+    base.set_refiner(refiner_pipe)
+    try:
+        reports = []
+        one_call = base.generate(PROMPTS, NEGATIVES, **ours, height=HEIGHT, width=WIDTH, latents=noise,
+                                 refine_from=0.7, output_type="np")
+        np.testing.assert_allclose(one_call, got, atol=1e-6)
+        request = Request.from_prompt("a cat", num_images=4, steps=STEPS, height=HEIGHT, width=WIDTH)
+        base.render(dataclasses.replace(request, refine_from=0.7), on_step=reports.append)
+        assert reports == list(range(1, STEPS + 1)), "the two runs' steps count as one"
+        with pytest.raises(CheckpointError, match="latent scaling differ"):
+            base.set_refiner(Pipeline.from_pretrained("tiny-sd1"))
+    finally:
+        base.set_refiner(None)
+    with pytest.raises(ValueError, match="no refiner is loaded"):
+        base.generate("a cat", steps=STEPS, height=HEIGHT, width=WIDTH, refine_from=0.7)
 
 
 def test_strength_and_the_handoff_never_recompile(sdxl):
