@@ -25,7 +25,7 @@ from .program import GenerateProgram, Inputs
 from .request import DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_strength
 from .sampling import SAMPLERS
 from .schedulers import Schedule, SchedulerConfig
-from .tokenizer import load_tokenizer, tokenize
+from .tokenizer import kept_text, load_tokenizer, tokenize
 
 BATCH_AXIS = "batch"
 
@@ -441,6 +441,11 @@ class Pipeline:
                 f"the {steps} steps to run; move them apart or add steps"
             )
         return first, stop
+
+    def read_prompt(self, prompt: str) -> str:
+        """The part of `prompt` the text encoders read (`spec.max_tokens` tokens): what a saved
+        image's parameters should record."""
+        return kept_text(self.tokenizers[0], prompt, self.spec.max_tokens)
 
     def _inputs(self, request: Request, batch: int) -> tuple[Inputs, list[str]]:
         """The request's arrays on the mesh, padded to `batch` images; and the truncated prompts."""

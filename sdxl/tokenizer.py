@@ -36,6 +36,15 @@ def tokenize(tokenizer: CLIPTokenizer, prompts: list[str], length: int) -> tuple
     return np.asarray(ids, dtype=np.int32), [len(f) > length for f in full]
 
 
+def kept_text(tokenizer: CLIPTokenizer, prompt: str, length: int) -> str:
+    """The part of `prompt` that `length` tokens (with the start and end tokens) hold: the prompt
+    itself, or its beginning when `tokenize` truncates it."""
+    offsets = tokenizer(prompt, truncation=False, return_offsets_mapping=True)["offset_mapping"]
+    if len(offsets) <= length:
+        return prompt
+    return prompt[: offsets[length - 2][1]]  # the last token before the end token
+
+
 def write_byte_level_tokenizer(folder: Path, max_length: int = 77) -> int:
     """Writes a CLIP tokenizer whose vocabulary is the 256 byte symbols and no merges.
 

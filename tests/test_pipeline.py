@@ -510,6 +510,18 @@ def test_truncated_prompt_warns(pipe):
         pipe.generate("x " * 100, steps=1, height=HEIGHT, width=WIDTH, num_images=4)
 
 
+def test_the_prompt_a_model_reads_is_what_its_77_tokens_hold(pipe):
+    """What a saved image records: a long prompt's beginning, as far as its tokens reach (the last
+    may end mid-word, where BPE marks no word end); a short one whole."""
+    assert pipe.read_prompt("a red cube") == "a red cube"
+    long = "word " * 200
+    kept = pipe.read_prompt(long)
+    assert long.startswith(kept) and len(kept) < len(long)
+    (ids, _), (kept_ids, truncated) = pipe._tokenize([long]), pipe._tokenize([kept])
+    assert truncated == [] and (kept_ids[..., :-2] == ids[..., :-2]).all()
+    assert pipe._tokenize([long[: len(kept) + 1]])[1], "one more character would be cut"
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
