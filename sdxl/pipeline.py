@@ -594,6 +594,7 @@ class Pipeline:
         aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[0],
         negative_aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[1],
         refine_from: float | None = None,
+        padding_mask_crop: int | None = None,
         output_type: str = "pil",
     ):
         """Generates images; image i depends only on (seed, i), whatever the device count.
@@ -629,6 +630,8 @@ class Pipeline:
           aesthetic_score, negative_aesthetic_score: the SDXL refiner's conditioning.
           refine_from: finish with the refiner (`set_refiner`) from this fraction of the noise: both
             runs of the handoff above in one call.
+          padding_mask_crop: diffusers' inpainting of a crop around the mask, pasted back; not
+            implemented (a ValueError says so).
           output_type: "pil" for PIL images, "np" for a float32 [N, H, W, 3] array in [0, 1], or
             "latent": the latents as a jax.Array [N, h, w, C], left on the devices.
 
@@ -641,6 +644,11 @@ class Pipeline:
         """
         if output_type not in ("pil", "np", "latent"):
             raise ValueError(f'output_type must be "pil", "np" or "latent", got {output_type!r}')
+        if padding_mask_crop is not None:
+            raise ValueError(
+                "padding_mask_crop is not implemented: crop the image and the mask around the masked region "
+                "(plus a margin) to a size the model renders, inpaint that, and paste the result back"
+            )
         start_latents = None
         if isinstance(image, jax.Array) and image.ndim == 4 and image.shape[-1] == self.spec.vae.latent_channels:
             start_latents, image = image, None

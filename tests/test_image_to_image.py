@@ -244,6 +244,7 @@ def test_one_image_or_one_per_image(sdxl):
         (dict(mask_image=_mask()), "a mask needs an image"),
         (dict(height=HEIGHT, width=WIDTH, denoising_start=0.5), "denoising_start continues a base model's latents"),
         (dict(height=HEIGHT, width=WIDTH, denoising_end=1.5), "denoising_end must be a fraction"),
+        (dict(image=_picture(), mask_image=_mask(), padding_mask_crop=8), "padding_mask_crop is not implemented"),
     ],
 )
 def test_bad_images_and_settings_are_named(sdxl, kwargs, message):
