@@ -12,7 +12,7 @@ from . import bench, images, lora, training
 from .checkpoints import CheckpointError, known, random_models
 from .compilation import enable_compilation_cache
 from .images import grid, image_count, model_label, parameters_text, save_png, to_pil
-from .pipeline import NonFiniteImageError, Pipeline, program_variant
+from .pipeline import NonFiniteImageError, Pipeline
 from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_STEPS, Request, default_strength
 from .sampling import SAMPLER_NAMES, SAMPLERS
 
@@ -67,13 +67,7 @@ def generate_command(args: argparse.Namespace) -> None:
     if args.lora:
         loras = dict(args.lora)
         print(f"applied {len(loras)} LoRA(s) in {pipe.set_loras(loras):.2f} s")
-    size = (request.height, request.width, num_images)
-    if refiner is None:
-        compile_seconds = pipe.warmup(*size, request.sampler, **program_variant(request))
-    else:
-        compile_seconds = pipe.warmup(*size, request.sampler, **program_variant(request, "latents")) + refiner.warmup(
-            *size, request.sampler, guided=request.guided, start_from="latents"
-        )
+    compile_seconds = pipe.warmup_request(request)
     print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
     result = pipe.render(request)
     result.raise_if_not_finite()

@@ -369,6 +369,27 @@ class Pipeline:
         batch = self.padded_batch(num_images)
         return all((stage, program, batch, False) in self._executables for stage in _stages(progress))
 
+    def programs_of(self, request: Request, num_images: int | None = None) -> list[tuple["Pipeline", dict]]:
+        """The programs a request (at `num_images`, by default its own count) runs, as (pipeline,
+        `warmup` arguments): one, or with `refine_from` this model's and the refiner's."""
+        size = dict(height=request.height, width=request.width, num_images=num_images or len(request),
+                    sampler=request.sampler)
+        if request.refine_from is None:
+            return [(self, size | program_variant(request))]
+        return [
+            (self, size | program_variant(request, output="latents")),
+            (self.refiner, size | dict(guided=request.guided, start_from="latents")),
+        ]
+
+    def warmup_request(self, request: Request, num_images: int | None = None, *, progress: bool = False) -> float:
+        """`warmup` for the programs `request` runs (`programs_of`); returns the seconds it took."""
+        return sum(pipe.warmup(**kwargs, progress=progress) for pipe, kwargs in self.programs_of(request, num_images))
+
+    def is_compiled_for(self, request: Request, num_images: int | None = None, *, progress: bool = False) -> bool:
+        """Whether `warmup_request` with the same arguments has nothing left to compile."""
+        programs = self.programs_of(request, num_images)
+        return all(pipe.is_compiled(**kwargs, progress=progress) for pipe, kwargs in programs)
+
     # LoRAs
 
     def set_loras(self, loras: Mapping[str, float]) -> float:

@@ -212,9 +212,14 @@ def test_base_hands_its_latents_to_the_refiner_like_diffusers(sdxl, refiner):
 
 
 def test_strength_and_the_handoff_never_recompile(sdxl):
+    """`warmup_request` compiles what an image request runs, once; strengths and steps reuse it."""
     _, pipe = sdxl
-    pipe.generate("a cat", steps=4, image=_picture(), strength=0.5, num_images=4)
-    pipe.generate("a cat", steps=4, image=_picture(), mask_image=_mask(), strength=0.5, num_images=4)
+    request = Request.from_prompt("a cat", num_images=4, steps=4, height=HEIGHT, width=WIDTH)
+    pictures = np.stack([np.asarray(_picture())] * 4)
+    for edit in (dict(images=pictures, strength=0.5), dict(images=pictures, masks=pictures[..., 0] > 128)):
+        edited = pipe.validated(dataclasses.replace(request, **edit))
+        pipe.warmup_request(edited)
+        assert pipe.is_compiled_for(edited) and not pipe.is_compiled_for(edited, progress=True)
     with CompileCounter() as compiles:
         for strength, steps in ((0.3, 6), (0.8, 5), (1.0, 3)):
             pipe.generate("a dog", steps=steps, image=_picture(2), strength=strength, num_images=4)
