@@ -6,6 +6,7 @@ Every option also reads an environment variable (SDXL_MODEL, SDXL_HOST, ...), fo
 """
 
 import argparse
+import dataclasses
 import functools
 import inspect
 import os
@@ -333,7 +334,8 @@ def main() -> None:
     # image per core.
     batches = [(n * pipe.num_devices, default_guided) for n in range(2, args.max_images_per_core + 1)]
     for batch, guided in [*batches, (pipe.num_devices, not default_guided)]:
-        compiling = service.queue.compile_in_background(height, width, batch, guided=guided)
+        like = dataclasses.replace(warm_up, guidance_scales=(5.0 if guided else 1.0,) * len(warm_up))
+        compiling = service.queue.compile_in_background(like, batch)
         if compiling is not None:
             compiling.add_done_callback(functools.partial(_report_background_compile, batch, guided))
     create_demo(Demo(service, model_name)).launch(

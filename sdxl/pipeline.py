@@ -372,8 +372,8 @@ class Pipeline:
     def programs_of(self, request: Request, num_images: int | None = None) -> list[tuple["Pipeline", dict]]:
         """The programs a request (at `num_images`, by default its own count) runs, as (pipeline,
         `warmup` arguments): one, or with `refine_from` this model's and the refiner's."""
-        size = dict(height=request.height, width=request.width, num_images=num_images or len(request),
-                    sampler=request.sampler)
+        sampler = self.spec.default_sampler if request.sampler is None else request.sampler
+        size = dict(height=request.height, width=request.width, num_images=num_images or len(request), sampler=sampler)
         if request.refine_from is None:
             return [(self, size | program_variant(request))]
         return [

@@ -23,6 +23,8 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from .checkpoints import HubUnavailableError
 from .checkpoints.known import Recommended
 from .pipeline import Generation, Pipeline
@@ -55,6 +57,8 @@ class Ticket:
     owner: str | None = None  # who asked (a browser session); None: nobody in particular
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     step: int = 0  # denoising steps done, while running
+    steps: int = 0  # the steps it runs (fewer than the request's for image-to-image), once running
+    previews: "np.ndarray | None" = None  # [N, h, w, 3] uint8 previews of its images, while running
     compiling: bool = False  # whether its batch compiles first (a new size, batch size or sampler)
     batch_images: int = 0  # images in the batch it runs in (its own and other requests')
 
@@ -76,24 +80,19 @@ class DeviceQueue:
         self._compiles: dict[tuple, concurrent.futures.Future] = {}
         threading.Thread(target=self._serve, name="device-queue", daemon=True).start()
 
-    def compile_in_background(
-        self, height: int, width: int, num_images: int, sampler: str | None = None, guided: bool = True
-    ) -> concurrent.futures.Future | None:
-        """Compiles the programs for a batch size (and sampler, and guidance or not) without holding
-        up the devices, once each.
+    def compile_in_background(self, request: Request, num_images: int) -> concurrent.futures.Future | None:
+        """Compiles the programs `request` runs (`Pipeline.programs_of`) at a batch size, without
+        holding up the devices, once each.
 
         Returns a future of the seconds it took (the same one while it runs), or None if compiled.
         """
-        sampler = self.pipe.spec.default_sampler if sampler is None else sampler
-        key = (height, width, self.pipe.padded_batch(num_images), sampler, guided)
+        key = _compile_key(self.pipe, request, num_images)
         with self._changed:
             if key in self._compiles:
                 return self._compiles[key]
-            if self.pipe.is_compiled(height, width, num_images, sampler, progress=True, guided=guided):
+            if self.pipe.is_compiled_for(request, num_images, progress=True):
                 return None
-            self._compiles[key] = self._compiler.submit(
-                self.pipe.warmup, height, width, num_images, sampler, progress=True, guided=guided
-            )
+            self._compiles[key] = self._compiler.submit(self.pipe.warmup_request, request, num_images, progress=True)
             return self._compiles[key]
 
     def submit(self, request: Request, owner: str | None = None) -> Ticket:
@@ -131,15 +130,14 @@ class DeviceQueue:
         self._last_started[first.owner] = self._batches_started
         self._batches_started += 1
         lead = first.request
-        height, width, sampler, guided = lead.height, lead.width, lead.sampler, lead.guided
         batch, size = [first], len(lead)
         for ticket in list(self._waiting):
             merged = size + len(ticket.request)
             if ticket.request.batch_key != first.request.batch_key or merged > self.max_batch_images:
                 continue
             grows = self.pipe.padded_batch(merged) > self.pipe.padded_batch(size)
-            if grows and not self.pipe.is_compiled(height, width, merged, sampler, progress=True, guided=guided):
-                self.compile_in_background(height, width, merged, sampler, guided)
+            if grows and not self.pipe.is_compiled_for(lead, merged, progress=True):
+                self.compile_in_background(lead, merged)
                 continue
             batch.append(ticket)
             size = merged
@@ -161,19 +159,24 @@ class DeviceQueue:
 
     def _render(self, batch: list[Ticket]) -> None:
         request = Request.merged([t.request for t in batch])
-        height, width, sampler, guided = request.height, request.width, request.sampler, request.guided
-        compiling = not self.pipe.is_compiled(height, width, len(request), sampler, progress=True, guided=guided)
+        compiling = not self.pipe.is_compiled_for(request, progress=True)
+        steps = self.pipe.steps_run(request)
         for ticket in batch:
-            ticket.compiling, ticket.batch_images = compiling, len(request)
-        background = self._compiles.get((height, width, self.pipe.padded_batch(len(request)), sampler, guided))
+            ticket.compiling, ticket.batch_images, ticket.steps = compiling, len(request), steps[1] - steps[0]
+        background = self._compiles.get(_compile_key(self.pipe, request, len(request)))
         if background is not None:
             background.exception()  # the programs being compiled are this batch's: wait rather than compile twice
+        starts = np.cumsum([0, *(len(t.request) for t in batch)])
 
         def on_step(done: int) -> None:
             for ticket in batch:
                 ticket.step = done
 
-        result: Generation = self.pipe.render(request, on_step=on_step)
+        def on_preview(done: int, previews: np.ndarray) -> None:
+            for ticket, start, stop in zip(batch, starts, starts[1:]):
+                ticket.previews = previews[start:stop]
+
+        result: Generation = self.pipe.render(request, on_step=on_step, on_preview=on_preview)
         start = 0
         for ticket in batch:
             end = start + len(ticket.request)
@@ -188,6 +191,12 @@ class DeviceQueue:
             except concurrent.futures.TimeoutError:
                 if on_update is not None:
                     on_update(ticket)
+
+
+def _compile_key(pipe: Pipeline, request: Request, num_images: int) -> tuple:
+    """What identifies a background compile: the programs and their batch size."""
+    programs = tuple((id(p), tuple(sorted(kwargs.items()))) for p, kwargs in pipe.programs_of(request, num_images))
+    return programs, pipe.padded_batch(num_images)
 
 
 FALLBACK_MODEL = "shapes"  # trained here, shipped in assets/: it draws what it is told, offline

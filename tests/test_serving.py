@@ -40,22 +40,22 @@ def test_requests_merge_only_into_compiled_batch_sizes(pipe):
     # Batch 8 was not compiled, so the requests ran one by one, and it compiled in the background.
     assert [t.batch_images for t in tickets] == [4, 4, 4]
     assert not any(t.compiling for t in tickets)
-    queue.compile_in_background(HEIGHT, WIDTH, 8).result(timeout=300)
+    queue.compile_in_background(_request(0), 8).result(timeout=300)
     assert pipe.is_compiled(HEIGHT, WIDTH, 8, progress=True)
 
     # While the first of three renders, the other two wait, and now they share a compiled call.
     tickets = _render_at_once(queue, range(3, 6))
     assert 8 in [t.batch_images for t in tickets]
     assert not any(t.compiling for t in tickets)
-    assert DeviceQueue(pipe, max_batch_images=16, max_queued=8).compile_in_background(HEIGHT, WIDTH, 8) is None
+    assert DeviceQueue(pipe, max_batch_images=16, max_queued=8).compile_in_background(_request(0), 8) is None
 
 
 def test_a_batch_being_compiled_in_the_background_waits_for_it(pipe):
     queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
     # 16: the previous test's merges may have started compiling 12 on the same pipeline.
-    compiling = queue.compile_in_background(HEIGHT, WIDTH, 16)
-    assert compiling is not None
     request = Request(("a dog",) * 16, ("",) * 16, (7,) * 16, tuple(range(16)), (5.0,) * 16, STEPS, HEIGHT, WIDTH)
+    compiling = queue.compile_in_background(request, 16)
+    assert compiling is not None
     updates = []
     ticket = queue.submit(request)
     result = queue.wait(ticket, on_update=lambda ticket: updates.append(ticket.compiling))
