@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from PIL import Image, ImageDraw, ImageFont, PngImagePlugin
+from PIL import Image, ImageDraw, ImageFont
 
 from .request import LORA_SCALE_RANGE, MAX_SEED, guidance_scale, integer, number
 from .sampling import SAMPLER_NAMES, SAMPLERS
@@ -128,9 +128,12 @@ def calls(keys: Sequence, max_images: int) -> list[list[int]]:
     return [group[i:i + max_images] for group in groups.values() for i in range(0, len(group), max_images)]
 
 
-def labelled(images: Sequence[Image.Image], x: Axis | None, y: Axis | None) -> Image.Image:
+def labelled(
+    images: Sequence[Image.Image], x: Axis | None, y: Axis | None, parameters: Sequence[str]
+) -> Image.Image:
     """The cells in a table with the x values above their columns and the y values beside their rows,
-    each axis named; a PNG of it (`save_grid`) carries every cell's parameters."""
+    each axis named. Its PNG text (`info`, which PIL's and Gradio's PNG writers keep) has the first
+    cell's `parameters` where A1111 readers look, and every cell's in "grid", a JSON list."""
     columns = 1 if x is None else len(x.labels)
     rows = len(images) // columns
     width, height = images[0].size
@@ -150,16 +153,8 @@ def labelled(images: Sequence[Image.Image], x: Axis | None, y: Axis | None) -> I
             _wrapped(draw, label, (4, top + r * height + 4), left - 8, font)
     for i, image in enumerate(images):
         sheet.paste(image, (left + (i % columns) * width, top + (i // columns) * height))
+    sheet.info.update(parameters=parameters[0], grid=json.dumps(list(parameters)))
     return sheet
-
-
-def save_grid(sheet: Image.Image, path, parameters: Sequence[str]) -> None:
-    """A PNG of the grid: "parameters" holds the first cell's (as A1111 writes a grid's), "grid" every
-    cell's, a JSON list in cell order."""
-    info = PngImagePlugin.PngInfo()
-    info.add_text("parameters", parameters[0])
-    info.add_text("grid", json.dumps(list(parameters)))
-    sheet.save(path, pnginfo=info)
 
 
 def _axis_title(name: str) -> str:

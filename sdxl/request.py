@@ -175,13 +175,20 @@ class Request:
         return "noise" if self.images is None else "image"
 
     @property
-    def batch_key(self) -> tuple:
-        """Requests with equal keys can share a compiled call."""
+    def call_settings(self) -> tuple:
+        """What every image of one compiled call shares: requests with equal settings can render
+        together (guidance aside: `batch_key`)."""
         return (
-            self.height, self.width, self.steps, self.sampler, self.guided, self.loras, self.start_from,
-            self.masks is not None, self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores,
-            self.refine_from,
+            self.height, self.width, self.steps, self.sampler, self.loras, self.start_from, self.masks is not None,
+            self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores, self.refine_from,
         )
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests with equal keys share a call in the device queue: equal `call_settings`, and all
+        needing guidance or none (a request without would otherwise pay for the other's second UNet
+        pass)."""
+        return self.call_settings, self.guided
 
     @classmethod
     def merged(cls, requests: Sequence["Request"]) -> "Request":

@@ -22,13 +22,17 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
+from PIL import Image
+
+from . import grid, images
 from .checkpoints import HubUnavailableError
 from .checkpoints.known import Recommended
 from .pipeline import Generation, Pipeline
-from .request import MAX_SEED, Request, integer
+from .request import MAX_SEED, Request, integer, number
 from .styles import STYLES
 
 log = logging.getLogger(__name__)
@@ -202,6 +206,31 @@ def _compile_key(pipe: Pipeline, request: Request, num_images: int) -> tuple:
 FALLBACK_MODEL = "shapes"  # trained here, shipped in assets/: it draws what it is told, offline
 
 
+def fit_to_sizes(picture: Image.Image, sizes: Sequence[tuple[int, int]]) -> tuple[Image.Image, tuple[int, int]]:
+    """`picture` at the size of `sizes` (width, height) whose aspect ratio is nearest its own:
+    centre-cropped to that ratio, then resized (Lanczos). Returns it and the size chosen."""
+    width, height = picture.size
+    target = min(sizes, key=lambda size: abs(np.log(size[0] / size[1]) - np.log(width / height)))
+    if (width, height) == target:
+        return picture, target
+    scale = min(width / target[0], height / target[1])
+    crop_w, crop_h = target[0] * scale, target[1] * scale
+    box = ((width - crop_w) / 2, (height - crop_h) / 2, (width + crop_w) / 2, (height + crop_h) / 2)
+    return picture.resize(target, Image.Resampling.LANCZOS, box=box), target
+
+
+@dataclasses.dataclass
+class Grid:
+    """A comparison grid's plan: its axes, each cell's settings, and the requests (device calls) that
+    render them; cell i is image `where[i]` = (request, index) of those."""
+
+    x: grid.Axis | None
+    y: grid.Axis | None
+    cells: list[dict]
+    requests: list[Request]
+    where: list[tuple[int, int]]
+
+
 def load_pipeline(model: str, config: str | None = None, **kwargs) -> tuple[Pipeline, str | None]:
     """Loads `model` (with a single file's `config`); a Hub model that can't be fetched falls back
     to the built-in `shapes` model.
@@ -314,3 +343,80 @@ class TextToImage:
             steps, height, width, sampler,
         )
         return self._checked(request, style, lora_scales)
+
+    def request_image_edit(
+        self, prompt, negative_prompt, style, seed, guidance_scale, steps, image, mask, strength,
+        images_per_core=1, sampler=None, lora_scales=None, refine_from=None,
+    ) -> tuple[Request, str | None]:
+        """Image-to-image of `image` (a PIL image), inpainting where `mask` (a PIL image, None for none)
+        is white: both fitted to the demo's size of the nearest aspect ratio (`fit_to_sizes`).
+        Returns the request and a note when the image was resized."""
+        if image is None:
+            raise ValueError("upload an image to start from")
+        original = image.size
+        picture, (width, height) = fit_to_sizes(image, self.sizes)
+        pixels = images.pixels(picture)
+        masks = None
+        if mask is not None:
+            if mask.size != original:
+                raise ValueError(f"the mask is {mask.size[0]}x{mask.size[1]}, the image {original[0]}x{original[1]}")
+            masks = images.mask(fit_to_sizes(mask.convert("L"), [(width, height)])[0])[None]
+        request = self.request_images(
+            prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core, sampler,
+            lora_scales,
+        )
+        n = len(request)
+        request = dataclasses.replace(
+            request, images=np.repeat(pixels[None], n, axis=0), masks=None if masks is None else masks.repeat(n, 0),
+            strength=number(strength, "strength", 0.0, 1.0), refine_from=refine_from,
+        )
+        note = None if original == (width, height) else (
+            f"the image was {original[0]}x{original[1]}; cropped and resized to {width}x{height}, this model's "
+            "nearest size"
+        )
+        return self._checked(request, style, lora_scales), note
+
+    def request_grid(
+        self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, sampler,
+        x_axis, x_values, y_axis, y_values, lora_scales=None,
+    ) -> Grid:
+        """A prompt x seed x ... grid (`sdxl.grid`): each cell image 0 of its own settings, the cells
+        that can share a device call in as few calls as fit."""
+        settings = dict(prompt=prompt, negative_prompt=negative_prompt, style=style, seed=seed,
+                        guidance_scale=guidance_scale, steps=steps, sampler=sampler)
+        scales = list(self.loras.values()) if lora_scales is None else list(lora_scales)
+        settings |= {grid.LORA_AXIS + _stem(source): scale for source, scale in zip(self.loras, scales)}
+        names = [_stem(source) for source in self.loras]
+        axes = [
+            None if not name else grid.parse_axis(
+                name, values, prompt=prompt if isinstance(prompt, str) else "", max_steps=self.pipe.max_steps,
+                loras=names,
+            )
+            for name, values in ((x_axis, x_values), (y_axis, y_values))
+        ]
+        x, y = axes
+        if x is not None and y is not None and x.name == y.name:
+            raise ValueError(f"the x and y axes are both {x.name}: choose two different settings")
+        cells = grid.cell_settings(settings, x, y)
+        singles = [self._cell_request(cell, width, height, names) for cell in cells]
+        requests, where = [], [None] * len(cells)
+        # Cells with guidance 1 or less share calls with guided ones: their images are the conditional
+        # branch either way (within float rounding), and the grid takes fewer calls.
+        for call in grid.calls([r.call_settings for r in singles], self.max_images):
+            for index, cell in enumerate(call):
+                where[cell] = (len(requests), index)
+            requests.append(Request.merged([singles[i] for i in call]))
+        return Grid(x, y, cells, requests, where)
+
+    def _cell_request(self, cell: dict, width, height, lora_names: list[str]) -> Request:
+        text, negative = self._styled(cell["prompt"], cell["negative_prompt"], cell["style"])
+        request = Request(
+            (text,), (negative,), (cell["seed"],), (0,), (cell["guidance_scale"],), cell["steps"], height, width,
+            cell["sampler"],
+        )
+        return self._checked(request, cell["style"], [cell[grid.LORA_AXIS + name] for name in lora_names])
+
+
+def _stem(source: str) -> str:
+    """How the demo names a LoRA: its file's stem."""
+    return Path(source).stem

@@ -2,7 +2,7 @@ import json
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from sdxl import grid
 
@@ -66,7 +66,7 @@ def test_the_grid_image_has_its_cells_in_order_under_their_labels(tmp_path):
     colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255), (255, 0, 255)]
     cells = [Image.new("RGB", (64, 48), c) for c in colours]
     x, y = grid.parse_axis("seed", "1-3"), grid.parse_axis("guidance_scale", "3, 5")
-    sheet = grid.labelled(cells, x, y)
+    sheet = grid.labelled(cells, x, y, [f"cell {i}" for i in range(6)])
     left, top = sheet.width - 3 * 64, sheet.height - 2 * 48
     assert left > 0 and top > 0
     pixels = np.asarray(sheet)
@@ -74,6 +74,9 @@ def test_the_grid_image_has_its_cells_in_order_under_their_labels(tmp_path):
         row, column = divmod(i, 3)
         assert tuple(pixels[top + row * 48 + 24, left + column * 64 + 32]) == colour
     assert (pixels[:top, left:] < 128).any(), "the x labels are written above the cells"
-    grid.save_grid(sheet, tmp_path / "grid.png", [f"cell {i}" for i in range(6)])
+    info = PngImagePlugin.PngInfo()
+    for key, value in sheet.info.items():
+        info.add_text(key, value)
+    sheet.save(tmp_path / "grid.png", pnginfo=info)
     saved = Image.open(tmp_path / "grid.png")
     assert saved.text["parameters"] == "cell 0" and json.loads(saved.text["grid"])[5] == "cell 5"
