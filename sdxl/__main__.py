@@ -13,10 +13,10 @@ from .checkpoints import CheckpointError, known, random_models
 from .compilation import enable_compilation_cache
 from .images import grid, image_count, model_label, parameters_text, save_png, to_pil
 from .pipeline import NonFiniteImageError, Pipeline
-from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_STEPS, Request, default_strength
+from .request import (
+    DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_REFINE_FROM, DEFAULT_STEPS, Request, default_strength,
+)
 from .sampling import SAMPLER_NAMES, SAMPLERS
-
-DEFAULT_REFINE_FROM = 0.8  # the handoff diffusers' SDXL documentation uses
 
 
 def generate_command(args: argparse.Namespace) -> None:

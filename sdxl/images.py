@@ -7,6 +7,7 @@ read with a sentence that says why.
 """
 
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,16 +57,16 @@ def read_image(source) -> Image.Image:
     Raises:
       ValueError: one sentence naming the problem.
     """
+    limit = f"{MAX_IMAGE_PIXELS / 1e6:.1f} megapixels at most are read"
     try:
         image = Image.open(source)
-    except (OSError, Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError as e:  # PIL's own bound (the demo lowers it to twice ours)
+        raise ValueError(f"the image is far too large: {limit}") from e
+    except OSError as e:
         raise ValueError(f"cannot read the image: {e}") from e
     width, height = image.size
     if width * height > MAX_IMAGE_PIXELS:
-        raise ValueError(
-            f"the image is {width}x{height}, {width * height / 1e6:.0f} megapixels; at most "
-            f"{MAX_IMAGE_PIXELS / 1e6:.1f} are read"
-        )
+        raise ValueError(f"the image is {width}x{height}, {width * height / 1e6:.0f} megapixels: {limit}")
     try:
         image.load()
     except (OSError, Image.DecompressionBombError) as e:
@@ -128,6 +129,39 @@ def parameters_text(
     if loras:
         lines[-1] += ", LoRAs: " + " ".join(f"{Path(source).stem}:{scale:g}" for source, scale in loras)
     return "\n".join(lines)
+
+
+def read_parameters(text: str) -> dict:
+    """The settings in a "parameters" text (`parameters_text`'s, or A1111's): prompt, negative_prompt,
+    and those of steps, sampler (its label, e.g. "Euler a"), guidance_scale, seed, width and height
+    that it names. Raises ValueError if it has no settings line."""
+    lines = text.strip().split("\n")
+    settings_line = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Steps: ")), None)
+    if settings_line is None:
+        raise ValueError("no generation parameters in this image (no 'Steps:' line)")
+    prompt_lines, negative = lines[:settings_line], ""
+    for i, line in enumerate(prompt_lines):
+        if line.startswith("Negative prompt: "):
+            negative = "\n".join([line[len("Negative prompt: "):], *prompt_lines[i + 1:]])
+            prompt_lines = prompt_lines[:i]
+            break
+    fields = dict(_SETTING.findall(lines[settings_line]))
+    found = {"prompt": "\n".join(prompt_lines), "negative_prompt": negative}
+    for key, (name, parse) in _SETTINGS.items():
+        if key in fields:
+            try:
+                found[name] = parse(fields[key])
+            except ValueError:
+                pass  # a value this demo cannot use is left as it is
+    if "Size" in fields and "x" in fields["Size"]:
+        found["width"], found["height"] = (int(v) for v in fields["Size"].split("x"))
+    return found
+
+
+# "Key: value" pairs of a settings line; a value runs to the next comma (A1111 quotes values with commas).
+_SETTING = re.compile(r'\s*([\w ]+): ("(?:[^"\\]|\\.)*"|[^,]*)(?:,|$)')
+_SETTINGS = {"Steps": ("steps", int), "Sampler": ("sampler", str), "CFG scale": ("guidance_scale", float),
+             "Seed": ("seed", int)}
 
 
 def save_png(image: Image.Image, path: Path, parameters: str) -> Path:

@@ -33,6 +33,7 @@ LORA_SCALE_RANGE = (-4.0, 4.0)
 # defaults ask for a 6 and steer away from a 2.5.
 AESTHETIC_SCORE_RANGE = (0.0, 10.0)
 DEFAULT_AESTHETIC_SCORES = (6.0, 2.5)
+DEFAULT_REFINE_FROM = 0.8  # the base's share of the noise before a refiner takes over, as diffusers' docs use
 
 
 def default_strength(spec, *, inpainting: bool) -> float:

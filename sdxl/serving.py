@@ -258,10 +258,13 @@ class TextToImage:
     def __init__(
         self, pipe: Pipeline, *, max_images_per_core: int = 4, max_queued: int = 32, max_per_owner: int = 4,
         notice: str | None = None, loras: Mapping[str, float] | None = None, recommended: Recommended = Recommended(),
+        refiner_name: str | None = None,
     ):
         """`loras`: the LoRAs a request may use, {source: default scale}, in the order the UI lists them.
-        `recommended`: the model's default steps and guidance (`checkpoints.known`)."""
+        `recommended`: the model's default steps and guidance (`checkpoints.known`). `refiner_name`:
+        how results name the pipeline's refiner (`Pipeline.set_refiner`), if it has one."""
         self.pipe = pipe
+        self.refiner_name = refiner_name
         self.notice = notice
         self.recommended = recommended
         self.loras = dict(loras or {})
@@ -301,16 +304,17 @@ class TextToImage:
 
     def request_images(
         self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height,
-        images_per_core=1, sampler=None, lora_scales=None,
+        images_per_core=1, sampler=None, lora_scales=None, refine_from=None,
     ) -> Request:
-        """One prompt, `images_per_core` images on every core: images (seed, 0), (seed, 1), ..."""
+        """One prompt, `images_per_core` images on every core: images (seed, 0), (seed, 1), ...; with
+        `refine_from`, finished by the refiner from that fraction of the noise."""
         n = self.pipe.num_devices * integer(images_per_core, "images per core", 1, self.max_images_per_core)
         text, negative = self._styled(prompt, negative_prompt, style)
         request = Request.from_prompt(
             text, negative, num_images=n, seed=seed, guidance_scale=guidance_scale, steps=steps, height=height,
             width=width, sampler=sampler,
         )
-        return self._checked(request, style, lora_scales)
+        return self._checked(dataclasses.replace(request, refine_from=refine_from), style, lora_scales)
 
     def request_prompt_comparison(
         self, prompts: list[str], negative_prompt, style, seed, guidance_scale, steps, width, height,

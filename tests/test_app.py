@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import json
 import os
 import re
 import socket
@@ -124,11 +125,11 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cache_dir):
-    """The demo with the random tiny model (fast, and its sizes are many), and one LoRA for it, off
-    (scale 0) unless a request turns it up."""
+    """The demo with the random tiny model (fast, and its sizes are many), one LoRA for it, off
+    (scale 0) unless a request turns it up, and the tiny refiner."""
     tmp = tmp_path_factory.mktemp("app")
     style = lora.write_random(tmp / "style.safetensors", resolve("tiny").spec)
-    with serve(tmp, cache_dir, "--model", "tiny", "--lora", f"{style}:0") as running:
+    with serve(tmp, cache_dir, "--model", "tiny", "--lora", f"{style}:0", "--refiner", "tiny-refiner") as running:
         yield running
 
 
@@ -238,7 +239,7 @@ def test_a_launched_lora_applies_at_the_scale_a_request_gives(client):
 
 
 def test_uploads_are_bounded(server):
-    """The demo has no upload field; Gradio's upload endpoint refuses files over 1 MB (issue 21, hole 4)."""
+    """Gradio's upload endpoint refuses files over 8 MB, a large phone photo (issue 21, hole 4)."""
     def upload(size: int) -> int:
         boundary = "sdxlboundary"
         head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"x.bin\"\r\n"
@@ -253,7 +254,112 @@ def test_uploads_are_bounded(server):
             return e.code
 
     assert upload(1000) == 200
-    assert upload(2 * 2**20) == 413
+    assert upload(9 * 2**20) == 413
+
+
+def _picture(path: Path, width: int = 160, height: int = 120) -> str:
+    pixels = np.zeros((height, width, 3), np.uint8)
+    pixels[:, : width // 2] = (220, 40, 30)
+    Image.fromarray(pixels).save(path)
+    return str(path)
+
+
+def test_image_to_image_and_inpainting_over_http(client, tmp_path):
+    """An upload of another size is fitted to the nearest preset (and says so); a mask inpaints; the
+    PNGs record the strength."""
+    from gradio_client import handle_file
+
+    picture = handle_file(_picture(tmp_path / "in.png"))
+    mask = np.zeros((120, 160), np.uint8)
+    mask[20:100, 40:140] = 255
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    common = dict(prompt="a lighthouse", steps=4, seed=2, image=picture, api_name="/image_to_image")
+    edited, status = client.submit(**common, mask=None, strength=0.5).result(timeout=CALL_TIMEOUT)
+    assert len(edited) == 4 and "cropped and resized to 144x112" in status, status
+    first = Image.open(edited[0]["image"])
+    assert first.size == (144, 112) and "Denoising strength: 0.5" in first.info["parameters"]
+    inpainted, _ = client.submit(**common, mask=handle_file(str(tmp_path / "mask.png")), strength=0.5).result(
+        timeout=CALL_TIMEOUT)
+    assert np.abs(_pixels(inpainted)[0].astype(int) - _pixels(edited)[0]).max() > 10, "the mask must matter"
+
+
+def test_bad_uploads_are_named_and_the_server_keeps_serving(client, tmp_path):
+    """A decompression bomb (a small PNG that claims 400 megapixels), a 16-bit image, an empty mask,
+    a strength of 0, no image, and a path outside Gradio's uploads: each one sentence."""
+    from gradio_client import handle_file
+
+    bomb = tmp_path / "bomb.png"
+    Image.new("1", (20_000, 20_000)).save(bomb)  # a few kilobytes
+    deep = tmp_path / "deep.png"
+    Image.fromarray(np.zeros((112, 144), np.uint16)).save(deep)
+    Image.fromarray(np.zeros((120, 160), np.uint8)).save(tmp_path / "empty-mask.png")
+    picture = handle_file(_picture(tmp_path / "in.png"))
+    cases = [
+        (dict(image=handle_file(str(bomb))), "the image is far too large: 16.8 megapixels at most are read"),
+        (dict(image=handle_file(str(deep))), "16-bit or float"),
+        (dict(image=picture, mask=handle_file(str(tmp_path / "empty-mask.png"))), "the mask is empty"),
+        (dict(image=picture, strength=0), "leaves no step to run"),
+        (dict(image=None), "upload an image to start from"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(AppError) as error:
+            client.submit(**(dict(prompt="a fox", steps=4, mask=None) | kwargs), api_name="/image_to_image").result(
+                timeout=CALL_TIMEOUT)
+        assert message in str(error.value), (kwargs, error.value)
+    outside = {"path": "/etc/passwd", "meta": {"_type": "gradio.FileData"}}
+    with pytest.raises(Exception) as error:
+        client.submit(prompt="a fox", image=outside, mask=None, api_name="/image_to_image").result(
+            timeout=CALL_TIMEOUT)
+    assert "root:" not in str(error.value)
+    _assert_serving(client)
+
+
+def test_previews_stream_to_a_client_that_asks_and_predict_gets_the_result(client):
+    job = client.submit(prompt="a lighthouse", steps=40, seed=4, api_name="/generate")
+    gallery, status = job.result(timeout=CALL_TIMEOUT)
+    outputs = job.outputs()
+    previews = [gallery for gallery, _ in outputs[:-1]]
+    assert previews and all(item["caption"].startswith("preview · step") for g in previews for item in g), outputs
+    assert Image.open(previews[-1][0]["image"]).size == (16, 16)  # the latents' size: 128 / 8
+    assert len(gallery) == 4 and gallery[0]["caption"].startswith("seed 4") and "4 images" in status
+    assert client.predict(prompt="a lighthouse", steps=3, api_name="/generate")[1].startswith("4 images")
+
+
+def test_the_refiner_finishes_images_when_switched_on(client):
+    plain, _ = _generate(client, seed=6)
+    refined, status = _generate(client, seed=6, refine=True, refine_from=0.6)
+    assert "4 images" in status
+    assert "Refiner: tiny-refiner, Refiner switch at: 0.6" in Image.open(refined[0]["image"]).info["parameters"]
+    assert np.abs(_pixels(refined)[0].astype(int) - _pixels(plain)[0]).max() > 10
+
+
+def test_a_grid_is_one_device_call_with_its_cells_in_order(client):
+    """prompt x seed: 12 cells in one call; a steps axis is one call per value and never recompiles;
+    the grid image holds the cells, in order, under their labels; its PNG has every cell's parameters."""
+    sheet, cells, status = client.submit(
+        prompt="a red cube", x_axis="seed", x_values="1-4", y_axis="prompt", y_values="red, blue, green", steps=3,
+        api_name="/grid").result(timeout=CALL_TIMEOUT)
+    assert status.startswith("12 images in ") and "1 device call on" in status, status
+    grid_image = Image.open(sheet)
+    parameters = json.loads(grid_image.info["grid"])
+    assert len(parameters) == 12 and parameters[4].startswith("a blue cube\n") and "Seed: 1," in parameters[4]
+    pixels = np.asarray(grid_image.convert("RGB"))
+    width, height = 128, 128
+    left, top = pixels.shape[1] - 4 * width, pixels.shape[0] - 3 * height
+    for i, cell in enumerate(_pixels(cells)):
+        row, column = divmod(i, 4)
+        np.testing.assert_array_equal(pixels[top + row * height:top + (row + 1) * height,
+                                             left + column * width:left + (column + 1) * width], cell)
+    single, _ = _generate(client, prompt="a blue cube", seed=1, steps=3)
+    assert np.abs(_pixels(single)[0].astype(int) - _pixels(cells)[4]).max() <= 1, "a cell is image 0 of /generate"
+    _, _, status = client.submit(prompt="a red cube", x_axis="steps", x_values="2, 4", y_axis="", y_values="",
+                                 api_name="/grid").result(timeout=CALL_TIMEOUT)
+    assert "2 device calls" in status and "compiling" not in status, status
+    with pytest.raises(AppError, match="seed axis: seed must be an integer"):
+        client.submit(prompt="a cube", x_axis="seed", x_values="1, x", api_name="/grid").result(timeout=CALL_TIMEOUT)
+    with pytest.raises(AppError, match="65 cells; at most 64"):
+        client.submit(prompt="a cube", x_axis="seed", x_values="1-13", y_axis="steps", y_values="1-5",
+                      api_name="/grid").result(timeout=CALL_TIMEOUT)
 
 
 def test_one_image_is_counted_in_the_singular(client):  # what a one-core demo says every time
