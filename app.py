@@ -414,8 +414,6 @@ def create_demo(demo: Demo) -> gr.Blocks:
                              for source, scale in service.loras.items()]
                     width = gr.Number(value=native[0], precision=None, visible=False)
                     height = gr.Number(value=native[1], precision=None, visible=False)
-                    reuse_file = gr.File(label="Drop a PNG made here (or by A1111) to reuse its settings",
-                                         file_types=[".png"], elem_id="reuse-png", height=90)
             with gr.Column(scale=1, min_width=380):
                 gallery = gr.Gallery(label="Images", columns=min(4, service.max_images), format="png",
                                      elem_id="gallery", interactive=False)
@@ -424,6 +422,8 @@ def create_demo(demo: Demo) -> gr.Blocks:
                     send = gr.Button("Send the selected image to image-to-image", size="sm", elem_id="send")
                     reuse_run = gr.Button("Reuse its settings", size="sm", elem_id="reuse")
                 grid_image = gr.Image(label="Grid", type="pil", format="png", visible=False, elem_id="grid-image")
+                reuse_file = gr.File(label="Drop a PNG made here (or by A1111) to reuse its settings",
+                                     file_types=[".png"], elem_id="reuse-png", height=90)
                 with gr.Accordion("History (this session)", open=False):
                     history = gr.Gallery(label="Earlier results: select one, then reuse its settings",
                                          columns=6, height=200, format="png", elem_id="history",

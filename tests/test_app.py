@@ -577,7 +577,9 @@ def test_browser_generate(shapes_server, tmp_path):
         )
         try:
             page = browser.new_page()
-            page.goto(shapes_server.url, wait_until="networkidle")
+            # Not "networkidle": the page keeps a heartbeat connection open for its session's state.
+            page.goto(shapes_server.url, wait_until="load")
+            expect(page.locator("#generate")).to_be_visible(timeout=30_000)
             # On a 1280x800 window the prompt, the button and the top of the gallery need no scrolling.
             for element in ("#prompt textarea", "#generate", "#gallery"):
                 box = page.locator(element).bounding_box()
@@ -588,11 +590,26 @@ def test_browser_generate(shapes_server, tmp_path):
             page.get_by_text("Advanced").click()
             page.get_by_label("Randomize seed").uncheck()
             page.get_by_label("Seed", exact=True).fill("0")
-            page.locator("#generate").click()
+            page.locator("#prompt textarea").press("Control+Enter")  # the keyboard shortcut generates
             expect(page.locator("#gallery img")).to_have_count(4, timeout=CALL_TIMEOUT * 1000)
             expect(page.locator("#status")).to_contain_text("4 images", timeout=30_000)
             page.screenshot(path=str(artifacts / "app.png"), full_page=True)
             sources = [img.get_attribute("src") for img in page.locator("#gallery img").all()]
+            # The session's history holds the four; a PNG dropped on the page brings its settings back.
+            page.get_by_text("History (this session)").click()
+            expect(page.locator("#history img")).to_have_count(4, timeout=30_000)
+            png = tmp_path / "made-here.png"
+            with urllib.request.urlopen(urllib.parse.urljoin(shapes_server.url, sources[2]), timeout=30) as response:
+                png.write_bytes(response.read())
+            page.locator("#prompt textarea").fill("")
+            page.get_by_label("Seed", exact=True).fill("77")
+            page.locator("#reuse-png input[type=file]").set_input_files(str(png))
+            expect(page.locator("#prompt textarea")).to_have_value("a red circle on a blue background",
+                                                                    timeout=30_000)
+            expect(page.get_by_label("Seed", exact=True)).to_have_value("0")
+            page.get_by_role("tab", name="Image to image").click()
+            expect(page.locator("#image-editor")).to_be_visible()
+            page.screenshot(path=str(artifacts / "app-image-tab.png"), full_page=True)
         finally:
             browser.close()
     assert Image.open(artifacts / "app.png").size[0] == 1280  # artifacts/app.png: look at it
