@@ -514,6 +514,9 @@ def test_corrupt_checkpoint_stops_the_launch_with_the_reason(tmp_path, cache_dir
         ),
         (["--port", "99999"], {}, "argument --port: must be an integer from 1 to 65535, got '99999'"),
         ([], {"SDXL_MAX_QUEUE": "many"}, "argument --max-queue: must be an integer of at least 1, got 'many'"),
+        (["--model", "tiny", "--refiner", "tiny-sd1"], {},
+         "error: the refiner tiny-sd1 cannot continue tiny's latents: its latent scaling differ "
+         "((0.18215, None, None) vs (0.13025, None, None))"),
     ],
 )
 def test_bad_launch_options_are_refused_before_loading(tmp_path, args, env, message):
