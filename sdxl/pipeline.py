@@ -463,6 +463,14 @@ class Pipeline:
             )
         return first, stop
 
+    def tokenized(self, request: Request) -> Request:
+        """The request with its prompts tokenized (`Request.tokens`), each distinct one once: done where
+        it is made, so the device queue's one worker never spends its time on text."""
+        positive, truncated = self._tokenize(request.prompts)
+        negative, truncated_negative = self._tokenize(request.negative_prompts)
+        ids = np.stack([negative, positive], axis=1).astype(np.int32)
+        return dataclasses.replace(request, tokens=(ids, tuple(dict.fromkeys(truncated + truncated_negative))))
+
     def read_prompt(self, prompt: str) -> str:
         """The part of `prompt` the text encoders read (`spec.max_tokens` tokens): what a saved
         image's parameters should record."""
@@ -487,8 +495,9 @@ class Pipeline:
             return place(np.asarray(value), self._replicated)
 
         spec, n = self.spec, len(request)
-        positive, truncated = self._tokenize(request.prompts)
-        negative, truncated_negative = self._tokenize(request.negative_prompts)
+        if request.tokens is None:
+            request = self.tokenized(request)
+        ids, truncated = request.tokens
         zero_negative = [spec.force_zeros_for_empty_prompt and not p for p in request.negative_prompts]
         time_ids = None
         if spec.is_sdxl:
@@ -505,7 +514,7 @@ class Pipeline:
         elif request.start_from == "latents":
             start = {"image": sharded(request.start_latents, np.float32)}
         inputs = Inputs(
-            ids=sharded(np.stack([negative, positive], axis=1), np.int32),
+            ids=sharded(ids, np.int32),
             zero_negative=sharded(zero_negative, np.bool_),
             time_ids=time_ids,
             seeds=sharded(request.seeds, np.uint32),
@@ -519,7 +528,7 @@ class Pipeline:
             mask=None if request.masks is None else sharded(request.masks[..., None], np.float32),
             **start,
         )
-        return inputs, truncated + truncated_negative
+        return inputs, list(truncated)
 
     def render(
         self,
@@ -584,7 +593,7 @@ class Pipeline:
                             steps_per_report=steps_per_report)
         refining = dataclasses.replace(
             request, refine_from=None, images=None, masks=None, start_latents=first.images,
-            denoising_start=request.refine_from, loras=None,
+            denoising_start=request.refine_from, loras=None, tokens=None,  # the refiner's own tokenizers
         )
         second = self.refiner.render(
             refining, output=output, on_step=continued(on_step), on_preview=continued(on_preview),

@@ -127,6 +127,9 @@ class Request:
     refine_from: float | None = None
     # The refiner's conditioning (`ModelSpec.requires_aesthetics_score`); other models ignore them.
     aesthetic_scores: tuple[float, float] = DEFAULT_AESTHETIC_SCORES  # (positive, negative)
+    # The prompts already tokenized (`Pipeline.tokenized`): ([N, 2, E, T] int32 ids of the (negative,
+    # positive) prompts for each text encoder, the prompts that were truncated); None: at render time.
+    tokens: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_prompt(
@@ -200,6 +203,11 @@ class Request:
             name: None if getattr(first, name) is None else np.concatenate([getattr(r, name) for r in requests])
             for name in ("images", "masks")
         }
+        if all(r.tokens is not None for r in requests):
+            ids = np.concatenate([r.tokens[0] for r in requests])
+            arrays["tokens"] = ids, tuple(dict.fromkeys(p for r in requests for p in r.tokens[1]))
+        else:
+            arrays["tokens"] = None
         return dataclasses.replace(
             first,
             **{f: tuple(v for r in requests for v in getattr(r, f)) for f in _PER_IMAGE},

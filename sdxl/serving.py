@@ -105,6 +105,7 @@ class DeviceQueue:
         request = self.pipe.validated(request)
         if len(request) > self.max_batch_images:
             raise ValueError(f"at most {self.max_batch_images} images per request, got {len(request)}")
+        request = self.pipe.tokenized(request)  # here, in the submitting thread, not in the device worker
         ticket = Ticket(request, owner)
         with self._changed:
             if len(self._waiting) >= self.max_queued:

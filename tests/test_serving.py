@@ -1,6 +1,7 @@
 """The device queue's batching: requests merge only into compiled batch sizes."""
 
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -82,3 +83,21 @@ def test_requests_with_other_loras_never_share_a_batch(pipe, tmp_path):
         difference = np.abs(result.images.astype(int) - expected[ticket.request.loras])
         assert difference.max() <= 1 and difference.mean() < 1e-3
     assert np.abs(expected[()].astype(int) - expected[((style, 1.0),)]).mean() > 1
+
+
+def test_prompts_are_tokenized_when_submitted_not_in_the_device_worker(pipe, monkeypatch):
+    """Issue 21, hole 1: the one device worker never spends its time on text; a merged batch keeps
+    each request's tokens, and says which prompts were truncated."""
+    threads = []
+    tokenize = pipe._tokenize
+    monkeypatch.setattr(pipe, "_tokenize", lambda prompts: threads.append(threading.current_thread().name)
+                        or tokenize(prompts))
+    queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
+    long = "word " * 100
+    tickets = [queue.submit(dataclasses.replace(_request(seed), prompts=(prompt,) * 4))
+               for seed, prompt in ((1, "a cat"), (2, long))]
+    results = [queue.wait(ticket) for ticket in tickets]
+    assert threads and "device-queue" not in threads
+    assert results[0].truncated_prompts == [] and results[1].truncated_prompts == [long]
+    alone = pipe.render(dataclasses.replace(_request(2), prompts=(long,) * 4))
+    np.testing.assert_array_equal(results[1].images, alone.images)
