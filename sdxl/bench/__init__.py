@@ -25,6 +25,10 @@ Models: a folder or Hub id, "tiny", "medium" (an SDXL-shaped model small enough 
 here), or "sdxl-base" (SDXL base 1.0's published configs with random weights, about 7 GB in
 float16, written to a temporary folder). `python -m sdxl write-checkpoint` writes such random
 checkpoints, one tensor at a time.
+
+With `--soak-clients N`, it measures the demo under load instead (`soak.py`): `python app.py --model M`
+in a subprocess, N clients sending `--soak-requests` requests each at `--steps`, and
+`--soak-killed` more clients killed mid-request.
 """
 
 import argparse
@@ -38,6 +42,7 @@ from .report import (
     LOAD_MARKDOWN_HEADER, MARKDOWN_HEADER, append_markdown, format_load_table, format_table, load_markdown_row,
     markdown_row,
 )
+from .soak import SOAK_MARKDOWN_HEADER, format_soak_table, run_soak, soak_markdown_row
 from .speed import run_benchmark
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--load-only", action="store_true", help="measure only the loading (for checkpoints too big to run here)"
     )
+    parser.add_argument(
+        "--soak-clients", type=int, metavar="N",
+        help="instead: start the demo (app.py --model MODEL) and send it requests from N clients at once",
+    )
+    parser.add_argument("--soak-requests", type=int, default=10, help="requests per soak client (default: %(default)s)")
+    parser.add_argument(
+        "--soak-killed", type=int, help="more soak clients, killed mid-request (default: a third of --soak-clients)"
+    )
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--markdown", help="append the results as a row to this Markdown file (e.g. BENCHMARKS.md)")
 
@@ -63,7 +76,11 @@ def command(args: argparse.Namespace) -> None:
     def log(message: str) -> None:
         print(message, file=sys.stderr)
 
-    if args.load_only:
+    if args.soak_clients is not None:
+        killed = args.soak_clients // 3 if args.soak_killed is None else args.soak_killed
+        result = run_soak(args.model, args.soak_clients, args.soak_requests, killed, args.steps, log=log)
+        table, header, row = format_soak_table(result), SOAK_MARKDOWN_HEADER, soak_markdown_row(result)
+    elif args.load_only:
         result = run_load_benchmark(args.model, dtype=args.dtype, num_devices=args.devices, log=log)
         table, header, row = format_load_table(result), LOAD_MARKDOWN_HEADER, load_markdown_row(result)
     else:

@@ -1,0 +1,301 @@
+"""`python -m sdxl bench --soak-clients N`: the demo under a bounded load, as its users load it.
+
+The demo starts as users start it (`python app.py --model M --port P`). Once its page answers and it
+has settled (its background compiles done), N clients, each its own gradio_client session, send M
+`/generate` requests each, one after another, all clients at once. K more clients, spread over the
+run, are killed mid-request: each is a process that submits one request and is SIGKILLed once the
+demo is serving it, so its connection drops as a crashed browser's does.
+
+Reported: the latency percentiles of the completed requests (submit to images downloaded), errors,
+lost requests (no answer within `REQUEST_TIMEOUT`), wrong images (not a decodable image of the
+requested size), and the server's resident memory before and after.
+"""
+
+import contextlib
+import datetime
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from gradio_client import Client
+from PIL import Image
+
+from .loading import scratch_dir
+from .report import _aligned
+
+APP = Path(__file__).resolve().parents[2] / "app.py"
+STARTUP_TIMEOUT = 600  # seconds: load, compile and warm-up of a large model on a slow machine
+REQUEST_TIMEOUT = 300  # seconds without an answer after which a request counts as lost
+PROMPT = "a lighthouse on a cliff at dusk"
+
+# A browser closed mid-request, run with `python -c`: a process that starts in a fraction of a
+# second (this package's JAX imports would take seconds of the CPU the demo is measured on). It
+# says which state its request reached once the demo is serving it, then waits to be killed.
+DOOMED_CLIENT = """
+import json, sys, time
+from gradio_client import Client
+from gradio_client.utils import Status
+job = Client(sys.argv[1], verbose=False, download_files=sys.argv[2]).submit(**json.loads(sys.argv[3]),
+                                                                            api_name="/generate")
+waiting = (Status.STARTING, Status.JOINING_QUEUE, Status.IN_QUEUE, Status.SENDING_DATA)
+deadline = time.monotonic() + 120
+while job.status().code in waiting and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(job.status().code.name, flush=True)
+job.result()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _memory(pid: int) -> dict[str, int]:
+    """A process's current (VmRSS) and peak (VmHWM) resident memory in bytes."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
+def _wait_until_idle(pid: int, timeout: float = STARTUP_TIMEOUT) -> None:
+    """Until the process uses under 5% of a core for a second: the demo compiles batch sizes and
+    image-to-image in the background after it starts serving, which would count against the first
+    requests' latencies and in the memory before the load."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = _cpu_seconds(pid)
+        time.sleep(1)
+        if _cpu_seconds(pid) - before < 0.05:
+            return
+    raise RuntimeError(f"the demo was still busy {timeout} s after it started serving")
+
+
+@contextlib.contextmanager
+def running_demo(model: str, scratch: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """`python app.py --model MODEL` on a free port: (the process, its URL, its log) once its page answers."""
+    port = _free_port()
+    log = scratch / "server.log"
+    env = os.environ | dict(GRADIO_TEMP_DIR=str(scratch / "gradio"), PYTHONUNBUFFERED="1")
+    with open(log, "wb") as sink:
+        process = subprocess.Popen([sys.executable, str(APP), "--model", model, "--port", str(port)],
+                                   cwd=APP.parent, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        _wait_until_serving(process, url, log)
+        yield process, url, log
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_until_serving(process: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"app.py exited with status {process.returncode}:\n{log.read_text()[-5000:]}")
+        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        time.sleep(0.5)
+    raise RuntimeError(f"app.py did not answer on {url} within {STARTUP_TIMEOUT} s:\n{log.read_text()[-5000:]}")
+
+
+def _wrong_images(gallery: list[dict], size: tuple[int, int]) -> int:
+    """How many of a result's images are not a decodable image of `size` (width, height)."""
+    wrong = 0
+    for item in gallery:
+        try:
+            with Image.open(item["image"]) as picture:
+                picture.load()
+                wrong += picture.size != size
+        except (OSError, ValueError):
+            wrong += 1
+    return wrong
+
+
+def _request(client: Client, seed: int, steps: int, size: tuple[int, int]) -> dict:
+    """One `/generate` call, timed from submit to its images on disk: its outcome."""
+    start = time.perf_counter()
+    job = client.submit(prompt=PROMPT, seed=seed, steps=steps, api_name="/generate")
+    try:
+        gallery, _ = job.result(timeout=REQUEST_TIMEOUT)
+    except TimeoutError:
+        return dict(lost=True)
+    except Exception as e:  # the demo's refusal (gradio_client's AppError) or a dropped connection
+        return dict(error=f"{type(e).__name__}: {e}")
+    return dict(latency_s=time.perf_counter() - start, images=len(gallery), wrong=_wrong_images(gallery, size))
+
+
+def _session(url: str, downloads: Path, seeds: range, steps: int, finished: list[dict]) -> None:
+    """One client: its requests one after another, each outcome appended to `finished` as it comes."""
+    client = Client(url, verbose=False, download_files=str(downloads))
+    size = _default_size(client)
+    for seed in seeds:
+        finished.append(_request(client, seed, steps, size))
+
+
+def _default_size(client: Client) -> tuple[int, int]:
+    """The size (width, height) the demo renders when a request names none: its model's native one."""
+    parameters = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/generate"]
+    defaults = {p["parameter_name"]: p["parameter_default"] for p in parameters["parameters"]}
+    return int(defaults["width"]), int(defaults["height"])
+
+
+def _doomed_session(url: str, downloads: Path, seed: int, steps: int, after: Callable[[], bool]) -> str:
+    """Once `after()`, a client process that is SIGKILLed as soon as the demo serves its request: the
+    state its request was in (gradio_client's Status), or why it never got there."""
+    while not after():
+        time.sleep(0.1)
+    request = json.dumps(dict(prompt=PROMPT, seed=seed, steps=steps))
+    process = subprocess.Popen([sys.executable, "-c", DOOMED_CLIENT, url, str(downloads), request],
+                               stdout=subprocess.PIPE, text=True)
+    state = process.stdout.readline().strip()
+    process.kill()
+    process.wait()
+    return state or f"exited with status {process.returncode} before its request was served"
+
+
+def _load(url: str, downloads: Path, clients: int, requests: int, killed: int, steps: int) -> tuple[list, list]:
+    """Every client at once; the killed ones spread over the run (the k-th of K once k/(K+1) of the
+    other requests have finished): (the outcomes of the others' requests, the killed ones' states)."""
+    finished: list[dict] = []
+    total = clients * requests
+    with ThreadPoolExecutor(clients + killed) as pool:
+        sessions = [pool.submit(_session, url, downloads, range(c * requests, (c + 1) * requests), steps, finished)
+                    for c in range(clients)]
+        # (or once every other client is done: one that failed stops short of its requests)
+        doomed = [pool.submit(_doomed_session, url, downloads, total + k, steps,
+                              lambda k=k: len(finished) >= (k + 1) * total // (killed + 1)
+                              or all(s.done() for s in sessions))
+                  for k in range(killed)]
+        for session in sessions:
+            session.result()  # a client that could not even connect stops the run with its reason
+        return finished, [d.result() for d in doomed]
+
+
+def run_soak(model: str, clients: int, requests: int, killed: int, steps: int,
+             log: Callable[[str], None] = print) -> dict:
+    """Starts the demo, loads it, and measures it: the result's fields are described in BENCHMARKS.md."""
+    if clients < 1 or requests < 1 or killed < 0:
+        raise ValueError(f"a soak needs at least 1 client and 1 request each, and killed >= 0; got {clients}, "
+                         f"{requests}, {killed}")
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry call per simulated client
+    with scratch_dir() as scratch, running_demo(model, scratch) as (server, url, server_log):
+        log(f"{url} serves; waiting until its background compiles are done")
+        _wait_until_idle(server.pid)
+        before, cpu = _memory(server.pid)["VmRSS"], _cpu_seconds(server.pid)
+        log(f"{clients} clients x {requests} requests, + {killed} killed mid-request")
+        start, clients_cpu = time.perf_counter(), time.process_time()
+        outcomes, killed_states = _load(url, scratch / "downloads", clients, requests, killed, steps)
+        wall, cpu = time.perf_counter() - start, _cpu_seconds(server.pid) - cpu
+        # On a machine with fewer cores than clients, the clients' CPU slows the demo they measure.
+        clients_cpu = time.process_time() - clients_cpu
+        _wait_until_idle(server.pid)  # the killed clients' requests still render
+        after = _memory(server.pid)
+        output = server_log.read_text(errors="replace")
+    return dict(
+        date=datetime.date.today().isoformat(),
+        machine=_cpu_description(),
+        demo=re.search(r"^model (.+); compilation cache", output, re.M).group(1),
+        steps=steps, clients=clients, requests_per_client=requests, killed_clients=killed,
+        killed_states=killed_states,
+        **_summary(outcomes, wall), server_cpu_s=cpu, clients_cpu_s=clients_cpu,
+        rss_before_bytes=before, rss_after_bytes=after["VmRSS"], rss_growth_bytes=after["VmRSS"] - before,
+        rss_peak_bytes=after["VmHWM"],
+        server_tracebacks=output.count("Traceback (most recent call last)"),
+    )
+
+
+def _cpu_description() -> str:
+    """The CPU model and its cores (`loading.machine_description` would start JAX here, and on an
+    accelerator take the device memory the demo needs)."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+    return f"{cpu} ({os.cpu_count()} cores)"
+
+
+def _summary(outcomes: list[dict], wall: float) -> dict:
+    latencies = [o["latency_s"] for o in outcomes if "latency_s" in o]
+    errors = [o["error"] for o in outcomes if "error" in o]
+    images = sum(o.get("images", 0) for o in outcomes)
+    percentiles = np.percentile(latencies, [50, 90, 99, 100]) if latencies else [None] * 4
+    return dict(
+        requests=len(outcomes), completed=len(latencies), errors=len(errors), error_messages=sorted(set(errors)),
+        lost=sum(o.get("lost", False) for o in outcomes), images=images,
+        wrong_images=sum(o.get("wrong", 0) for o in outcomes), wall_s=wall, images_per_s=images / wall,
+        **{f"latency_{name}_s": None if p is None else float(p)
+           for name, p in zip(("p50", "p90", "p99", "max"), percentiles)},
+    )
+
+
+def _seconds(value) -> str:
+    return "n/a" if value is None else f"{value:.2f} s"
+
+
+def _latencies(r: dict) -> str:
+    return " / ".join(_seconds(r[f"latency_{name}_s"]) for name in ("p50", "p90", "p99", "max"))
+
+
+def _rss(r: dict) -> str:
+    mib = {key: r[key] / 2**20 for key in ("rss_before_bytes", "rss_after_bytes", "rss_growth_bytes")}
+    return f"{mib['rss_before_bytes']:.0f} -> {mib['rss_after_bytes']:.0f} MiB ({mib['rss_growth_bytes']:+.0f} MiB)"
+
+
+def format_soak_table(r: dict) -> str:
+    return _aligned([
+        ("demo", f"{r['demo']}, {r['steps']} steps ({r['machine']})"),
+        ("load", f"{r['clients']} clients x {r['requests_per_client']} requests, + {r['killed_clients']} killed "
+                 f"mid-request ({', '.join(r['killed_states']) or 'none'})"),
+        ("completed", f"{r['completed']} of {r['requests']}: {r['images']} images in {r['wall_s']:.1f} s "
+                      f"({r['images_per_s']:.2f} images/s)"),
+        ("CPU during the load", f"server {r['server_cpu_s']:.1f} s, surviving clients {r['clients_cpu_s']:.1f} s"),
+        ("latency p50 / p90 / p99 / max", _latencies(r)),
+        ("errors", f"{r['errors']} {r['error_messages'] or ''}".strip()),
+        ("lost", str(r["lost"])),
+        ("wrong images", str(r["wrong_images"])),
+        ("server RSS before -> after", f"{_rss(r)}, peak {r['rss_peak_bytes'] / 2**20:.0f} MiB"),
+        ("server log tracebacks", str(r["server_tracebacks"])),
+    ])
+
+
+SOAK_MARKDOWN_HEADER = (
+    "| Date | Machine | Demo, steps | Clients x requests, killed | Latency p50 / p90 / p99 / max | Errors | Lost "
+    "| Wrong images | Images, wall time (CPU) | Server RSS before -> after (growth) | Server tracebacks |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|\n"
+)
+
+
+def soak_markdown_row(r: dict) -> str:
+    cells = [
+        r["date"], r["machine"], f"{r['demo']}, {r['steps']}",
+        f"{r['clients']} x {r['requests_per_client']}, {r['killed_clients']} ({', '.join(r['killed_states'])})",
+        _latencies(r), str(r["errors"]), str(r["lost"]), str(r["wrong_images"]),
+        f"{r['images']} in {r['wall_s']:.1f} s (server {r['server_cpu_s']:.1f}, clients {r['clients_cpu_s']:.1f} s)",
+        _rss(r), str(r["server_tracebacks"]),
+    ]
+    return "| " + " | ".join(cells) + " |\n"
