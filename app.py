@@ -14,13 +14,12 @@ import os
 import random
 import re
 import time
-from pathlib import Path
 
 import gradio as gr
 import numpy as np
 from PIL import Image
 
-from sdxl import CheckpointError, enable_compilation_cache, grid, images
+from sdxl import CheckpointError, enable_compilation_cache, grid, images, lora
 from sdxl.checkpoints.known import recommended
 from sdxl.images import image_count, model_label, parameters_text
 from sdxl.lora import parse_option as parse_lora_option
@@ -66,9 +65,6 @@ def _size_label(width: int, height: int) -> str:
     return f"{width}×{height}"
 
 
-def _stem(source: str) -> str:
-    return Path(source).stem
-
 
 class Demo:
     """The event handlers: submit a request to the device queue, show progress and previews, return the gallery."""
@@ -108,9 +104,7 @@ class Demo:
         yield self._finished(request, ticket, result, note)
 
     def _finished(self, request: Request, ticket, result, note: str | None) -> tuple[list, str]:
-        if not result.finite.all():
-            raise gr.Error("The model produced NaN/inf values instead of an image (numerical overflow). "
-                           "Try another seed or fewer steps; the server is fine.")
+        _raise_if_not_finite(result)
         for prompt in result.truncated_prompts:
             gr.Warning(f"Prompt truncated to {self.service.pipe.spec.max_tokens} tokens: {prompt[:80]!r}…")
         gallery = [(picture, f"seed {request.seeds[i]} · image {request.image_index[i]} · {result.devices[i]}")
@@ -203,8 +197,7 @@ class Demo:
         for done, (request, ticket) in enumerate(zip(plan.requests, tickets)):
             progress((done, len(tickets)), desc="Rendering the grid", unit="device calls")
             result = self.service.queue.wait(ticket)
-            if not result.finite.all():
-                raise gr.Error("The model produced NaN/inf values instead of an image (numerical overflow).")
+            _raise_if_not_finite(result)
             pictures.append(self._pictures(request, result))
             compiled |= ticket.compiling
         cells = [pictures[call][index] for call, index in plan.where]
@@ -238,6 +231,12 @@ class Demo:
         ]
 
 
+def _raise_if_not_finite(result) -> None:
+    if not result.finite.all():
+        raise gr.Error("The model produced NaN/inf values instead of an image (numerical overflow). "
+                       "Try another seed or fewer steps; the server is fine.")
+
+
 def _refining(refine, refine_from) -> float | None:
     return float(refine_from) if refine else None
 
@@ -264,7 +263,7 @@ def _gradio_handler(handler, sources):
     `param_10`), and the browser session (Gradio's `gr.Request`) as the requests' owner."""
     signature = inspect.signature(handler)
     fixed = [p for p in signature.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
-    names = ["lora_" + re.sub(r"\W", "_", _stem(source)) for source in sources]
+    names = ["lora_" + re.sub(r"\W", "_", lora.display_name(source)) for source in sources]
     names = [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
     positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
     scales = [inspect.Parameter(name, positional) for name in names]
@@ -375,8 +374,9 @@ def create_demo(demo: Demo) -> gr.Blocks:
                         compare_run = gr.Button("Compare", variant="primary")
                     with gr.Tab("Grid"):
                         grid_prompt = gr.Textbox("", label="Prompt", lines=2, elem_id="grid-prompt")
+                        lora_axes = [grid.LORA_AXIS + lora.display_name(source) for source in service.loras]
                         axes = [("", "none"), *((name.replace("_", " "), name) for name in grid.AXES),
-                                *((f"LoRA {_stem(s)} scale", grid.LORA_AXIS + _stem(s)) for s in service.loras)]
+                                *((f"LoRA {name[len(grid.LORA_AXIS):]} scale", name) for name in lora_axes)]
                         with gr.Row():
                             x_axis = gr.Dropdown(axes, value="seed", label="X axis")
                             x_values = gr.Textbox("1-4", label="X values", info="comma-separated or one per "
@@ -409,7 +409,8 @@ def create_demo(demo: Demo) -> gr.Blocks:
                         refine_from = gr.Slider(0.5, 0.95, value=DEFAULT_REFINE_FROM, step=0.05,
                                                 label="Refiner takes over at", info="the fraction of the noise "
                                                 "the base model removes first")
-                    loras = [gr.Slider(*LORA_SCALE_RANGE, value=scale, step=0.05, label=f"LoRA {_stem(source)}",
+                    loras = [gr.Slider(*LORA_SCALE_RANGE, value=scale, step=0.05,
+                                       label=f"LoRA {lora.display_name(source)}",
                                        info="0 turns it off; changing LoRAs never recompiles")
                              for source, scale in service.loras.items()]
                     width = gr.Number(value=native[0], precision=None, visible=False)
@@ -447,9 +448,7 @@ def create_demo(demo: Demo) -> gr.Blocks:
 
         def remember(results, past):
             """The session's history: the newest results first, at most 48."""
-            latest = [item[0] if isinstance(item, (list, tuple)) else item for item in results or []]
-            past = ([(image["image"]["path"] if isinstance(image, dict) else image, None) for image in latest]
-                    + list(past))[:48]
+            past = ([(path, None) for path, _ in results or []] + list(past))[:48]  # Gallery gives (path, caption)
             return past, past
 
         limit = service.queue.max_queued

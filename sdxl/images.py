@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, PngImagePlugin
 
+from . import lora
+
 
 # Modes PIL converts to RGB without losing what the picture shows; 16- and 32-bit modes would be
 # clipped, not scaled, so they are refused.
@@ -127,7 +129,7 @@ def parameters_text(
     if refiner:
         lines[-1] += f", Refiner: {refiner[0]}, Refiner switch at: {refiner[1]:g}"
     if loras:
-        lines[-1] += ", LoRAs: " + " ".join(f"{Path(source).stem}:{scale:g}" for source, scale in loras)
+        lines[-1] += ", LoRAs: " + " ".join(f"{lora.display_name(source)}:{scale:g}" for source, scale in loras)
     return "\n".join(lines)
 
 

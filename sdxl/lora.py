@@ -302,6 +302,11 @@ def locate(source: str) -> Path:
         raise CheckpointError(f"LoRA {e}") from e
 
 
+def display_name(source: str) -> str:
+    """How results, the demo and its API name a LoRA: its file's stem."""
+    return Path(source).stem
+
+
 def parse_option(text: str) -> tuple[str, float]:
     """A `--lora SOURCE[:SCALE]` value as (source, scale); the scale defaults to 1."""
     source, sep, scale = text.rpartition(":")

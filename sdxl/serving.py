@@ -22,13 +22,12 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 
 from PIL import Image
 
-from . import grid, images
+from . import grid, images, lora
 from .checkpoints import HubUnavailableError
 from .checkpoints.known import Recommended
 from .pipeline import Generation, Pipeline
@@ -222,12 +221,11 @@ def fit_to_sizes(picture: Image.Image, sizes: Sequence[tuple[int, int]]) -> tupl
 
 @dataclasses.dataclass
 class Grid:
-    """A comparison grid's plan: its axes, each cell's settings, and the requests (device calls) that
-    render them; cell i is image `where[i]` = (request, index) of those."""
+    """A comparison grid's plan: its axes and the requests (device calls) that render its cells; cell i
+    is image `where[i]` = (request, index) of those."""
 
     x: grid.Axis | None
     y: grid.Axis | None
-    cells: list[dict]
     requests: list[Request]
     where: list[tuple[int, int]]
 
@@ -390,8 +388,8 @@ class TextToImage:
         settings = dict(prompt=prompt, negative_prompt=negative_prompt, style=style, seed=seed,
                         guidance_scale=guidance_scale, steps=steps, sampler=sampler)
         scales = list(self.loras.values()) if lora_scales is None else list(lora_scales)
-        settings |= {grid.LORA_AXIS + _stem(source): scale for source, scale in zip(self.loras, scales)}
-        names = [_stem(source) for source in self.loras]
+        settings |= {grid.LORA_AXIS + lora.display_name(source): scale for source, scale in zip(self.loras, scales)}
+        names = [lora.display_name(source) for source in self.loras]
         axes = [
             None if not name else grid.parse_axis(
                 name, values, prompt=prompt if isinstance(prompt, str) else "", max_steps=self.pipe.max_steps,
@@ -411,7 +409,7 @@ class TextToImage:
             for index, cell in enumerate(call):
                 where[cell] = (len(requests), index)
             requests.append(Request.merged([singles[i] for i in call]))
-        return Grid(x, y, cells, requests, where)
+        return Grid(x, y, requests, where)
 
     def _cell_request(self, cell: dict, width, height, lora_names: list[str]) -> Request:
         text, negative = self._styled(cell["prompt"], cell["negative_prompt"], cell["style"])
@@ -420,8 +418,3 @@ class TextToImage:
             cell["sampler"],
         )
         return self._checked(request, cell["style"], [cell[grid.LORA_AXIS + name] for name in lora_names])
-
-
-def _stem(source: str) -> str:
-    """How the demo names a LoRA: its file's stem."""
-    return Path(source).stem
