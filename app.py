@@ -375,7 +375,7 @@ def create_demo(demo: Demo) -> gr.Blocks:
                     with gr.Tab("Grid"):
                         grid_prompt = gr.Textbox("", label="Prompt", lines=2, elem_id="grid-prompt")
                         lora_axes = [grid.LORA_AXIS + lora.display_name(source) for source in service.loras]
-                        axes = [("", "none"), *((name.replace("_", " "), name) for name in grid.AXES),
+                        axes = [("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
                                 *((f"LoRA {name[len(grid.LORA_AXIS):]} scale", name) for name in lora_axes)]
                         with gr.Row():
                             x_axis = gr.Dropdown(axes, value="seed", label="X axis")
