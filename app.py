@@ -7,9 +7,11 @@ Every option also reads an environment variable (SDXL_MODEL, SDXL_HOST, ...), fo
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 import os
 import random
 import re
@@ -18,9 +20,11 @@ import time
 import gradio as gr
 import numpy as np
 from PIL import Image
+from starlette.middleware import Middleware
 
 from sdxl import CheckpointError, enable_compilation_cache, grid, images, lora
 from sdxl.checkpoints.known import recommended
+from sdxl.http_errors import HttpErrors
 from sdxl.images import image_count, model_label, parameters_text
 from sdxl.lora import parse_option as parse_lora_option
 from sdxl.pipeline import Pipeline
@@ -61,6 +65,16 @@ def _report_background_compile(what: int | str, guided: bool, compiling) -> None
     print(f"background compile of {label}{'' if guided else ' without guidance'}: {outcome}", flush=True)
 
 
+log = logging.getLogger("sdxl.demo")
+
+# Gradio notices that a client has gone only when a handler yields: handlers that wait yield "no
+# change" this often.
+KEEPALIVE_SECONDS = 1.0
+# The titles of errors for the user, and the HTTP status each gives an answer on /run/.
+INVALID_REQUEST, QUEUE_FULL, NO_IMAGE = "Invalid request", "Queue full", "No image"
+ERROR_STATUS = {INVALID_REQUEST: 422, QUEUE_FULL: 503, NO_IMAGE: 500}
+
+
 def _size_label(width: int, height: int) -> str:
     return f"{width}×{height}"
 
@@ -77,31 +91,46 @@ class Demo:
         try:
             return self.service.queue.submit(request, owner)
         except QueueFullError as e:
-            raise gr.Error(str(e)) from e
+            raise _user_error(str(e), title=QUEUE_FULL) from e
 
     def _render(self, request: Request, owner: str | None, progress: gr.Progress, note: str | None = None):
-        """Yields (previews, status) while the request renders, then (its images, status)."""
+        """Yields (previews, status) while the request renders, then (its images, status).
+
+        In between, it yields "no change" every second or so: Gradio stops a generator whose client
+        has gone when it next yields, and closing this one gives the request up (`DeviceQueue.cancel`),
+        so that nobody waits behind work whose result nobody will see."""
         ticket = self._submit(request, owner)
-        shown = None
-        while True:
-            try:
-                result = ticket.future.result(timeout=0.1)
-                break
-            except concurrent.futures.TimeoutError:
-                pass
-            if ticket.step:
-                progress((ticket.step, ticket.steps), desc="Denoising", unit="steps")
-            elif ticket.compiling:
-                size = _size_label(request.width, request.height)
-                progress(0, desc=f"Compiling for {size} (first use of this size, batch or sampler; cached after)")
-            else:
-                ahead = self.service.queue.position(ticket)
-                progress(0, desc=f"Waiting in queue: {ahead} request(s) ahead" if ahead else "Starting")
-            if ticket.previews is not None and ticket.previews is not shown:
-                shown = ticket.previews
-                previews = [(Image.fromarray(p), f"preview · step {ticket.step}") for p in shown]
-                yield previews, f"step {ticket.step} of {ticket.steps}: previews"
-        yield self._finished(request, ticket, result, note)
+        with self._given_up_unless_done([ticket]):
+            shown, quiet_since = None, time.monotonic()
+            while not _done_within(ticket, 0.1):
+                if ticket.step:
+                    progress((ticket.step, ticket.steps), desc="Denoising", unit="steps")
+                elif ticket.compiling:
+                    size = _size_label(request.width, request.height)
+                    progress(0, desc=f"Compiling for {size} (first use of this size, batch or sampler; cached after)")
+                else:
+                    ahead = self.service.queue.position(ticket)
+                    progress(0, desc=f"Waiting in queue: {ahead} request(s) ahead" if ahead else "Starting")
+                if ticket.previews is not None and ticket.previews is not shown:
+                    shown = ticket.previews
+                    previews = [(Image.fromarray(p), f"preview · step {ticket.step}") for p in shown]
+                    yield previews, f"step {ticket.step} of {ticket.steps}: previews"
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since > KEEPALIVE_SECONDS:
+                    yield gr.skip()
+                    quiet_since = time.monotonic()
+        yield self._finished(request, ticket, ticket.future.result(), note)
+
+    @contextlib.contextmanager
+    def _given_up_unless_done(self, tickets):
+        """Gives up the tickets not done when the block is left early: by an error, or by Gradio
+        closing the handler's generator after its client went away."""
+        try:
+            yield
+        finally:
+            for ticket in tickets:
+                if not ticket.future.done():
+                    self.service.queue.cancel(ticket)
 
     def _finished(self, request: Request, ticket, result, note: str | None) -> tuple[list, str]:
         _raise_if_not_finite(result)
@@ -141,7 +170,7 @@ class Demo:
         try:
             request, note = make_request()
         except ValueError as e:
-            raise gr.Error(str(e)) from e
+            raise _user_error(str(e)) from e
         yield from self._render(request, owner, progress, note)
 
     # `lora_scales`: one per launched LoRA (`TextToImage.loras`), the last inputs of each endpoint.
@@ -167,9 +196,9 @@ class Demo:
     def compare(self, mode, prompts, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
                 sampler, *lora_scales, owner=None, progress=gr.Progress()):
         if not isinstance(prompts, (str, type(None))):
-            raise gr.Error(f"prompts must be text (one per line), got {type(prompts).__name__} {prompts!r:.80}")
+            raise _user_error(f"prompts must be text (one per line), got {type(prompts).__name__} {prompts!r:.80}")
         if mode not in (COMPARE_PROMPTS, COMPARE_SEEDS):
-            raise gr.Error(f"compare mode must be {COMPARE_PROMPTS!r} or {COMPARE_SEEDS!r}, got {mode!r}")
+            raise _user_error(f"compare mode must be {COMPARE_PROMPTS!r} or {COMPARE_SEEDS!r}, got {mode!r}")
         if mode == COMPARE_PROMPTS:
             make = lambda: (self.service.request_prompt_comparison(  # noqa: E731
                 (prompts or "").splitlines(), negative_prompt, style, seed, guidance_scale, steps, width, height,
@@ -183,7 +212,7 @@ class Demo:
     def grid(self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, sampler,
              x_axis, x_values, y_axis, y_values, *lora_scales, owner=None, progress=gr.Progress()):
         """A comparison grid: its labelled image, the cells in the gallery, and a status with the
-        number of device calls it took."""
+        number of device calls it took. Yields "no change" while it waits, as `_render` does."""
         start = time.perf_counter()
         try:
             plan = self.service.request_grid(
@@ -191,15 +220,20 @@ class Demo:
                 x_axis or None, x_values, y_axis or None, y_values, lora_scales,
             )
         except ValueError as e:
-            raise gr.Error(str(e)) from e
-        tickets = [self._submit(request, owner) for request in plan.requests]
-        pictures, compiled = [], False
-        for done, (request, ticket) in enumerate(zip(plan.requests, tickets)):
-            progress((done, len(tickets)), desc="Rendering the grid", unit="device calls")
-            result = self.service.queue.wait(ticket)
-            _raise_if_not_finite(result)
-            pictures.append(self._pictures(request, result))
-            compiled |= ticket.compiling
+            raise _user_error(str(e)) from e
+        tickets = []
+        with self._given_up_unless_done(tickets):
+            for request in plan.requests:  # one at a time: those queued before a refusal are given up too
+                tickets.append(self._submit(request, owner))
+            pictures, compiled = [], False
+            for done, (request, ticket) in enumerate(zip(plan.requests, tickets)):
+                progress((done, len(tickets)), desc="Rendering the grid", unit="device calls")
+                while not _done_within(ticket, KEEPALIVE_SECONDS):
+                    yield gr.skip()
+                result = ticket.future.result()
+                _raise_if_not_finite(result)
+                pictures.append(self._pictures(request, result))
+                compiled |= ticket.compiling
         cells = [pictures[call][index] for call, index in plan.where]
         sheet = grid.labelled(cells, plan.x, plan.y, [cell.info["parameters"] for cell in cells])
         calls = len(plan.requests)
@@ -207,7 +241,7 @@ class Demo:
                   f"{calls} device call{'' if calls == 1 else 's'} on {self.service.pipe.device_description}")
         if compiled:
             status += " (includes compiling for this size, batch or sampler; next time it is cached)"
-        return sheet, [(cell, _cell_caption(plan, i)) for i, cell in enumerate(cells)], status
+        yield sheet, [(cell, _cell_caption(plan, i)) for i, cell in enumerate(cells)], status
 
     def reuse(self, png):
         """The settings a PNG made by this demo (or A1111) records, for the form's fields; fields it
@@ -219,7 +253,7 @@ class Demo:
             with Image.open(_path_of(png)) as picture:
                 found = images.read_parameters(picture.info.get("parameters", ""))
         except (OSError, ValueError) as e:
-            raise gr.Error(f"cannot reuse that image's settings: {e}") from e
+            raise _user_error(f"cannot reuse that image's settings: {e}") from e
         samplers = {label: name for name, label in SAMPLER_NAMES.items()}
         size = (found.get("width"), found.get("height"))
         return [
@@ -231,10 +265,23 @@ class Demo:
         ]
 
 
+def _user_error(message: str, title: str = INVALID_REQUEST) -> gr.Error:
+    """An error for the user: its sentence in the page or the API's answer, under a title that
+    `HttpErrors` turns into the HTTP status of /run/'s answer; one line in the log, as a traceback
+    would say nothing more."""
+    log.info("%s: %s", title, message)
+    return gr.Error(message, title=title, print_exception=False)
+
+
+def _done_within(ticket, seconds: float) -> bool:
+    done, _ = concurrent.futures.wait([ticket.future], timeout=seconds)
+    return bool(done)
+
+
 def _raise_if_not_finite(result) -> None:
     if not result.finite.all():
-        raise gr.Error("The model produced NaN/inf values instead of an image (numerical overflow). "
-                       "Try another seed or fewer steps; the server is fine.")
+        raise _user_error("The model produced NaN/inf values instead of an image (numerical overflow). "
+                          "Try another seed or fewer steps; the server is fine.", title=NO_IMAGE)
 
 
 def _refining(refine, refine_from) -> float | None:
@@ -257,6 +304,24 @@ def _cell_caption(plan, i: int) -> str:
     return " · ".join(labels)
 
 
+def _route(request: gr.Request | None) -> str | None:
+    """How a call came in: "queue" (/gradio_api/queue/join: the page and gradio_client, in their
+    session), "call" (raw HTTP through the queue), "run" (raw HTTP outside it), or None."""
+    path = getattr(getattr(request, "url", None), "path", "")
+    found = re.search(r"/gradio_api/(queue|call|run|api)/", path)
+    return None if found is None else {"api": "run"}.get(found[1], found[1])
+
+
+def _owner(request: gr.Request | None) -> str | None:
+    """Whose request it is: the browser session or gradio_client. Gradio gives each raw HTTP call a
+    session of its own, so those are the address they came from: they count against the per-user
+    bound together."""
+    if _route(request) in (None, "queue"):
+        return getattr(request, "session_hash", None)
+    forwarded = (request.headers.get("x-forwarded-for") or "").split(",")[0].strip()  # behind a proxy (Spaces)
+    return f"address {forwarded or getattr(request.client, 'host', None)}"
+
+
 def _gradio_handler(handler, sources):
     """`handler(*inputs, *lora_scales, owner=, progress=)` as Gradio calls it: with one named
     parameter per LoRA in its signature (so that the API calls them `lora_<file stem>`, not
@@ -272,13 +337,17 @@ def _gradio_handler(handler, sources):
 
     def call(args):
         *inputs, request, progress = args  # Gradio passes its special arguments where the signature has them
-        return handler(*inputs, owner=getattr(request, "session_hash", None), progress=progress)
+        return handler(*inputs, owner=_owner(request), progress=progress)
 
     if inspect.isgeneratorfunction(handler):  # Gradio streams a generator function's outputs
 
         @functools.wraps(handler)
         def gradio_handler(*args):
-            yield from call(args)
+            if _route(args[-2]) == "run":  # answered with the first value yielded: yield only the last
+                *_, last = call(args)
+                yield last
+            else:
+                yield from call(args)
     else:
 
         @functools.wraps(handler)
@@ -550,6 +619,11 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    # The package's own log lines (refused requests, given-up work) go to the console, one line each.
+    console = logging.StreamHandler()
+    console.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("sdxl").addHandler(console)
+    logging.getLogger("sdxl").setLevel(logging.INFO)
     cache = enable_compilation_cache(args.cache_dir)
     start = time.perf_counter()
     loras = dict(args.lora)
@@ -599,9 +673,14 @@ def main() -> None:
         compiling = service.queue.compile_in_background(dataclasses.replace(warm_up, **edit), len(warm_up))
         if compiling is not None:
             compiling.add_done_callback(functools.partial(_report_background_compile, label, default_guided))
-    create_demo(Demo(service, model_name)).launch(
+    blocks = create_demo(Demo(service, model_name))
+    endpoints = {name.lstrip("/"): [parameter["parameter_name"] for parameter in endpoint["parameters"]]
+                 for name, endpoint in blocks.get_api_info()["named_endpoints"].items()}
+    api_names = {index: fn.api_name for index, fn in blocks.fns.items() if fn.api_name in endpoints}
+    errors = Middleware(HttpErrors, endpoints=endpoints, api_names=api_names, statuses=ERROR_STATUS)
+    blocks.launch(
         server_name=args.host, server_port=args.port, share=args.share, max_file_size=MAX_UPLOAD,
-        head=KEYBOARD_SCRIPT,
+        head=KEYBOARD_SCRIPT, app_kwargs={"middleware": [errors]},
     )
 
 

@@ -13,6 +13,10 @@ One user cannot take the queue: each owner (a browser session, an API client) ma
 `max_per_owner` requests waiting, and the next batch starts with the oldest request of the owner
 served longest ago, so a user with many requests waits behind one with a single request only once.
 
+Work nobody waits for is given up (`DeviceQueue.cancel`, when a client has gone): a waiting request
+leaves the queue, and a rendering batch stops at its next progress report once every request in it
+has been given up; a batch that still holds someone else's images renders on.
+
 A failure is confined to the requests it concerns: input is validated before it is queued, a
 NaN image fails only the request it belongs to, and the worker thread survives any exception.
 """
@@ -44,6 +48,10 @@ class QueueFullError(RuntimeError):
     """The queue holds its maximum number of requests."""
 
 
+class BatchAbandoned(Exception):
+    """Every request of the rendering batch was given up: the devices stop between progress reports."""
+
+
 def size_presets(pipe: Pipeline) -> list[tuple[int, int]]:
     """The model's native aspect-ratio presets as (width, height), native square first."""
     scale = pipe.spec.native_size / 1024
@@ -64,6 +72,7 @@ class Ticket:
     previews: "np.ndarray | None" = None  # [N, h, w, 3] uint8 previews of its images, while running
     compiling: bool = False  # whether its batch compiles first (a new size, batch size or sampler)
     batch_images: int = 0  # images in the batch it runs in (its own and other requests')
+    abandoned: bool = False  # given up (`DeviceQueue.cancel`): nobody waits for its result
 
 
 class DeviceQueue:
@@ -117,6 +126,17 @@ class DeviceQueue:
             self._changed.notify_all()
         return ticket
 
+    def cancel(self, ticket: Ticket) -> None:
+        """Gives up a request whose client has gone. A waiting one leaves the queue (its future is
+        cancelled). A running one is dropped with its batch at the batch's next progress report, once
+        every request in the batch has been given up; until then it renders with the others."""
+        with self._changed:
+            ticket.abandoned = True
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+                ticket.future.cancel()
+                log.info("gave up a waiting request of %d images: nobody waits for it", len(ticket.request))
+
     def position(self, ticket: Ticket) -> int:
         """How many queued requests are ahead of this one (0: next, or running)."""
         with self._changed:
@@ -155,6 +175,10 @@ class DeviceQueue:
                 batch = self._take_batch()
             try:
                 self._render(batch)
+            except BatchAbandoned as e:
+                log.info("%s", e)
+                for ticket in batch:
+                    ticket.future.cancel()
             except Exception as e:  # never let one bad batch stop the queue
                 log.exception("batch failed")
                 for ticket in batch:
@@ -164,21 +188,24 @@ class DeviceQueue:
     def _render(self, batch: list[Ticket]) -> None:
         request = Request.merged([t.request for t in batch])
         compiling = not self.pipe.is_compiled_for(request, progress=True)
-        steps = self.pipe.steps_run(request)
+        first, stop = self.pipe.steps_run(request)
         for ticket in batch:
-            ticket.compiling, ticket.batch_images, ticket.steps = compiling, len(request), steps[1] - steps[0]
+            ticket.compiling, ticket.batch_images, ticket.steps = compiling, len(request), stop - first
         background = self._compiles.get(_compile_key(self.pipe, request, len(request)))
         if background is not None:
             background.exception()  # the programs being compiled are this batch's: wait rather than compile twice
         starts = np.cumsum([0, *(len(t.request) for t in batch)])
 
         def on_step(done: int) -> None:
+            if all(ticket.abandoned for ticket in batch):
+                raise BatchAbandoned(f"gave up a batch of {len(request)} images at step {done} of {stop - first}: "
+                                     "nobody waits for them")
             for ticket in batch:
                 ticket.step = done
 
         def on_preview(done: int, previews: np.ndarray) -> None:
-            for ticket, start, stop in zip(batch, starts, starts[1:]):
-                ticket.previews = previews[start:stop]
+            for ticket, begin, end in zip(batch, starts, starts[1:]):
+                ticket.previews = previews[begin:end]
 
         result: Generation = self.pipe.render(request, on_step=on_step, on_preview=on_preview)
         start = 0

@@ -414,6 +414,95 @@ def test_bad_input_is_an_error_and_the_server_keeps_serving(client, endpoint, kw
     _assert_serving(client)
 
 
+def _post(server: Server, route: str, payload: dict) -> tuple[int, dict, dict]:
+    """(HTTP status, JSON answer, headers) of a raw POST to the demo's API, /gradio_api/ROUTE."""
+    request = urllib.request.Request(server.url + "gradio_api/" + route, data=json.dumps(payload).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=CALL_TIMEOUT) as response:
+            return response.status, json.load(response), dict(response.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e), dict(e.headers)
+
+
+def _generate_values(**kwargs) -> list:
+    """/generate's 13 values in order, for raw HTTP (the server has one LoRA, whose scale is last)."""
+    values = dict(prompt="a lighthouse", negative_prompt="", style="No style", seed=0, guidance_scale=5, steps=3,
+                  width=128, height=128, images_per_core=1, sampler="euler", refine=False, refine_from=0.8,
+                  lora_style=0)
+    return list((values | kwargs).values())
+
+
+def _refusals(log: str) -> list[str]:
+    return re.findall(r"^(?:Invalid request|Queue full|refused a request to \S+): .*$", log, re.MULTILINE)
+
+
+def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
+    """Issue 21, hole 5: too few values, an unknown endpoint and a bad value on /run/ each get a
+    sentence and a 4xx status, and one log line, not a traceback; /run/ answers with the final images."""
+    logged = len(server.output())
+    takes = ("/generate takes 13 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
+             "steps, width, height, images_per_core, sampler, refine, refine_from, lora_style; got 1")
+    assert _post(server, "run/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
+    assert _post(server, "call/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
+    assert _post(server, "run/nope", {"data": []})[:2] == (404, {
+        "error": "there is no API endpoint /nope; this demo's are /generate, /image_to_image, /compare, /grid"})
+    status, answer, _ = _post(server, "run/generate", {"data": _generate_values(steps=300)})
+    assert (status, answer["error"]) == (422, "steps must be an integer from 1 to 100, got 300")
+    status, answer, _ = _post(server, "run/generate", {"data": _generate_values(steps=40, seed=3)})
+    gallery, text = answer["data"]
+    assert status == 200 and [item["caption"][:7] for item in gallery] == ["seed 3 "] * 4, "not the previews"
+    assert text.startswith("4 images in ")
+    log = server.output()[logged:]
+    assert "Traceback" not in log and len(_refusals(log)) == 4, log
+
+
+def test_a_full_queue_on_run_is_503_with_retry_after(server):
+    """Raw HTTP calls count by address against the per-user bound (4 waiting): of seven at once, those
+    over it get 503, a sentence and Retry-After; the others their images."""
+    def call(steps):  # other step counts never merge: one request per batch, so that the others wait
+        return _post(server, "run/generate", {"data": _generate_values(steps=steps)})
+
+    with concurrent.futures.ThreadPoolExecutor(7) as pool:
+        answers = list(pool.map(call, range(30, 37)))
+    refused = [(answer, headers) for status, answer, headers in answers if status == 503]
+    assert refused and len(refused) + sum(status == 200 for status, _, _ in answers) == 7, answers
+    for answer, headers in refused:
+        assert answer["error"] == "you already have 4 requests waiting; one must finish before you add another"
+        assert headers["retry-after"] == "10"
+
+
+def test_a_client_that_goes_away_has_its_work_given_up(server, downloads):
+    """Issue 21, hole 2: a client killed with four long requests in the queue. Those waiting leave it,
+    the running batch stops at its next progress report, and the next user is served."""
+    logged = len(server.output())
+    script = (f"from gradio_client import Client\n"
+              f"client = Client({server.url!r}, verbose=False, download_files={downloads!r})\n"
+              f"jobs = [client.submit(prompt='a lighthouse', steps=100, seed=s, api_name='/generate') "
+              f"for s in range(4)]\n"
+              f"import time\n"
+              f"while not any(unit.desc == 'Denoising' for job in jobs for unit in job.status().progress_data or []):\n"
+              f"    time.sleep(0.1)\n"
+              f"print('rendering', flush=True)\n"
+              f"time.sleep(600)\n")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "rendering\n"
+    finally:
+        process.kill()
+        process.wait()
+    given_up = []
+    deadline = time.monotonic() + 120
+    while sum(given_up) < 16:
+        assert time.monotonic() < deadline, server.output()[logged:]
+        time.sleep(0.5)
+        given_up = [int(n) for n in re.findall(r"gave up a (?:waiting request|batch) of (\d+) images",
+                                                 server.output()[logged:])]
+    batches = re.findall(r"gave up a batch of \d+ images at step (\d+) of 100", server.output()[logged:])
+    assert batches and all(int(step) < 100 for step in batches)
+    _assert_serving(Client(server.url, verbose=False, download_files=downloads))
+
+
 def test_long_prompt_is_truncated_with_a_warning(client):
     """gradio_client has no warnings API: a gr.Warning arrives as a Status.LOG update on the job's async iterator."""
     job = client.submit(**(FAST | dict(prompt="word " * 100, seed=3)), api_name="/generate")

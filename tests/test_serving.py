@@ -1,5 +1,6 @@
-"""The device queue's batching: requests merge only into compiled batch sizes."""
+"""The device queue's batching: requests merge only into compiled batch sizes; given-up work is dropped."""
 
+import concurrent.futures
 import dataclasses
 import threading
 
@@ -101,3 +102,80 @@ def test_prompts_are_tokenized_when_submitted_not_in_the_device_worker(pipe, mon
     assert results[0].truncated_prompts == [] and results[1].truncated_prompts == [long]
     alone = pipe.render(dataclasses.replace(_request(2), prompts=(long,) * 4))
     np.testing.assert_array_equal(results[1].images, alone.images)
+
+
+def _held(monkeypatch, pipe, gate: threading.Event, on_render=None):
+    """Makes the device worker wait for `gate` before each render; `on_render(request, on_step)`
+    returns the on_step the render reports to (default: the worker's own)."""
+    render = pipe.render
+
+    def held(request, *, on_step=None, **kwargs):
+        gate.wait(timeout=60)
+        return render(request, on_step=on_render(request, on_step) if on_render else on_step, **kwargs)
+
+    monkeypatch.setattr(pipe, "render", held)
+
+
+def _running(ticket) -> None:
+    while not ticket.batch_images:  # set once the worker has taken it into a batch
+        threading.Event().wait(0.01)
+
+
+def test_a_cancelled_waiting_request_leaves_the_queue_unrendered(pipe, monkeypatch):
+    """Issue 21, hole 2: a request whose client has gone is dropped before it reaches the devices."""
+    gate = threading.Event()
+    _held(monkeypatch, pipe, gate)
+    queue = DeviceQueue(pipe, max_batch_images=4, max_queued=8)  # batches of one request: nothing merges
+    running = queue.submit(_request(1))
+    _running(running)
+    gone, kept = queue.submit(_request(2)), queue.submit(_request(3))
+    assert queue.position(kept) == 1
+    queue.cancel(gone)
+    assert gone.future.cancelled() and queue.position(kept) == 0
+    gate.set()
+    assert len(queue.wait(running).images) == len(queue.wait(kept).images) == 4
+    assert gone.batch_images == 0, "a cancelled request never reaches the devices"
+
+
+def test_a_batch_everyone_gave_up_stops_between_progress_reports(pipe, monkeypatch):
+    """Only once every request of the batch is given up; the worker then goes on with the next."""
+    queue = DeviceQueue(pipe, max_batch_images=8, max_queued=8)
+    if (compiling := queue.compile_in_background(_request(0), 8)) is not None:
+        compiling.result(timeout=300)  # so that two requests share a batch
+    gate, reports = threading.Event(), []
+
+    def giving_up(request, on_step):
+        def step(done):
+            reports.append(done)
+            if done == 1:
+                for ticket in tickets:
+                    queue.cancel(ticket)
+            on_step(done)
+        return step if request.seeds[0] == 4 else on_step
+
+    _held(monkeypatch, pipe, gate, giving_up)
+
+    def submitted_together(seeds, going):
+        """Tickets queued while another request holds the worker, so that they share the next batch;
+        those at the `going` indices are given up at the batch's first report."""
+        gate.clear()
+        blocker = queue.submit(_request(0))
+        _running(blocker)
+        together = [queue.submit(_request(seed)) for seed in seeds]
+        tickets[:] = [together[i] for i in going]
+        gate.set()
+        queue.wait(blocker)
+        return together
+
+    tickets = []
+    together = submitted_together([4, 5], going=[0, 1])
+    for ticket in together:
+        with pytest.raises(concurrent.futures.CancelledError):
+            ticket.future.result(timeout=120)
+    assert together[0].batch_images == 8 and reports == [1], "stopped at the first report, before step 2"
+    assert len(queue.wait(queue.submit(_request(6))).images) == 4  # the worker carries on
+
+    reports.clear()
+    together = submitted_together([4, 5], going=[0])  # the other client's images are rendered all the same
+    result = queue.wait(together[1])
+    assert reports == [1, STEPS] and len(result.images) == 4 and together[1].batch_images == 8
