@@ -1,6 +1,10 @@
 """Test-wide setup: 4 forced CPU devices, so sharding is exercised on every machine."""
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 # Must happen before jax is imported anywhere: the device count is fixed when the backend starts.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
@@ -17,3 +21,21 @@ torch.set_num_threads(os.cpu_count() or 1)
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def bench(tmp_path):
+    """`bench(*ARGS)` runs `python -m sdxl bench ARGS` in a subprocess, its JSON and Markdown going to
+    tmp_path (the Markdown file may hold earlier tables); returns (the JSON report, stdout, the
+    Markdown file's path)."""
+    def run(*args: str, timeout: int = 600) -> tuple[dict, str, Path]:
+        out, markdown = tmp_path / "bench.json", tmp_path / "BENCHMARKS.md"
+        result = subprocess.run(
+            [sys.executable, "-m", "sdxl", "bench", *args, "--json", str(out), "--markdown", str(markdown)],
+            capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        )
+        assert result.returncode == 0, result.stderr
+        return json.loads(out.read_text()), result.stdout, markdown
+
+    return run

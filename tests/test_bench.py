@@ -1,9 +1,3 @@
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,21 +9,10 @@ from sdxl.checkpoints import random_models
 from sdxl.config import config_from_dict
 from sdxl.pipeline import Pipeline
 
-ROOT = Path(__file__).parents[1]
 
-
-def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
-    out, markdown = tmp_path / "bench.json", tmp_path / "BENCHMARKS.md"
+def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
     args = "--model tiny --height 32 --width 32 --steps 1 --batch 1 --devices 1 --runs 1 --compare diffusers".split()
-    result = subprocess.run(
-        [sys.executable, "-m", "sdxl", "bench", *args, "--json", str(out), "--markdown", str(markdown)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert result.returncode == 0, result.stderr
-    r = json.loads(out.read_text())
+    r, stdout, markdown = bench(*args)
     required = """images_per_s s_per_image compile_s warm_compile_s recompiles tflops mfu device n_devices
         ref_images_per_s ratio load_s raw_read_s load_cold_s raw_read_cold_s load_over_raw_read_cold
         first_image_s first_image_warm_s load_peak_rss_bytes param_bytes_bf16 peak_rss_bytes
@@ -45,29 +28,20 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(tmp_path):
     assert r["lora_first_s"] > 0 and r["lora_scale_s"] > 0 and r["lora_clear_s"] < r["lora_scale_s"]
     assert 0 < r["warm_compile_s"] < r["compile_s"]
     assert r["load_s"] > 0 and r["raw_read_s"] > 0 and r["weight_bytes"] > r["param_bytes_bf16"]  # tiny is float32
-    assert "ratio (ours / diffusers)" in result.stdout
+    assert "ratio (ours / diffusers)" in stdout
     header, _, row = markdown.read_text().splitlines()[-3:]
     assert header.startswith("| Date |") and row.count("|") == header.count("|")
     assert "| tiny float32, xla attention, xla convolutions |" in row
 
 
-def test_load_only_measures_warm_and_cold_loads_into_its_own_table(tmp_path):
+def test_load_only_measures_warm_and_cold_loads_into_its_own_table(bench, tmp_path):
     markdown = tmp_path / "BENCHMARKS.md"
     markdown.write_text(report.MARKDOWN_HEADER + "| an earlier row |\n\nText after the table.\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "sdxl", "bench", "--model", "tiny", "--load-only", "--devices", "1"]
-        + ["--json", str(tmp_path / "load.json"), "--markdown", str(markdown)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert result.returncode == 0, result.stderr
-    r = json.loads((tmp_path / "load.json").read_text())
+    r, stdout, _ = bench("--model", "tiny", "--load-only", "--devices", "1", timeout=300)
     for suffix in ("", "_cold"):
         assert r[f"load{suffix}_s"] > 0 and r[f"raw_read{suffix}_s"] > 0
         assert np.isclose(r[f"load_over_raw_read{suffix}"], r[f"load{suffix}_s"] / r[f"raw_read{suffix}_s"])
-    assert "images_per_s" not in r and "from the disk" in result.stdout
+    assert "images_per_s" not in r and "from the disk" in stdout
     text = markdown.read_text()
     assert text.startswith(report.MARKDOWN_HEADER + "| an earlier row |\n")  # the speed table is untouched
     load_table = text[text.index(report.LOAD_MARKDOWN_HEADER) :].splitlines()

@@ -1,29 +1,12 @@
 """`python -m sdxl bench --soak-clients`: the demo under a small load, with a client killed mid-request."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from sdxl.bench.soak import SOAK_MARKDOWN_HEADER
 
-ROOT = Path(__file__).parents[1]
 
-
-def test_a_small_soak_serves_every_surviving_request_and_reports_it(tmp_path):
+def test_a_small_soak_serves_every_surviving_request_and_reports_it(bench):
     """About 30 s on one core; 70 s the first time, when the demo fills its compilation cache."""
-    out, markdown = tmp_path / "soak.json", tmp_path / "BENCHMARKS.md"
     args = "--model tiny --steps 3 --soak-clients 3 --soak-requests 2 --soak-killed 1".split()
-    result = subprocess.run(
-        [sys.executable, "-m", "sdxl", "bench", *args, "--json", str(out), "--markdown", str(markdown)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert result.returncode == 0, result.stderr
-    r = json.loads(out.read_text())
+    r, stdout, markdown = bench(*args, timeout=300)
     assert (r["clients"], r["requests_per_client"], r["killed_clients"], r["requests"]) == (3, 2, 1, 6)
     assert (r["completed"], r["errors"], r["lost"], r["wrong_images"]) == (6, 0, 0, 0), r["error_messages"]
     assert r["images"] == 6 * 4  # one image per device, 4 forced devices (conftest's XLA_FLAGS, inherited)
@@ -33,6 +16,6 @@ def test_a_small_soak_serves_every_surviving_request_and_reports_it(tmp_path):
     assert r["rss_before_bytes"] > 0 and r["rss_peak_bytes"] >= r["rss_after_bytes"] > 0
     assert r["server_cpu_s"] > 0 and r["clients_cpu_s"] > 0
     assert r["server_tracebacks"] == 0 and "on 4× cpu" in r["demo"]
-    assert "latency p50 / p90 / p99 / max" in result.stdout
+    assert "latency p50 / p90 / p99 / max" in stdout
     header, _, row = markdown.read_text().splitlines()[-3:]
     assert markdown.read_text().startswith(SOAK_MARKDOWN_HEADER) and row.count("|") == header.count("|")
