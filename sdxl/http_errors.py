@@ -47,22 +47,23 @@ class HttpErrors:
             status, message = problem
             log.info("refused a request to %s: %s", scope["path"], message)
             return await _answer(send, status, {"error": message})
-        if match["route"] in ("run", "api"):
+        if match["route"] in ("run", "api") and match["name"] in self.endpoints:  # not the page's /run/predict
             send = self._status_by_title(send)
         await self.app(scope, _replaying(body, receive), send)
 
     def _problem(self, match: re.Match, body: bytes) -> tuple[int, str] | None:
         """(HTTP status, sentence) for a call to an unknown endpoint or with the wrong number of values."""
-        name = match["name"]
-        if name is not None and name not in self.endpoints:
-            known = ", ".join(f"/{endpoint}" for endpoint in self.endpoints)
-            return 404, f"there is no API endpoint /{name}; this demo's are {known}"
         try:
             payload = json.loads(body)
         except ValueError:
-            return None  # Gradio refuses what is not JSON, with a 422 that says so
-        if not isinstance(payload, dict):
-            return None
+            payload = None  # Gradio refuses what is not JSON, with a 422 that says so
+        payload = payload if isinstance(payload, dict) else {}
+        name = match["name"]
+        if "fn_index" in payload:  # the page's own calls (/queue/join, and /run/predict for unqueued events)
+            name = None
+        elif name is not None and name not in self.endpoints:
+            known = ", ".join(f"/{endpoint}" for endpoint in self.endpoints)
+            return 404, f"there is no API endpoint /{name}; this demo's are {known}"
         if name is None:
             name = self.api_names.get(payload.get("fn_index"))
             if name is None:

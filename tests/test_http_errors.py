@@ -49,6 +49,9 @@ def test_what_is_right_passes_through_with_its_body(client):
     assert client.post("/gradio_api/run/generate", json={"data": ["a fox", 1]}).json() == {"data": ["a fox", 1]}
     # The page's own events (fn_index of no endpoint) and what is not JSON are Gradio's to judge.
     assert client.post("/gradio_api/queue/join", json={"data": [1], "fn_index": 0}).json() == {"data": [1]}
+    assert client.post("/gradio_api/run/predict", json={"data": [1], "fn_index": 0}).json() == {"data": [1]}
+    busy = client.post("/gradio_api/run/predict", json={"data": ["busy"], "fn_index": 0})
+    assert busy.status_code == 500  # the page reads its unqueued events' errors as Gradio sends them
     assert client.get("/gradio_api/run/nope").status_code == 405  # only POSTs call handlers
 
 
