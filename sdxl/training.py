@@ -1,6 +1,9 @@
 """Training the `shapes` model from scratch: the example of how to train or fine-tune with this code.
 
     python -m sdxl train-shapes --out DIR [--seed 0] [--vae-steps N] [--steps N] [--decoder-steps N]
+
+With the defaults it reproduces the shipped `assets/shapes` weights: about 3.5 hours on one core of
+a 2-core CPU (another CPU, or other library versions, may round differently along the way).
     python -m sdxl train-shapes --init MODEL --out DIR ...   # fine-tune a shapes model instead
 
 Up to three phases, each a jitted optax step over batches that `sdxl.shapes` renders on the fly:
@@ -12,8 +15,8 @@ Up to three phases, each a jitted optax step over batches that `sdxl.shapes` ren
    second's projected pooled output and the size ids (h, w, 0, 0, h, w) as the added embedding. One
    caption in ten is dropped, with its conditioning zeroed as the pipeline zeroes an empty negative
    prompt (`force_zeros_for_empty_prompt`): that is the unconditional branch of classifier-free guidance.
-3. Optionally (`--decoder-steps`), the VAE's decoder alone, the encoder frozen: sharper images from
-   the same latents.
+3. The VAE's decoder alone (`--decoder-steps`; 0 skips it), the encoder frozen: sharper images
+   from the same latents.
 
 Everything follows from the seed: batch `s` of a phase is rendered from (seed, phase, s) and its
 noise drawn from a key folded from the same, so a run stopped and resumed from a checkpoint (written
@@ -54,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vae-batch", type=int, default=16)
     parser.add_argument("--vae-lr", type=float, default=1e-3)
     parser.add_argument("--kl-weight", type=float, default=1e-4)
-    parser.add_argument("--steps", type=int, default=4000, help="steps of the text encoders and UNet")
+    parser.add_argument("--steps", type=int, default=10000, help="steps of the text encoders and UNet")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--ema", type=float, default=0.999, help="decay of the exported weights' moving average")
@@ -63,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"), help="of the exported weights")
     parser.add_argument("--init", help="a shapes model folder to fine-tune: its VAE is kept (no phase 1), "
                         "its text encoders and UNet are trained on")
-    parser.add_argument("--decoder-steps", type=int, default=0,
+    parser.add_argument("--decoder-steps", type=int, default=2000,
                         help="then sharpen the VAE's decoder alone, the encoder (so the latents) kept as they are")
     parser.add_argument("--decoder-lr", type=float, default=3e-4)
 

@@ -37,8 +37,8 @@ _MODELS = {
     "latent-consistency/lcm-sdxl": Recommended(4, 1.0, note="LCM: 2-8 steps, guidance 1-2"),
     # An LCM UNet that takes the guidance scale as an embedding (time_cond_proj_dim): no second pass.
     "SimianLuo/LCM_Dreamshaper_v7": Recommended(4, 8.0, note="LCM Dreamshaper v7: 4 steps, guidance 8 (embedded)"),
-    "shapes": Recommended(  # its model card: guidance 3 scores best (assets/shapes/README.md)
-        guidance_scale=3.0,
+    "shapes": Recommended(  # its model card: guidance 2.5 scores best (assets/shapes/README.md)
+        guidance_scale=2.5,
         note="The built-in shapes model draws one circle, square or triangle, in red, green, blue, yellow, "
         "orange, purple, white or black, small or large, in the center, at the top or bottom or on the left or "
         "right, on a background of another of those colours, at 64x64",
