@@ -1,3 +1,5 @@
+import concurrent.futures
+
 import numpy as np
 import pytest
 from transformers import CLIPTokenizer
@@ -31,3 +33,22 @@ def test_tokenizer_json_only_folder_gives_the_same_ids(tmp_path):
 def test_folder_without_tokenizer_files_is_explained(tmp_path):
     with pytest.raises(CheckpointError, match="no tokenizer files"):
         load_tokenizer(tmp_path)
+
+
+def test_threads_tokenizing_at_once_get_what_one_thread_gets(tmp_path):
+    """The demo tokenizes in each submitting request's thread; a fast tokenizer's padding settings
+    are shared state, and interleaved calls once padded ids to the wrong length (CI, issue 21)."""
+    write_byte_level_tokenizer(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    prompts = [["a red circle"], ["word " * 40, "a fox"], ["x" * 300]]
+    expected = [tokenize(tokenizer, p, 77) for p in prompts]
+
+    def work(i):
+        return [tokenize(tokenizer, prompts[(i + k) % 3], 77) for k in range(60)]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for i, results in enumerate(pool.map(work, range(8))):
+            for k, (ids, truncated) in enumerate(results):
+                want_ids, want_truncated = expected[(i + k) % 3]
+                np.testing.assert_array_equal(ids, want_ids)
+                assert truncated == want_truncated
