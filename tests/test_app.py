@@ -481,7 +481,10 @@ def test_a_client_that_goes_away_has_its_work_given_up(server, downloads):
               f"jobs = [client.submit(prompt='a lighthouse', steps=100, seed=s, api_name='/generate') "
               f"for s in range(4)]\n"
               f"import time\n"
-              f"while not any(unit.desc == 'Denoising' for job in jobs for unit in job.status().progress_data or []):\n"
+              # Until each request is in the device queue (its handler reports progress; Gradio drops
+              # those it has not started yet itself) and one of them renders.
+              f"def progress(): return [[unit.desc for unit in job.status().progress_data or []] for job in jobs]\n"
+              f"while not (all(progress()) and any('Denoising' in units for units in progress())):\n"
               f"    time.sleep(0.1)\n"
               f"print('rendering', flush=True)\n"
               f"time.sleep(600)\n")
