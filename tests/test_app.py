@@ -472,26 +472,36 @@ def test_a_full_queue_on_run_is_503_with_retry_after(server):
         assert headers["retry-after"] == "10"
 
 
+# A client with four long requests, run with `python -c URL DOWNLOADS` and killed once it prints.
+# 16 images each: every request is a batch of its own, so one renders (for seconds) while three wait.
+# It prints once each request's handler has reported back (its request is then in the device queue:
+# PROGRESS, or ITERATING for its "no change" yields) and one request is rendering. A status shows only
+# the latest update, so it collects what each job has shown.
+CLIENT_TO_KILL = """
+import sys, time
+from gradio_client import Client
+from gradio_client.utils import Status
+client = Client(sys.argv[1], verbose=False, download_files=sys.argv[2])
+jobs = [client.submit(prompt="a lighthouse", steps=100, seed=s, images_per_core=4, api_name="/generate")
+        for s in range(4)]
+served, rendering = [False] * len(jobs), False
+deadline = time.monotonic() + 120
+while not (all(served) and rendering) and time.monotonic() < deadline:
+    time.sleep(0.05)
+    for i, status in enumerate(job.status() for job in jobs):
+        served[i] |= status.code in (Status.PROGRESS, Status.ITERATING)
+        rendering |= any(unit.desc == "Denoising" for unit in status.progress_data or [])
+print("rendering" if all(served) and rendering else [job.status() for job in jobs], flush=True)
+time.sleep(600)
+"""
+
+
 def test_a_client_that_goes_away_has_its_work_given_up(server, downloads):
     """Issue 21, hole 2: a client killed with four long requests in the queue. Those waiting leave it,
     the running batch stops at its next progress report, and the next user is served."""
     logged = len(server.output())
-    # 16 images each: every request is a whole batch, so one renders (for many seconds) while three
-    # wait. A job's status shows only its latest update (a yield hides its progress), so the client
-    # collects what each has shown, until each has been in the device queue and one has rendered.
-    script = (f"from gradio_client import Client\n"
-              f"import time\n"
-              f"client = Client({server.url!r}, verbose=False, download_files={downloads!r})\n"
-              f"jobs = [client.submit(prompt='a lighthouse', steps=100, seed=s, images_per_core=4, "
-              f"api_name='/generate') for s in range(4)]\n"
-              f"shown = [set() for _ in jobs]\n"
-              f"while not (all(shown) and any('Denoising' in descs for descs in shown)):\n"
-              f"    time.sleep(0.1)\n"
-              f"    for descs, job in zip(shown, jobs):\n"
-              f"        descs.update(unit.desc for unit in job.status().progress_data or [])\n"
-              f"print('rendering', flush=True)\n"
-              f"time.sleep(600)\n")
-    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-c", CLIENT_TO_KILL, server.url, downloads], stdout=subprocess.PIPE,
+                               text=True)
     try:
         assert process.stdout.readline() == "rendering\n"
     finally:
