@@ -14,7 +14,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from sdxl import lora
+from sdxl.bench.soak import free_port, running_app
 from sdxl.checkpoints import resolve
 from sdxl.checkpoints.random_models import write_checkpoint
 
@@ -59,12 +59,6 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _app_env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SDXL_", "GRADIO_SERVER_"))}
     return env | dict(
@@ -80,41 +74,13 @@ def _app_env(tmp: Path) -> dict[str, str]:
 
 @contextlib.contextmanager
 def serve(tmp: Path, cache_dir: Path, *args: str):
-    """Runs `python app.py ARGS` on a free port until the block ends; yields once the page answers."""
+    """Runs `python app.py ARGS` until the block ends; yields once the page answers."""
     tmp.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    command = [sys.executable, str(REPO / "app.py"), "--host", "127.0.0.1", "--port", str(port),
-               "--cache-dir", str(cache_dir), *args]
     log = tmp / "server.log"
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(command, cwd=REPO, env=_app_env(tmp), stdout=sink, stderr=subprocess.STDOUT)
-    server = Server(process, f"http://127.0.0.1:{port}/", log)
-    _servers.append(server)
-    try:
-        _wait_until_ready(server)
+    with running_app(["--cache-dir", str(cache_dir), *args], log, _app_env(tmp), STARTUP_TIMEOUT) as (process, url):
+        server = Server(process, url, log)
+        _servers.append(server)
         yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_until_ready(server: Server) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            pytest.fail(f"app.py exited with status {server.process.returncode}:\n{server.output()}")
-        try:
-            with urllib.request.urlopen(server.url, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"app.py did not answer on {server.url} within {STARTUP_TIMEOUT} s:\n{server.output()}")
 
 
 @pytest.fixture(scope="module")
@@ -601,7 +567,7 @@ def test_corrupt_checkpoint_stops_the_launch_with_the_reason(tmp_path, cache_dir
     unet = model / "unet" / "diffusion_pytorch_model.safetensors"
     unet.write_bytes(unet.read_bytes()[:5000])
     launch = subprocess.run(
-        [sys.executable, str(REPO / "app.py"), "--port", str(_free_port()), "--cache-dir", str(cache_dir),
+        [sys.executable, str(REPO / "app.py"), "--port", str(free_port()), "--cache-dir", str(cache_dir),
          "--model", str(model)],
         cwd=REPO, env=_app_env(tmp_path), capture_output=True, text=True, timeout=STARTUP_TIMEOUT,
     )

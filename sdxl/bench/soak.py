@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -56,7 +56,7 @@ job.result()
 """
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -91,18 +91,19 @@ def _wait_until_idle(pid: int, timeout: float = STARTUP_TIMEOUT) -> None:
 
 
 @contextlib.contextmanager
-def running_demo(model: str, scratch: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
-    """`python app.py --model MODEL` on a free port: (the process, its URL, its log) once its page answers."""
-    port = _free_port()
-    log = scratch / "server.log"
-    env = os.environ | dict(GRADIO_TEMP_DIR=str(scratch / "gradio"), PYTHONUNBUFFERED="1")
+def running_app(args: Sequence[str], log: Path, env: Mapping[str, str] | None = None,
+                startup_timeout: float = STARTUP_TIMEOUT) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`python app.py ARGS` on a free port of 127.0.0.1, its output written to `log`, until the block
+    ends: yields (the process, its URL) once its page answers. Raises RuntimeError, with the end of
+    the log, if it exits first or does not answer within `startup_timeout` seconds."""
+    port = free_port()
+    command = [sys.executable, str(APP), *args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "wb") as sink:
-        process = subprocess.Popen([sys.executable, str(APP), "--model", model, "--port", str(port)],
-                                   cwd=APP.parent, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=APP.parent, env=env, stdout=sink, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
     try:
-        _wait_until_serving(process, url, log)
-        yield process, url, log
+        _wait_until_serving(process, url, log, startup_timeout)
+        yield process, url
     finally:
         process.terminate()
         try:
@@ -112,8 +113,17 @@ def running_demo(model: str, scratch: Path) -> Iterator[tuple[subprocess.Popen, 
             process.wait()
 
 
-def _wait_until_serving(process: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
+@contextlib.contextmanager
+def running_demo(model: str, scratch: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """`python app.py --model MODEL`, as users start it: (the process, its URL, its log) once its page answers."""
+    log = scratch / "server.log"
+    with running_app(["--model", model], log, os.environ | dict(GRADIO_TEMP_DIR=str(scratch / "gradio"),
+                                                               PYTHONUNBUFFERED="1")) as (process, url):
+        yield process, url, log
+
+
+def _wait_until_serving(process: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"app.py exited with status {process.returncode}:\n{log.read_text()[-5000:]}")
@@ -122,7 +132,7 @@ def _wait_until_serving(process: subprocess.Popen, url: str, log: Path) -> None:
                 if response.status == 200:
                     return
         time.sleep(0.5)
-    raise RuntimeError(f"app.py did not answer on {url} within {STARTUP_TIMEOUT} s:\n{log.read_text()[-5000:]}")
+    raise RuntimeError(f"app.py did not answer on {url} within {timeout} s:\n{log.read_text()[-5000:]}")
 
 
 def _wrong_images(gallery: list[dict], size: tuple[int, int]) -> int:
