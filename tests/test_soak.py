@@ -11,6 +11,7 @@ def test_a_small_soak_serves_every_surviving_request_and_reports_it(bench):
     assert (r["completed"], r["errors"], r["lost"], r["wrong_images"]) == (6, 0, 0, 0), r["error_messages"]
     assert r["images"] == 6 * 4  # one image per device, 4 forced devices (conftest's XLA_FLAGS, inherited)
     assert r["killed_states"][0] in ("PROCESSING", "ITERATING", "PROGRESS")  # killed while the demo served it
+    assert r["killed_given_up"] == 1  # its 100 steps were not all rendered for nobody
     latencies = [r[f"latency_{name}_s"] for name in ("p50", "p90", "p99", "max")]
     assert 0 < latencies[0] <= latencies[1] <= latencies[2] <= latencies[3] < r["wall_s"]
     assert r["rss_before_bytes"] > 0 and r["rss_peak_bytes"] >= r["rss_after_bytes"] > 0

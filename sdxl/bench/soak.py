@@ -3,12 +3,13 @@
 The demo starts as users start it (`python app.py --model M --port P`). Once its page answers and it
 has settled (its background compiles done), N clients, each its own gradio_client session, send M
 `/generate` requests each, one after another, all clients at once. K more clients, spread over the
-run, are killed mid-request: each is a process that submits one request and is SIGKILLed once the
-demo is serving it, so its connection drops as a crashed browser's does.
+run, are killed mid-request: each is a process that submits one long request and is SIGKILLed once
+the demo is serving it, so its connection drops as a crashed browser's does.
 
 Reported: the latency percentiles of the completed requests (submit to images downloaded), errors,
 lost requests (no answer within `REQUEST_TIMEOUT`), wrong images (not a decodable image of the
-requested size), and the server's resident memory before and after.
+requested size), how many of the killed clients' requests the demo gave up, and the server's
+resident memory before and after.
 """
 
 import contextlib
@@ -37,6 +38,9 @@ APP = Path(__file__).resolve().parents[2] / "app.py"
 STARTUP_TIMEOUT = 600  # seconds: load, compile and warm-up of a large model on a slow machine
 REQUEST_TIMEOUT = 300  # seconds without an answer after which a request counts as lost
 PROMPT = "a lighthouse on a cliff at dusk"
+# The killed clients ask for the most steps the demo takes: their requests are surely still waiting
+# or rendering when they are killed, and the demo has work to give up.
+DOOMED_STEPS = 100
 
 # A browser closed mid-request, run with `python -c`: a process that starts in a fraction of a
 # second (this package's JAX imports would take seconds of the CPU the demo is measured on). It
@@ -176,12 +180,12 @@ def _default_size(client: Client) -> tuple[int, int]:
     return int(defaults["width"]), int(defaults["height"])
 
 
-def _doomed_session(url: str, downloads: Path, seed: int, steps: int, after: Callable[[], bool]) -> str:
+def _doomed_session(url: str, downloads: Path, seed: int, after: Callable[[], bool]) -> str:
     """Once `after()`, a client process that is SIGKILLed as soon as the demo serves its request: the
     state its request was in (gradio_client's Status), or why it never got there."""
     while not after():
         time.sleep(0.1)
-    request = json.dumps(dict(prompt=PROMPT, seed=seed, steps=steps))
+    request = json.dumps(dict(prompt=PROMPT, seed=seed, steps=DOOMED_STEPS))
     process = subprocess.Popen([sys.executable, "-c", DOOMED_CLIENT, url, str(downloads), request],
                                stdout=subprocess.PIPE, text=True)
     state = process.stdout.readline().strip()
@@ -199,7 +203,7 @@ def _load(url: str, downloads: Path, clients: int, requests: int, killed: int, s
         sessions = [pool.submit(_session, url, downloads, range(c * requests, (c + 1) * requests), steps, finished)
                     for c in range(clients)]
         # (or once every other client is done: one that failed stops short of its requests)
-        doomed = [pool.submit(_doomed_session, url, downloads, total + k, steps,
+        doomed = [pool.submit(_doomed_session, url, downloads, total + k,
                               lambda k=k: len(finished) >= (k + 1) * total // (killed + 1)
                               or all(s.done() for s in sessions))
                   for k in range(killed)]
@@ -225,7 +229,7 @@ def run_soak(model: str, clients: int, requests: int, killed: int, steps: int,
         wall, cpu = time.perf_counter() - start, _cpu_seconds(server.pid) - cpu
         # On a machine with fewer cores than clients, the clients' CPU slows the demo they measure.
         clients_cpu = time.process_time() - clients_cpu
-        _wait_until_idle(server.pid)  # the killed clients' requests still render
+        _wait_until_idle(server.pid)  # until the demo has given up the killed clients' requests
         after = _memory(server.pid)
         output = server_log.read_text(errors="replace")
     return dict(
@@ -234,6 +238,7 @@ def run_soak(model: str, clients: int, requests: int, killed: int, steps: int,
         demo=re.search(r"^model (.+); compilation cache", output, re.M).group(1),
         steps=steps, clients=clients, requests_per_client=requests, killed_clients=killed,
         killed_states=killed_states,
+        killed_given_up=len(re.findall(r"^gave up a (?:waiting request|batch) of", output, re.M)),
         **_summary(outcomes, wall), server_cpu_s=cpu, clients_cpu_s=clients_cpu,
         rss_before_bytes=before, rss_after_bytes=after["VmRSS"], rss_growth_bytes=after["VmRSS"] - before,
         rss_peak_bytes=after["VmHWM"],
@@ -276,11 +281,16 @@ def _rss(r: dict) -> str:
     return f"{mib['rss_before_bytes']:.0f} -> {mib['rss_after_bytes']:.0f} MiB ({mib['rss_growth_bytes']:+.0f} MiB)"
 
 
+def _killed(r: dict) -> str:
+    """The states the killed clients' requests were in, and how many of those the demo gave up."""
+    return f"{', '.join(r['killed_states']) or 'none'}; {r['killed_given_up']} given up"
+
+
 def format_soak_table(r: dict) -> str:
     return _aligned([
         ("demo", f"{r['demo']}, {r['steps']} steps ({r['machine']})"),
         ("load", f"{r['clients']} clients x {r['requests_per_client']} requests, + {r['killed_clients']} killed "
-                 f"mid-request ({', '.join(r['killed_states']) or 'none'})"),
+                 f"mid-request ({_killed(r)})"),
         ("completed", f"{r['completed']} of {r['requests']}: {r['images']} images in {r['wall_s']:.1f} s "
                       f"({r['images_per_s']:.2f} images/s)"),
         ("CPU during the load", f"server {r['server_cpu_s']:.1f} s, surviving clients {r['clients_cpu_s']:.1f} s"),
@@ -303,7 +313,7 @@ SOAK_MARKDOWN_HEADER = (
 def soak_markdown_row(r: dict) -> str:
     cells = [
         r["date"], r["machine"], f"{r['demo']}, {r['steps']}",
-        f"{r['clients']} x {r['requests_per_client']}, {r['killed_clients']} ({', '.join(r['killed_states'])})",
+        f"{r['clients']} x {r['requests_per_client']}, {r['killed_clients']} ({_killed(r)})",
         _latencies(r), str(r["errors"]), str(r["lost"]), str(r["wrong_images"]),
         f"{r['images']} in {r['wall_s']:.1f} s (server {r['server_cpu_s']:.1f}, clients {r['clients_cpu_s']:.1f} s)",
         _rss(r), str(r["server_tracebacks"]),
