@@ -121,8 +121,8 @@ def running_app(args: Sequence[str], log: Path, env: Mapping[str, str] | None = 
 def running_demo(model: str, scratch: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
     """`python app.py --model MODEL`, as users start it: (the process, its URL, its log) once its page answers."""
     log = scratch / "server.log"
-    with running_app(["--model", model], log, os.environ | dict(GRADIO_TEMP_DIR=str(scratch / "gradio"),
-                                                               PYTHONUNBUFFERED="1")) as (process, url):
+    env = os.environ | dict(GRADIO_TEMP_DIR=str(scratch / "gradio"), PYTHONUNBUFFERED="1")
+    with running_app(["--model", model], log, env) as (process, url):
         yield process, url, log
 
 
