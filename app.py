@@ -5,14 +5,10 @@ python app.py [--model M] [--lora FILE[:SCALE] ...] [--refiner R] [--host H] [--
 Every option also reads an environment variable (SDXL_MODEL, SDXL_HOST, ...), for Spaces.
 """
 
-import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
-import inspect
 import logging
-import os
 import random
 import re
 import time
@@ -22,17 +18,16 @@ import numpy as np
 from PIL import Image
 from starlette.middleware import Middleware
 
-from sdxl import CheckpointError, enable_compilation_cache, grid, images, lora
-from sdxl.checkpoints.known import recommended
+from sdxl import CheckpointError, grid, images, launch, lora
+from sdxl.demo import DemoService
+from sdxl.grid import GridPlan
 from sdxl.http_errors import HttpErrors
-from sdxl.images import image_count, model_label, parameters_text
-from sdxl.lora import parse_option as parse_lora_option
-from sdxl.pipeline import Pipeline
+from sdxl.images import image_count
 from sdxl.request import (
-    DEFAULT_MODEL, DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request, default_strength,
+    DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request, default_strength,
 )
 from sdxl.sampling import SAMPLER_NAMES
-from sdxl.serving import FALLBACK_MODEL, QueueFullError, TextToImage, load_pipeline
+from sdxl.serving import QueueFullError
 from sdxl.styles import NO_STYLE, STYLES
 
 # Uploads decode to at most this many pixels: PIL refuses twice as many, and warns above it.
@@ -45,26 +40,6 @@ EXAMPLES = [
     ["a castle floating above the clouds", "Fantasy art"],
 ]
 
-
-def _checked_by_the_service(field):
-    """Gradio checks a number's bounds and a choice's options before the handler runs, with messages
-    that do not name the field ("Value 0 is less than minimum value 1."), and text sent for a number
-    makes its check raise a TypeError that reaches the client as a generic error; a list sent for a
-    prompt would be rendered as its Python text. The values go
-    unchanged to the service's validation instead (`sdxl.request`), whose one-sentence message names
-    the field and what it allows. (Replaced on the instance, not subclassed: Gradio writes a .pyi
-    stub beside any module that subclasses a component.)"""
-    field.preprocess = lambda payload: payload
-
-
-def _report_background_compile(what: int | str, guided: bool, compiling) -> None:
-    """`what`: a batch size, or the program compiled ("inpainting")."""
-    error = compiling.exception()
-    outcome = f"failed: {error}" if error else f"{compiling.result():.1f} s"
-    label = f"batch {what}" if isinstance(what, int) else what
-    print(f"background compile of {label}{'' if guided else ' without guidance'}: {outcome}", flush=True)
-
-
 log = logging.getLogger("sdxl.demo")
 
 # Gradio notices that a client has gone only when a handler yields: handlers that wait yield "no
@@ -73,19 +48,82 @@ KEEPALIVE_SECONDS = 1.0
 # The titles of errors for the user, and the HTTP status each gives an answer on /run/.
 INVALID_REQUEST, QUEUE_FULL, NO_IMAGE = "Invalid request", "Queue full", "No image"
 ERROR_STATUS = {INVALID_REQUEST: 422, QUEUE_FULL: 503, NO_IMAGE: 500}
+CACHE_EXPIRY = (600, 3600)  # Gradio's delete_cache: (every, older than), seconds
+# Gradio's upload endpoint takes any file; bound what it accepts: a phone's photo is 2-5 MB.
+MAX_UPLOAD = "8mb"
+COMPARE_PROMPTS = "One prompt per line, same seed"
+COMPARE_SEEDS = "One prompt, consecutive seeds"
 
 
-def _size_label(width: int, height: int) -> str:
-    return f"{width}×{height}"
+class Handlers:
+    """The events' handlers: the form's fields arrive by name (`**form`, made `Settings` by the
+    service); each submits its requests to the device queue, shows progress and previews, and
+    answers with the gallery."""
 
-
-
-class Demo:
-    """The event handlers: submit a request to the device queue, show progress and previews, return the gallery."""
-
-    def __init__(self, service: TextToImage, model_name: str):
+    def __init__(self, service: DemoService):
         self.service = service
-        self.model_name = model_name
+
+    def generate(self, request: gr.Request, progress=gr.Progress(), **form):
+        yield from self._answer(request, progress, lambda settings: (self.service.images(settings), None), form)
+
+    def image_to_image(self, image, mask, strength, request: gr.Request, progress=gr.Progress(), **form):
+        def make(settings):
+            picture, painted = (None if f is None else images.read_image(_path_of(f)) for f in (image, mask))
+            return self.service.image_edit(settings, picture, painted, strength)
+
+        yield from self._answer(request, progress, make, form)
+
+    def compare(self, mode, prompts, num_seeds, request: gr.Request, progress=gr.Progress(), **form):
+        if not isinstance(prompts, (str, type(None))):
+            raise _user_error(f"prompts must be text (one per line), got {type(prompts).__name__} {prompts!r:.80}")
+        if mode not in (COMPARE_PROMPTS, COMPARE_SEEDS):
+            raise _user_error(f"compare mode must be {COMPARE_PROMPTS!r} or {COMPARE_SEEDS!r}, got {mode!r}")
+
+        def make(settings):
+            if mode == COMPARE_PROMPTS:
+                return self.service.prompt_comparison(settings, (prompts or "").splitlines()), None
+            settings = dataclasses.replace(settings, prompt=(prompts or "").strip())
+            return self.service.seed_comparison(settings, num_seeds), None
+
+        yield from self._answer(request, progress, make, form)
+
+    def grid(self, x_axis, x_values, y_axis, y_values, request: gr.Request, progress=gr.Progress(), **form):
+        """A comparison grid: its labelled image, the cells in the gallery, and a status with the
+        number of device calls it took."""
+        try:
+            plan = self.service.grid(self.service.settings(form), x_axis or None, x_values, y_axis or None, y_values)
+        except ValueError as e:
+            raise _user_error(str(e)) from e
+        yield from _routed(request, self._grid(plan, _owner(request), progress))
+
+    def reuse(self, png):
+        """The settings a PNG made by this demo (or A1111) records, for the form's fields; fields it
+        does not name are left as they are."""
+        keep = gr.update()
+        if png is None:
+            return [keep] * 8
+        try:
+            with Image.open(_path_of(png)) as picture:
+                found = images.read_parameters(picture.info.get("parameters", ""))
+        except (OSError, ValueError) as e:
+            raise _user_error(f"cannot reuse that image's settings: {e}") from e
+        samplers = {label: name for name, label in SAMPLER_NAMES.items()}
+        size = (found.get("width"), found.get("height"))
+        return [
+            found["prompt"], found["negative_prompt"],
+            found.get("seed", keep), False if "seed" in found else keep,
+            found.get("guidance_scale", keep), found.get("steps", keep),
+            samplers.get(found.get("sampler"), keep),
+            _size_label(*size) if size in self.service.sizes else keep,
+        ]
+
+    def _answer(self, request: gr.Request, progress, make, form):
+        """Renders the request `make(settings)` builds, with a note for the status (or None)."""
+        try:
+            built, note = make(self.service.settings(form))
+        except ValueError as e:
+            raise _user_error(str(e)) from e
+        yield from _routed(request, self._render(built, _owner(request), progress, note))
 
     def _submit(self, request: Request, owner: str | None):
         try:
@@ -93,7 +131,7 @@ class Demo:
         except QueueFullError as e:
             raise _user_error(str(e), title=QUEUE_FULL) from e
 
-    def _render(self, request: Request, owner: str | None, progress: gr.Progress, note: str | None = None):
+    def _render(self, request: Request, owner: str | None, progress: gr.Progress, note: str | None):
         """Yields (previews, status) while the request renders, then (its images, status).
 
         In between, it yields "no change" every second or so: Gradio stops a generator whose client
@@ -120,6 +158,32 @@ class Demo:
                     yield gr.skip()
                     quiet_since = time.monotonic()
         yield self._finished(request, ticket, ticket.future.result(), note)
+
+    def _grid(self, plan: GridPlan, owner: str | None, progress: gr.Progress):
+        """Yields "no change" while the grid's calls render, as `_render` does; then (the labelled
+        grid, its cells, status)."""
+        start = time.perf_counter()
+        tickets = []
+        with self._given_up_unless_done(tickets):
+            for request in plan.requests:  # one at a time: those queued before a refusal are given up too
+                tickets.append(self._submit(request, owner))
+            pictures, compiled = [], False
+            for done, (request, ticket) in enumerate(zip(plan.requests, tickets)):
+                progress((done, len(tickets)), desc="Rendering the grid", unit="device calls")
+                while not _done_within(ticket, KEEPALIVE_SECONDS):
+                    yield gr.skip()
+                result = ticket.future.result()
+                _raise_if_not_finite(result)
+                pictures.append(self._pictures(request, result))
+                compiled |= ticket.compiling
+        cells = [pictures[call][index] for call, index in plan.where]
+        sheet = grid.labelled(cells, plan.x, plan.y, [cell.info["parameters"] for cell in cells])
+        calls = len(plan.requests)
+        status = (f"{image_count(len(cells))} in {time.perf_counter() - start:.1f} s, "
+                  f"{calls} device call{'' if calls == 1 else 's'} on {self.service.pipe.device_description}")
+        if compiled:
+            status += " (includes compiling for this size, batch or sampler; next time it is cached)"
+        yield sheet, [(cell, _cell_caption(plan, i)) for i, cell in enumerate(cells)], status
 
     @contextlib.contextmanager
     def _given_up_unless_done(self, tickets):
@@ -149,120 +213,41 @@ class Demo:
         return gallery, status
 
     def _pictures(self, request: Request, result) -> list[Image.Image]:
-        """The images, each with its parameters in its PNG text: the prompts as the model read them."""
+        """The images, each with its parameters in its PNG text."""
         pictures = []
-        refiner = self.service.refiner_name
         for i, image in enumerate(result.images):
             picture = Image.fromarray(image)
-            picture.info["parameters"] = parameters_text(
-                prompt=self.service.pipe.read_prompt(request.prompts[i]),
-                negative_prompt=self.service.pipe.read_prompt(request.negative_prompts[i]), steps=request.steps,
-                sampler=SAMPLER_NAMES[request.sampler], guidance_scale=request.guidance_scales[i],
-                seed=request.seeds[i], index=request.image_index[i], width=request.width, height=request.height,
-                model=self.model_name, loras=request.loras or (),
-                strength=None if request.images is None else request.strength,
-                refiner=None if request.refine_from is None else (refiner, request.refine_from),
-            )
+            picture.info["parameters"] = self.service.png_parameters(request, i)
             pictures.append(picture)
         return pictures
 
-    def _handle(self, make_request, owner, progress):
-        try:
-            request, note = make_request()
-        except ValueError as e:
-            raise _user_error(str(e)) from e
-        yield from self._render(request, owner, progress, note)
 
-    # `lora_scales`: one per launched LoRA (`TextToImage.loras`), the last inputs of each endpoint.
+def _routed(request: gr.Request | None, updates):
+    """A handler's updates as its route takes them: /run/ answers with the first value yielded, so
+    there only the last is yielded."""
+    if _route(request) == "run":
+        *_, last = updates
+        yield last
+    else:
+        yield from updates
 
-    def generate(self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core,
-                 sampler, refine, refine_from, *lora_scales, owner=None, progress=gr.Progress()):
-        yield from self._handle(lambda: (self.service.request_images(
-            prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, images_per_core, sampler,
-            lora_scales, _refining(refine, refine_from)), None), owner, progress)
 
-    def image_to_image(self, prompt, negative_prompt, style, seed, guidance_scale, steps, image, mask, strength,
-                       images_per_core, sampler, refine, refine_from, *lora_scales, owner=None,
-                       progress=gr.Progress()):
-        def make():
-            picture, painted = (None if f is None else images.read_image(_path_of(f)) for f in (image, mask))
-            return self.service.request_image_edit(
-                prompt, negative_prompt, style, seed, guidance_scale, steps, picture, painted, strength,
-                images_per_core, sampler, lora_scales, _refining(refine, refine_from),
-            )
+def _route(request: gr.Request | None) -> str | None:
+    """How a call came in: "queue" (/gradio_api/queue/join: the page and gradio_client, in their
+    session), "call" (raw HTTP through the queue), "run" (raw HTTP outside it), or None."""
+    path = getattr(getattr(request, "url", None), "path", "")
+    found = re.search(r"/gradio_api/(queue|call|run|api)/", path)
+    return None if found is None else {"api": "run"}.get(found[1], found[1])
 
-        yield from self._handle(make, owner, progress)
 
-    def compare(self, mode, prompts, negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
-                sampler, *lora_scales, owner=None, progress=gr.Progress()):
-        if not isinstance(prompts, (str, type(None))):
-            raise _user_error(f"prompts must be text (one per line), got {type(prompts).__name__} {prompts!r:.80}")
-        if mode not in (COMPARE_PROMPTS, COMPARE_SEEDS):
-            raise _user_error(f"compare mode must be {COMPARE_PROMPTS!r} or {COMPARE_SEEDS!r}, got {mode!r}")
-        if mode == COMPARE_PROMPTS:
-            make = lambda: (self.service.request_prompt_comparison(  # noqa: E731
-                (prompts or "").splitlines(), negative_prompt, style, seed, guidance_scale, steps, width, height,
-                sampler, lora_scales), None)
-        else:
-            make = lambda: (self.service.request_seed_comparison(  # noqa: E731
-                (prompts or "").strip(), negative_prompt, style, seed, num_seeds, guidance_scale, steps, width, height,
-                sampler, lora_scales), None)
-        yield from self._handle(make, owner, progress)
-
-    def grid(self, prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, sampler,
-             x_axis, x_values, y_axis, y_values, *lora_scales, owner=None, progress=gr.Progress()):
-        """A comparison grid: its labelled image, the cells in the gallery, and a status with the
-        number of device calls it took. Yields "no change" while it waits, as `_render` does."""
-        start = time.perf_counter()
-        try:
-            plan = self.service.request_grid(
-                prompt, negative_prompt, style, seed, guidance_scale, steps, width, height, sampler,
-                x_axis or None, x_values, y_axis or None, y_values, lora_scales,
-            )
-        except ValueError as e:
-            raise _user_error(str(e)) from e
-        tickets = []
-        with self._given_up_unless_done(tickets):
-            for request in plan.requests:  # one at a time: those queued before a refusal are given up too
-                tickets.append(self._submit(request, owner))
-            pictures, compiled = [], False
-            for done, (request, ticket) in enumerate(zip(plan.requests, tickets)):
-                progress((done, len(tickets)), desc="Rendering the grid", unit="device calls")
-                while not _done_within(ticket, KEEPALIVE_SECONDS):
-                    yield gr.skip()
-                result = ticket.future.result()
-                _raise_if_not_finite(result)
-                pictures.append(self._pictures(request, result))
-                compiled |= ticket.compiling
-        cells = [pictures[call][index] for call, index in plan.where]
-        sheet = grid.labelled(cells, plan.x, plan.y, [cell.info["parameters"] for cell in cells])
-        calls = len(plan.requests)
-        status = (f"{image_count(len(cells))} in {time.perf_counter() - start:.1f} s, "
-                  f"{calls} device call{'' if calls == 1 else 's'} on {self.service.pipe.device_description}")
-        if compiled:
-            status += " (includes compiling for this size, batch or sampler; next time it is cached)"
-        yield sheet, [(cell, _cell_caption(plan, i)) for i, cell in enumerate(cells)], status
-
-    def reuse(self, png):
-        """The settings a PNG made by this demo (or A1111) records, for the form's fields; fields it
-        does not name are left as they are."""
-        keep = gr.update()
-        if png is None:
-            return [keep] * 8
-        try:
-            with Image.open(_path_of(png)) as picture:
-                found = images.read_parameters(picture.info.get("parameters", ""))
-        except (OSError, ValueError) as e:
-            raise _user_error(f"cannot reuse that image's settings: {e}") from e
-        samplers = {label: name for name, label in SAMPLER_NAMES.items()}
-        size = (found.get("width"), found.get("height"))
-        return [
-            found["prompt"], found["negative_prompt"],
-            found.get("seed", keep), False if "seed" in found else keep,
-            found.get("guidance_scale", keep), found.get("steps", keep),
-            samplers.get(found.get("sampler"), keep),
-            _size_label(*size) if size in self.service.sizes else keep,
-        ]
+def _owner(request: gr.Request | None) -> str | None:
+    """Whose request it is: the browser session or gradio_client. Gradio gives each raw HTTP call a
+    session of its own, so those are the address they came from: they count against the per-user
+    bound together."""
+    if _route(request) in (None, "queue"):
+        return getattr(request, "session_hash", None)
+    forwarded = (request.headers.get("x-forwarded-for") or "").split(",")[0].strip()  # behind a proxy (Spaces)
+    return f"address {forwarded or getattr(request.client, 'host', None)}"
 
 
 def _user_error(message: str, title: str = INVALID_REQUEST) -> gr.Error:
@@ -284,17 +269,17 @@ def _raise_if_not_finite(result) -> None:
                           "Try another seed or fewer steps; the server is fine.", title=NO_IMAGE)
 
 
-def _refining(refine, refine_from) -> float | None:
-    return float(refine_from) if refine else None
-
-
 def _path_of(file) -> str:
     """The server-side path of an uploaded file as a handler receives it (Gradio's FileData, or a dict
     from an API client, or a path)."""
     return file if isinstance(file, str) else (file["path"] if isinstance(file, dict) else file.path)
 
 
-def _cell_caption(plan, i: int) -> str:
+def _size_label(width: int, height: int) -> str:
+    return f"{width}×{height}"
+
+
+def _cell_caption(plan: GridPlan, i: int) -> str:
     labels = []
     columns = 1 if plan.x is None else len(plan.x.labels)
     if plan.y is not None:
@@ -304,67 +289,15 @@ def _cell_caption(plan, i: int) -> str:
     return " · ".join(labels)
 
 
-def _route(request: gr.Request | None) -> str | None:
-    """How a call came in: "queue" (/gradio_api/queue/join: the page and gradio_client, in their
-    session), "call" (raw HTTP through the queue), "run" (raw HTTP outside it), or None."""
-    path = getattr(getattr(request, "url", None), "path", "")
-    found = re.search(r"/gradio_api/(queue|call|run|api)/", path)
-    return None if found is None else {"api": "run"}.get(found[1], found[1])
-
-
-def _owner(request: gr.Request | None) -> str | None:
-    """Whose request it is: the browser session or gradio_client. Gradio gives each raw HTTP call a
-    session of its own, so those are the address they came from: they count against the per-user
-    bound together."""
-    if _route(request) in (None, "queue"):
-        return getattr(request, "session_hash", None)
-    forwarded = (request.headers.get("x-forwarded-for") or "").split(",")[0].strip()  # behind a proxy (Spaces)
-    return f"address {forwarded or getattr(request.client, 'host', None)}"
-
-
-def _gradio_handler(handler, sources):
-    """`handler(*inputs, *lora_scales, owner=, progress=)` as Gradio calls it: with one named
-    parameter per LoRA in its signature (so that the API calls them `lora_<file stem>`, not
-    `param_10`), and the browser session (Gradio's `gr.Request`) as the requests' owner."""
-    signature = inspect.signature(handler)
-    fixed = [p for p in signature.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
-    names = ["lora_" + re.sub(r"\W", "_", lora.display_name(source)) for source in sources]
-    names = [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
-    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    scales = [inspect.Parameter(name, positional) for name in names]
-    specials = [inspect.Parameter("request", positional, annotation=gr.Request),
-                inspect.Parameter("progress", positional, default=gr.Progress())]
-
-    def call(args):
-        *inputs, request, progress = args  # Gradio passes its special arguments where the signature has them
-        return handler(*inputs, owner=_owner(request), progress=progress)
-
-    if inspect.isgeneratorfunction(handler):  # Gradio streams a generator function's outputs
-
-        @functools.wraps(handler)
-        def gradio_handler(*args):
-            if _route(args[-2]) == "run":  # answered with the first value yielded: yield only the last
-                *_, last = call(args)
-                yield last
-            else:
-                yield from call(args)
-    else:
-
-        @functools.wraps(handler)
-        def gradio_handler(*args):
-            return call(args)
-
-    gradio_handler.__signature__ = signature.replace(parameters=[*fixed, *scales, *specials])
-    gradio_handler.__annotations__ = {"request": gr.Request}  # Gradio finds gr.Request by its type hint
-    return gradio_handler
-
-
-CACHE_EXPIRY = (600, 3600)  # Gradio's delete_cache: (every, older than), seconds
-# Gradio's upload endpoint takes any file; bound what it accepts: a phone's photo is 2-5 MB.
-MAX_UPLOAD = "8mb"
-
-COMPARE_PROMPTS = "One prompt per line, same seed"
-COMPARE_SEEDS = "One prompt, consecutive seeds"
+def _checked_by_the_service(field):
+    """Gradio checks a number's bounds and a choice's options before the handler runs, with messages
+    that do not name the field ("Value 0 is less than minimum value 1."), and text sent for a number
+    makes its check raise a TypeError that reaches the client as a generic error; a list sent for a
+    prompt would be rendered as its Python text. The values go unchanged to the service's
+    validation instead (`sdxl.request`), whose one-sentence message names the field and what it
+    allows. (Replaced on the instance, not subclassed: Gradio writes a .pyi stub beside any module
+    that subclasses a component.)"""
+    field.preprocess = lambda payload: payload
 
 
 # Ctrl+Enter (Cmd+Enter on a Mac) in a prompt box clicks its tab's button.
@@ -396,14 +329,14 @@ def _mask_of(editor) -> tuple[Image.Image | None, Image.Image | None]:
     return background, Image.fromarray(np.any(painted, axis=0).astype(np.uint8) * 255)
 
 
-def create_demo(demo: Demo) -> gr.Blocks:
-    service = demo.service
+def create_demo(handlers: Handlers) -> gr.Blocks:
+    service = handlers.service
     pipe = service.pipe
     settings = service.recommended
     native = service.sizes[0]
     # Generated images are served from Gradio's cache: clear what is older than an hour, every 10 minutes.
     with gr.Blocks(title="SDXL on JAX", delete_cache=CACHE_EXPIRY) as blocks:
-        gr.Markdown(f"# SDXL on JAX\n`{demo.model_name}` on {pipe.device_description}: one image per core.")
+        gr.Markdown(f"# SDXL on JAX\n`{service.model_label}` on {pipe.device_description}: one image per core.")
         if service.notice:
             gr.Markdown(f"**Note:** {service.notice}", elem_id="model-notice")
         if settings.note:
@@ -474,11 +407,12 @@ def create_demo(demo: Demo) -> gr.Blocks:
                     )
                     has_refiner = pipe.refiner is not None
                     with gr.Row(visible=has_refiner):
-                        refine = gr.Checkbox(label="Refine", value=False, info=f"finish with {service.refiner_name}")
+                        refine = gr.Checkbox(label="Refine", value=False,
+                                             info=f"finish with {has_refiner and pipe.refiner.name}")
                         refine_from = gr.Slider(0.5, 0.95, value=DEFAULT_REFINE_FROM, step=0.05,
                                                 label="Refiner takes over at", info="the fraction of the noise "
                                                 "the base model removes first")
-                    loras = [gr.Slider(*LORA_SCALE_RANGE, value=scale, step=0.05,
+                    lora_sliders = [gr.Slider(*LORA_SCALE_RANGE, value=scale, step=0.05,
                                        label=f"LoRA {lora.display_name(source)}",
                                        info="0 turns it off; changing LoRAs never recompiles")
                              for source, scale in service.loras.items()]
@@ -506,7 +440,7 @@ def create_demo(demo: Demo) -> gr.Blocks:
         history_selected = gr.State(None)
         past = gr.State([])  # this browser session's results, newest first
         for field in (prompt, negative, compare_prompts, compare_negative, num_seeds, seed, guidance, steps, per_core,
-                      width, height, *loras, style, compare_style, mode, sampler, image_prompt, strength, refine,
+                      width, height, *lora_sliders, style, compare_style, mode, sampler, image_prompt, strength, refine,
                       refine_from, image_in, mask_in, grid_prompt, x_axis, x_values, y_axis, y_values):
             _checked_by_the_service(field)
 
@@ -521,32 +455,38 @@ def create_demo(demo: Demo) -> gr.Blocks:
             return past, past
 
         limit = service.queue.max_queued
-        refining = [refine, refine_from]
-        generate_inputs = [prompt, negative, style, seed, guidance, steps, width, height, per_core, sampler,
-                           *refining, *loras]
+        loras = dict(zip(service.lora_parameters, lora_sliders))
+        refining = {"refine": refine, "refine_from": refine_from}
+        common = {"seed": seed, "guidance_scale": guidance, "steps": steps}
+        dimensions = {"width": width, "height": height}
+        generate_form = {"prompt": prompt, "negative_prompt": negative, "style": style, **common, **dimensions,
+                         "images_per_core": per_core, "sampler": sampler, **refining, **loras}
         for trigger, api_name in ((run.click, "generate"), (prompt.submit, False)):
             trigger(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
-                _gradio_handler(demo.generate, service.loras), generate_inputs, [gallery, status],
-                api_name=api_name, concurrency_limit=limit,
+                handlers.generate, inputs_kwargs=generate_form, outputs=[gallery, status], api_name=api_name,
+                concurrency_limit=limit,
             ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
-        image_inputs = [image_prompt, negative, style, seed, guidance, steps, image_in, mask_in, strength, per_core,
-                        sampler, *refining, *loras]
+        image_form = {"prompt": image_prompt, "negative_prompt": negative, "style": style, **common,
+                      "image": image_in, "mask": mask_in, "strength": strength, "images_per_core": per_core,
+                      "sampler": sampler, **refining, **loras}
         image_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
             _mask_of, editor, [image_in, mask_in], api_name=False, queue=False,
         ).then(
-            _gradio_handler(demo.image_to_image, service.loras), image_inputs, [gallery, status],
-            api_name="image_to_image", concurrency_limit=limit,
-        ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
-        compare_inputs = [mode, compare_prompts, compare_negative, compare_style, seed, num_seeds, guidance, steps,
-                          width, height, sampler, *loras]
-        compare_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
-            _gradio_handler(demo.compare, service.loras), compare_inputs, [gallery, status], api_name="compare",
+            handlers.image_to_image, inputs_kwargs=image_form, outputs=[gallery, status], api_name="image_to_image",
             concurrency_limit=limit,
         ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
-        grid_inputs = [grid_prompt, negative, style, seed, guidance, steps, width, height, sampler,
-                       x_axis, x_values, y_axis, y_values, *loras]
+        compare_form = {"mode": mode, "prompts": compare_prompts, "negative_prompt": compare_negative,
+                        "style": compare_style, "seed": seed, "num_seeds": num_seeds, "guidance_scale": guidance,
+                        "steps": steps, **dimensions, "sampler": sampler, **loras}
+        compare_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
+            handlers.compare, inputs_kwargs=compare_form, outputs=[gallery, status], api_name="compare",
+            concurrency_limit=limit,
+        ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
+        grid_form = {"prompt": grid_prompt, "negative_prompt": negative, "style": style, **common, **dimensions,
+                     "sampler": sampler, "x_axis": x_axis, "x_values": x_values, "y_axis": y_axis,
+                     "y_values": y_values, **loras}
         grid_run.click(
-            _gradio_handler(demo.grid, service.loras), grid_inputs, [grid_image, gallery, status], api_name="grid",
+            handlers.grid, inputs_kwargs=grid_form, outputs=[grid_image, gallery, status], api_name="grid",
             concurrency_limit=limit,
         ).success(lambda: gr.update(visible=True), None, grid_image, api_name=False, queue=False)
         for button in (run, image_run, compare_run):
@@ -560,126 +500,29 @@ def create_demo(demo: Demo) -> gr.Blocks:
         send.click(lambda path: path, selected, editor, api_name=False, queue=False).then(
             lambda: gr.Tabs(selected="image-tab"), None, tabs, api_name=False, queue=False)
         reused = [prompt, negative, seed, randomize, guidance, steps, sampler, size]
-        reuse_run.click(demo.reuse, selected, reused, api_name=False, queue=False)
-        history_reuse.click(demo.reuse, history_selected, reused, api_name=False, queue=False)
-        reuse_file.upload(demo.reuse, reuse_file, reused, api_name=False, queue=False)
+        reuse_run.click(handlers.reuse, selected, reused, api_name=False, queue=False)
+        history_reuse.click(handlers.reuse, history_selected, reused, api_name=False, queue=False)
+        reuse_file.upload(handlers.reuse, reuse_file, reused, api_name=False, queue=False)
     blocks.queue(max_size=limit, default_concurrency_limit=limit)
     return blocks
 
 
-def _integer_from(low: int, high: int | None = None):
-    """An argparse type: an integer of at least `low` (and at most `high`)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low or (high is not None and value > high):
-            bounds = f"from {low} to {high}" if high is not None else f"of at least {low}"
-            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {text!r}")
-        return value
-
-    return parse
 
 
 def main() -> None:
-    env = os.environ.get
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--model", default=env("SDXL_MODEL", DEFAULT_MODEL),
-        help="Hub repo id, diffusers folder, single .safetensors file (local, or owner/name/file on the Hub), "
-        "'tiny' or 'tiny-sd1'",
-    )
-    parser.add_argument(
-        "--config", default=env("SDXL_CONFIG"),
-        help="for a single file: sdxl-base-1.0, sd-1.5, sd-2.1, sd-2.1-base or a diffusers folder "
-        "(default: the published one of the family its keys show)",
-    )
-    parser.add_argument("--host", default=env("SDXL_HOST"), help="default: 127.0.0.1 (Gradio's own default)")
-    parser.add_argument("--port", type=_integer_from(1, 65535), default=env("SDXL_PORT", "7860"))
-    parser.add_argument("--cache-dir", default=env("SDXL_CACHE_DIR"), help="persistent compilation cache")
-    parser.add_argument("--share", action="store_true", default=env("SDXL_SHARE") == "1")
-    parser.add_argument("--dtype", default=env("SDXL_DTYPE"), choices=[None, "float32", "bfloat16"])
-    # String defaults go through `type` too, so a bad environment variable gets argparse's message.
-    parser.add_argument("--max-images-per-core", type=_integer_from(1), default=env("SDXL_MAX_IMAGES_PER_CORE", "4"))
-    parser.add_argument("--max-queue", type=_integer_from(1), default=env("SDXL_MAX_QUEUE", "32"))
-    parser.add_argument("--max-per-user", type=_integer_from(1), default=env("SDXL_MAX_PER_USER", "4"),
-                        help="requests one browser session or API client may have waiting (default: %(default)s)")
-    parser.add_argument(
-        "--unet", default=env("SDXL_UNET"), help="a UNet weights file (diffusers keys) replacing the model's, e.g. "
-        "ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors (local, or owner/name/file on the Hub)",
-    )
-    parser.add_argument("--lora", action="append", type=parse_lora_option, default=[], metavar="FILE[:SCALE]",
-                        help="a LoRA users may apply, with its default scale (1); repeatable. A .safetensors file "
-                        "(kohya/A1111 or diffusers/PEFT) or a Hub repo id")
-    parser.add_argument(
-        "--refiner", default=env("SDXL_REFINER"), help="an SDXL refiner (e.g. stabilityai/stable-diffusion-xl-"
-        "refiner-1.0) that users may switch on to finish images; it is held on every device beside the model",
-    )
-    args = parser.parse_args()
-
-    # The package's own log lines (refused requests, given-up work) go to the console, one line each.
-    console = logging.StreamHandler()
-    console.setFormatter(logging.Formatter("%(message)s"))
-    logging.getLogger("sdxl").addHandler(console)
-    logging.getLogger("sdxl").setLevel(logging.INFO)
-    cache = enable_compilation_cache(args.cache_dir)
-    start = time.perf_counter()
-    loras = dict(args.lora)
+    parser = launch.demo_parser(__doc__.splitlines()[0])
+    options = parser.parse_args()
     try:
-        scheduler = recommended(args.model, args.unet, loras=tuple(loras)).scheduler
-        pipe, notice = load_pipeline(args.model, config=args.config, dtype=args.dtype, scheduler=scheduler,
-                                     unet=args.unet)
-        pipe.set_loras(loras)  # each file read and checked now, not at a user's first request
-        if args.refiner:
-            refiner = Pipeline.from_pretrained(args.refiner, dtype=args.dtype, max_steps=pipe.max_steps,
-                                               devices=list(pipe.mesh.devices.flat))
-            pipe.set_refiner(refiner)
+        service = launch.demo_service(options)
     except CheckpointError as e:  # missing, corrupt or not downloadable: the reason in a line, as the CLI says it
         parser.exit(2, f"error: {e}\n")
-    loaded = time.perf_counter()
-    model_name = FALLBACK_MODEL if notice else model_label(args.model, args.unet)
-    settings = recommended(FALLBACK_MODEL if notice else args.model, args.unet, pipe.spec.default_sampler,
-                           tuple(loras))
-    service = TextToImage(pipe, max_images_per_core=args.max_images_per_core, max_queued=args.max_queue,
-                          max_per_owner=args.max_per_user, notice=notice, loras=loras, recommended=settings,
-                          refiner_name=args.refiner)
-    width, height = service.sizes[0]
-    default_guided = settings.guidance_scale > 1  # the program the default settings run compiles first
-    compile_seconds = pipe.warmup(height, width, progress=True, guided=default_guided)
-    warm_start = time.perf_counter()
-    warm_up = service.request_images("warm-up", "", NO_STYLE, 0, settings.guidance_scale, 2, width, height)
-    service.queue.wait(service.queue.submit(warm_up))
-    ready = time.perf_counter()
-    print(f"model {model_name} ({pipe.dtype.name}) on {pipe.device_description}; compilation cache {cache}")
-    print(f"startup: load {loaded - start:.1f} s, compile {compile_seconds:.1f} s, "
-          f"warm-up {ready - warm_start:.1f} s, total {ready - start:.1f} s", flush=True)
-    # The batch sizes that "images per core" and merged requests use compile while the demo serves.
-    # So does the other guidance variant (with, or without: a guidance scale of 1 or less), for one
-    # image per core.
-    # Then image-to-image and inpainting (and the refiner's handoff) at the native size, one image per core.
-    batches = [(n * pipe.num_devices, default_guided) for n in range(2, args.max_images_per_core + 1)]
-    for batch, guided in [*batches, (pipe.num_devices, not default_guided)]:
-        like = dataclasses.replace(warm_up, guidance_scales=(5.0 if guided else 1.0,) * len(warm_up))
-        compiling = service.queue.compile_in_background(like, batch)
-        if compiling is not None:
-            compiling.add_done_callback(functools.partial(_report_background_compile, batch, guided))
-    pixels = np.zeros((len(warm_up), height, width, 3), np.uint8)
-    edits = {"image-to-image": dict(images=pixels), "inpainting": dict(images=pixels, masks=pixels[..., 0] == 0)}
-    if pipe.refiner is not None:
-        edits["refining"] = dict(refine_from=DEFAULT_REFINE_FROM)
-    for label, edit in edits.items():
-        compiling = service.queue.compile_in_background(dataclasses.replace(warm_up, **edit), len(warm_up))
-        if compiling is not None:
-            compiling.add_done_callback(functools.partial(_report_background_compile, label, default_guided))
-    blocks = create_demo(Demo(service, model_name))
+    blocks = create_demo(Handlers(service))
     endpoints = {name.lstrip("/"): [parameter["parameter_name"] for parameter in endpoint["parameters"]]
                  for name, endpoint in blocks.get_api_info()["named_endpoints"].items()}
     api_names = {index: fn.api_name for index, fn in blocks.fns.items() if fn.api_name in endpoints}
     errors = Middleware(HttpErrors, endpoints=endpoints, api_names=api_names, statuses=ERROR_STATUS)
     blocks.launch(
-        server_name=args.host, server_port=args.port, share=args.share, max_file_size=MAX_UPLOAD,
+        server_name=options.host, server_port=options.port, share=options.share, max_file_size=MAX_UPLOAD,
         head=KEYBOARD_SCRIPT, app_kwargs={"middleware": [errors]},
     )
 

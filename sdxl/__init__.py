@@ -2,7 +2,8 @@
 
 from .checkpoints import CheckpointError
 from .compilation import CompileCounter, enable_compilation_cache
-from .pipeline import Generation, NonFiniteImageError, Pipeline, PromptTruncatedWarning
+from .pipeline import Generation, NonFiniteImageError, Pipeline
+from .prompts import PromptTruncatedWarning
 from .request import Request
 
 __all__ = [

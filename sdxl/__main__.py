@@ -8,38 +8,28 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bench, images, lora, training
-from .checkpoints import CheckpointError, known, random_models
-from .compilation import enable_compilation_cache
-from .images import grid, image_count, model_label, parameters_text, save_png, to_pil
-from .pipeline import NonFiniteImageError, Pipeline
-from .request import (
-    DEFAULT_GUIDANCE_SCALE, DEFAULT_MODEL, DEFAULT_REFINE_FROM, DEFAULT_STEPS, Request, default_strength,
-)
-from .sampling import SAMPLER_NAMES, SAMPLERS
+from . import bench, images, launch, training
+from .checkpoints import CheckpointError, random_models
+from .images import contact_sheet, image_count, save_png, to_pil
+from .pipeline import NonFiniteImageError
+from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, Request, default_strength
+from .sampling import SAMPLERS
 
 
 def generate_command(args: argparse.Namespace) -> None:
-    enable_compilation_cache(args.cache_dir)
     start = time.perf_counter()
-    lora_sources = tuple(source for source, _ in args.lora or ())
-    scheduler = known.recommended(args.model, args.unet, loras=lora_sources).scheduler
-    pipe = Pipeline.from_pretrained(
-        args.model, dtype=args.dtype, max_steps=max(100, args.steps or 0), config=args.config, scheduler=scheduler,
-        unet=args.unet,
-    )
-    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s ({pipe.dtype.name}, {pipe.device_description})")
-    settings = known.recommended(args.model, args.unet, pipe.spec.default_sampler, lora_sources)
+    model = launch.load(args, max_steps=max(100, args.steps or 0))
+    pipe = model.pipe
+    print(f"loaded {model.label} in {time.perf_counter() - start:.1f} s ({pipe.dtype.name}, {pipe.device_description})")
+    settings = model.settings
     steps = settings.steps if args.steps is None else args.steps
     guidance_scale = settings.guidance_scale if args.guidance_scale is None else args.guidance_scale
     if settings.note:
         print(f"{settings.note}: {steps} step(s), guidance {guidance_scale:g} unless given")
-
-    refiner = None
-    if args.refiner:
-        refiner = Pipeline.from_pretrained(args.refiner, dtype=args.dtype, max_steps=pipe.max_steps)
-        pipe.set_refiner(refiner)
+    if pipe.refiner is not None:
         print(f"loaded the refiner {args.refiner}; it takes over at {args.refine_from:g} of the noise")
+    if model.loras:
+        print(f"applied {len(model.loras)} LoRA(s)")
 
     num_images = pipe.num_devices if args.num_images is None else args.num_images
     if num_images < 1:
@@ -49,25 +39,21 @@ def generate_command(args: argparse.Namespace) -> None:
     if mask is not None and picture is None:
         raise ValueError("--mask needs --image, the image to inpaint")
     size = (pipe.spec.native_size,) * 2 if picture is None else picture.shape[:2]
-    strength = args.strength
-    if strength is None:
-        strength = default_strength(pipe.spec, inpainting=mask is not None)
     request = Request.from_prompt(
         args.prompt, args.negative_prompt, num_images=num_images, seed=args.seed, guidance_scale=guidance_scale,
         steps=steps, height=args.height or size[0], width=args.width or size[1], sampler=args.sampler,
     )
+    request = dataclasses.replace(
+        request, loras=tuple(model.loras.items()), refine_from=args.refine_from if pipe.refiner else None,
+    )
     if picture is not None:
+        strength = default_strength(pipe.spec, inpainting=mask is not None) if args.strength is None else args.strength
         request = dataclasses.replace(
-            request, strength=strength, images=np.repeat(picture[None], num_images, axis=0),
-            masks=None if mask is None else np.repeat(mask[None], num_images, axis=0),
+            request, images=np.repeat(picture[None], num_images, axis=0),
+            masks=None if mask is None else np.repeat(mask[None], num_images, axis=0), strength=strength,
         )
-    if refiner is not None:
-        request = dataclasses.replace(request, refine_from=args.refine_from)
     request = pipe.validated(request)
-    if args.lora:
-        loras = dict(args.lora)
-        print(f"applied {len(loras)} LoRA(s) in {pipe.set_loras(loras):.2f} s")
-    compile_seconds = pipe.warmup_request(request)
+    compile_seconds = pipe.compile(pipe.programs_for(request))
     print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
     result = pipe.render(request)
     result.raise_if_not_finite()
@@ -79,46 +65,22 @@ def generate_command(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     pictures = to_pil(result.images)
     for i, image in enumerate(pictures):
-        text = parameters_text(
-            prompt=args.prompt, negative_prompt=args.negative_prompt, steps=request.steps,
-            sampler=SAMPLER_NAMES[request.sampler], guidance_scale=request.guidance_scales[i], seed=request.seeds[i],
-            index=i, width=request.width, height=request.height, model=model_label(args.model, args.unet),
-            loras=tuple(pipe.loras.items()), strength=None if picture is None else request.strength,
-            refiner=args.refiner and (args.refiner, args.refine_from),
-        )
-        print(save_png(image, out / f"{args.seed}-{i}.png", text))
-    grid(pictures).save(out / f"{args.seed}-grid.png")
+        print(save_png(image, out / f"{args.seed}-{i}.png", images.png_parameters(pipe, request, i, model.label)))
+    contact_sheet(pictures).save(out / f"{args.seed}-grid.png")
     print(out / f"{args.seed}-grid.png")
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=DEFAULT_MODEL,
-        help="diffusers folder, Hub repo id, single .safetensors file (local, or owner/name/file on the Hub), or "
-        "'tiny' (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--config", help="for a single file: sdxl-base-1.0, sd-1.5, sd-2.1, sd-2.1-base or a diffusers folder "
-        "(default: the published one of the family its keys show)",
-    )
+    launch.add_model_options(parser)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--negative-prompt", default="")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--unet", help="a UNet weights file (diffusers keys) replacing the model's, e.g. SDXL-Lightning's "
-        "sdxl_lightning_4step_unet.safetensors; local or owner/name/file on the Hub",
-    )
     parser.add_argument("--steps", type=int, help=f"default: the model's few-step count if known, else {DEFAULT_STEPS}")
     parser.add_argument(
         "--guidance-scale", "--guidance", type=float,
         help=f"default: 0 for few-step models known to need none, else {DEFAULT_GUIDANCE_SCALE:g}",
     )
     parser.add_argument("--sampler", choices=list(SAMPLERS), help="default: the one of the checkpoint's scheduler")
-    parser.add_argument(
-        "--lora", action="append", type=lora.parse_option, metavar="FILE[:SCALE]",
-        help="apply a LoRA (scale 1 by default); repeatable. A .safetensors file (kohya/A1111 or diffusers/PEFT), "
-        "a Hub repo id, or owner/name/file.safetensors",
-    )
     parser.add_argument(
         "--image", help="an image to start from (image-to-image; a PNG or JPEG whose size the model renders)"
     )
@@ -129,19 +91,14 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "inpainting 0.9999, 1)",
     )
     parser.add_argument(
-        "--refiner", help="an SDXL refiner (e.g. stabilityai/stable-diffusion-xl-refiner-1.0) that finishes each "
-        "image from --refine-from; both models are held on every device",
-    )
-    parser.add_argument(
         "--refine-from", type=float, default=DEFAULT_REFINE_FROM,
-        help="the fraction of the noise the base removes before the refiner takes over (default: %(default)s)",
+        help="with --refiner: the fraction of the noise the base removes before the refiner takes over "
+        "(default: %(default)s)",
     )
     parser.add_argument("--height", type=int, help="default: the image's size, else the model's native size")
     parser.add_argument("--width", type=int, help="default: the image's size, else the model's native size")
     parser.add_argument("--num-images", type=int, help="default: one per device")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16, float32 on CPU")
     parser.add_argument("--out", default="out", help="output folder (default: %(default)s)")
-    parser.add_argument("--cache-dir", help="persistent compilation cache folder")
 
 
 def write_checkpoint_command(args: argparse.Namespace) -> None:

@@ -10,11 +10,12 @@ LoRA scales never recompile).
 import dataclasses
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from PIL import Image, ImageDraw, ImageFont
 
-from .request import LORA_SCALE_RANGE, MAX_SEED, guidance_scale, integer, number
+from .request import LORA_SCALE_RANGE, MAX_SEED, Request, guidance_scale, integer, number
 from .sampling import SAMPLER_NAMES, SAMPLERS
 from .styles import STYLES
 
@@ -23,6 +24,7 @@ MAX_CELLS = 64
 AXES = ("prompt", "negative_prompt", "style", "seed", "guidance_scale", "steps", "sampler")
 LORA_AXIS = "lora:"
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,19 +106,43 @@ def _value(name: str, text: str, max_steps: int, loras: Sequence[str]):
     raise ValueError(f"unknown axis {name!r}; choose from: {choices}")
 
 
-def cell_settings(settings: dict, x: Axis | None, y: Axis | None) -> list[dict]:
-    """Each cell's settings, row by row (y), left to right (x): `settings` with the axes' values."""
-    cells = []
+def cells(settings: T, x: Axis | None, y: Axis | None, with_value: Callable[[T, str, object], T]) -> list[T]:
+    """Each cell's settings, row by row (y), left to right (x): `settings` with the axes' values, each
+    set by `with_value(settings, axis name, value)`."""
+    found = []
     for y_value in (None,) if y is None else y.values:
         for x_value in (None,) if x is None else x.values:
-            cell = dict(settings)
+            cell = settings
             for axis, value in ((y, y_value), (x, x_value)):
                 if axis is not None:
-                    cell[axis.name] = value
-            cells.append(cell)
-    if len(cells) > MAX_CELLS:
-        raise ValueError(f"the grid has {len(cells)} cells; at most {MAX_CELLS} are rendered")
-    return cells
+                    cell = with_value(cell, axis.name, value)
+            found.append(cell)
+    if len(found) > MAX_CELLS:
+        raise ValueError(f"the grid has {len(found)} cells; at most {MAX_CELLS} are rendered")
+    return found
+
+
+@dataclasses.dataclass
+class GridPlan:
+    """A grid's axes and the requests (device calls) that render its cells; cell i is image
+    `where[i]` = (request, index) of those."""
+
+    x: Axis | None
+    y: Axis | None
+    requests: list[Request]
+    where: list[tuple[int, int]]
+
+
+def plan(x: Axis | None, y: Axis | None, cells: Sequence[Request], max_images: int) -> GridPlan:
+    """The cells' one-image requests merged into as few device calls as fit (`calls`)."""
+    requests, where = [], [None] * len(cells)
+    # Cells with guidance 1 or less share calls with guided ones: their images are the conditional
+    # branch either way (within float rounding), and the grid takes fewer calls.
+    for call in calls([cell.call_settings for cell in cells], max_images):
+        for index, cell in enumerate(call):
+            where[cell] = (len(requests), index)
+        requests.append(Request.merged([cells[i] for i in call]))
+    return GridPlan(x, y, requests, where)
 
 
 def calls(keys: Sequence, max_images: int) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """Images in and out: the images and masks users give (PIL images, arrays) as the arrays a `Request`
-carries, and PNGs that carry their generation parameters, and contact-sheet grids.
+carries, and PNGs that carry their generation parameters, and contact sheets.
 
 diffusers' image processor reads a PIL image's pixels as they are and a mask as its greyscale
 ("L") version, binarized at one half; `pixels` and `mask` do the same, and refuse what they cannot
@@ -15,6 +15,7 @@ import numpy as np
 from PIL import Image, PngImagePlugin
 
 from . import lora
+from .sampling import SAMPLER_NAMES
 
 
 # Modes PIL converts to RGB without losing what the picture shows; 16- and 32-bit modes would be
@@ -133,6 +134,18 @@ def parameters_text(
     return "\n".join(lines)
 
 
+def png_parameters(pipe, request, i: int, model: str) -> str:
+    """The parameters of image `i` of a rendered request (`pipe`'s, with its refiner), as the CLI and
+    the demo save them: the prompts as the text encoders read them, and the LoRAs the request used."""
+    refiner = None if request.refine_from is None else (pipe.refiner.name, request.refine_from)
+    return parameters_text(
+        prompt=pipe.prompts.read(request.prompts[i]), negative_prompt=pipe.prompts.read(request.negative_prompts[i]),
+        steps=request.steps, sampler=SAMPLER_NAMES[request.sampler], guidance_scale=request.guidance_scales[i],
+        seed=request.seeds[i], index=request.image_index[i], width=request.width, height=request.height, model=model,
+        loras=request.loras or (), strength=None if request.images is None else request.strength, refiner=refiner,
+    )
+
+
 def read_parameters(text: str) -> dict:
     """The settings in a "parameters" text (`parameters_text`'s, or A1111's): prompt, negative_prompt,
     and those of steps, sampler (its label, e.g. "Euler a"), guidance_scale, seed, width and height
@@ -173,8 +186,8 @@ def save_png(image: Image.Image, path: Path, parameters: str) -> Path:
     return Path(path)
 
 
-def grid(images: list[Image.Image]) -> Image.Image:
-    """Lays images out in a near-square grid (all images must share one size)."""
+def contact_sheet(images: list[Image.Image]) -> Image.Image:
+    """Lays images out in a near-square sheet (all images must share one size)."""
     columns = math.ceil(math.sqrt(len(images)))
     rows = math.ceil(len(images) / columns)
     width, height = images[0].size

@@ -35,10 +35,8 @@ SHAPES_FACTORS = (
 )
 
 
-def factors_for(spec, name: str = "") -> tuple:
-    """The projection for a model: `shapes`' own, else its family's."""
-    if name == "shapes" or str(name).rstrip("/").endswith("assets/shapes"):
-        return SHAPES_FACTORS
+def factors_for(spec) -> tuple:
+    """The projection for a model family (`Checkpoint.preview_factors` knows the trained models' own)."""
     if not spec.is_sdxl:
         return SD_FACTORS
     return SDXL_FACTORS if spec.vae.latents_mean is None else PLAYGROUND_FACTORS

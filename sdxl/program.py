@@ -10,8 +10,9 @@ reports the same stages compile separately (`prepare`, then `denoise` over a few
 then `finish`), so the host learns how far the loop is without callbacks inside it: host callbacks
 would keep JAX from writing the program to the persistent compilation cache on multi-device machines.
 
-Only the batch size, the image size, the sampler and where the loop starts from are static. Prompts,
-seeds, guidance scales, the number of steps and the stretch of them that runs are array inputs, so
+`GenerateProgram` is the one compile key: its fields are everything static (the batch and image
+sizes, the sampler, where the loop starts from, which optional inputs there are). Prompts, seeds,
+guidance scales, the number of steps and the stretch of them that runs are array inputs, so
 changing them reuses the compiled program.
 
 Where the loop starts (`GenerateProgram.start_from`), as diffusers' SDXL pipelines start:
@@ -38,7 +39,8 @@ from .schedulers import Schedule
 # The stages, by their method names: the whole generation, or its three parts for progress reports.
 STAGES = ("whole", "prepare", "denoise", "finish")
 START_FROM = ("noise", "image", "latents")
-OUTPUTS = ("uint8", "float", "latents")  # images as uint8, or float32 in [0, 1]; or the latents, not decoded
+# As diffusers' `output_type`: uint8 pixels (as PIL images hold them), float32 in [0, 1], or the latents undecoded.
+OUTPUT_TYPES = ("pil", "np", "latent")
 
 
 @struct.dataclass
@@ -59,13 +61,17 @@ class Inputs:
     first_step: jax.Array
     stop_step: jax.Array
     noise: jax.Array | None  # optional [B, h, w, C] float32 latents that replace the sampled noise
-    # start_from "image": [B, H, W, 3] float32 in [-1, 1], the images to start from; start_from
+    # start_from "image": [B, H, W, 3] float32 in [0, 1], the images to start from; start_from
     # "latents": [B, h, w, C] float32, the sampler's state to continue.
     image: jax.Array | None = None
     # Inpainting: [B, H, W, 1] float32, 1 where the image is repainted and 0 where it is kept.
     mask: jax.Array | None = None
     # start_from "image": scalar bool, start from noise alone all the same (diffusers' inpainting at strength 1).
     from_noise: jax.Array | None = None
+
+
+# The inputs every device reads whole; the others are per image, split over the devices with the batch.
+PER_CALL_INPUTS = ("schedule", "num_steps", "first_step", "stop_step", "from_noise")
 
 
 @struct.dataclass
@@ -167,18 +173,21 @@ class GenerateProgram:
     embedding) the UNet sees only the prompts, one pass per step on B latents instead of 2B; the
     negative prompts' ids are then not read.
 
-    `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"]} parameter tree.
+    `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"]} parameter tree, in `dtype`.
     """
 
     spec: ModelSpec
     sampler: str  # a name in `sampling.SAMPLERS`
     height: int
     width: int
+    batch: int  # images per call: a multiple of the device count
     dtype: jnp.dtype
-    output: str = "uint8"  # one of `OUTPUTS`
+    max_steps: int  # the schedules' padded length: the most steps a call may run
+    output_type: str = "pil"  # one of `OUTPUT_TYPES`
     guided: bool = True  # classifier-free guidance: the UNet also sees the negative prompts
     start_from: str = "noise"  # one of `START_FROM`
     inpaint: bool = False  # `Inputs.mask` says what to repaint; the rest is kept (`Known`)
+    given_noise: bool = False  # `Inputs.noise` replaces the seeded starting noise
     # `previews.project`'s (matrix, bias) for the previews `denoise` returns; None: the family's.
     preview_factors: tuple | None = None
 
@@ -215,7 +224,7 @@ class GenerateProgram:
         elif self.start_from == "latents":
             latents = inputs.image
         else:
-            encoded = self.encode(params, inputs.image)
+            encoded = self.encode(params, inputs.image * 2 - 1)
             # scheduler.add_noise at the first step that runs.
             latents = add_noise(method, encoded, noise, schedule.sigmas[inputs.first_step])
             if inputs.from_noise is not None:
@@ -247,7 +256,7 @@ class GenerateProgram:
         f = self.spec.vae.downscale_factor
         mask = inputs.mask[:, ::f, ::f]
         if self.spec.unet.in_channels > self.spec.vae.latent_channels:
-            masked = self.encode(params, inputs.image * (inputs.mask < 0.5))
+            masked = self.encode(params, (inputs.image * 2 - 1) * (inputs.mask < 0.5))
             return Known(mask, None, None, masked)
         return Known(mask, encoded, noise.astype(jnp.float32), None)
 
@@ -313,7 +322,7 @@ class GenerateProgram:
         """VAE decoding. Returns images [B, H, W, 3] (uint8, or float32 in [0, 1]), or the latents
         [B, h, w, C] undecoded; and finite [B]."""
         latents = SAMPLERS[self.sampler].finish(state.carry)
-        if self.output == "latents":
+        if self.output_type == "latent":
             return latents, jnp.isfinite(latents).all(axis=(1, 2, 3))
         latents = unscaled_latents(self.spec, latents)
         # diffusers' SDXL pipeline decodes in float32 a float16 VAE that says it overflows (force_upcast).
@@ -324,7 +333,7 @@ class GenerateProgram:
         images = images.astype(jnp.float32)
         finite = jnp.isfinite(images).all(axis=(1, 2, 3))
         images = jnp.clip(images / 2 + 0.5, 0.0, 1.0)
-        if self.output == "uint8":
+        if self.output_type == "pil":
             images = jnp.round(images * 255).astype(jnp.uint8)
         return images, finite
 

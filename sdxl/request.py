@@ -173,8 +173,8 @@ class Request:
 
     @property
     def start_from(self) -> str:
-        """Where the sampling loop starts (`sdxl.program.START_FROM`)."""
-        if self.start_latents is not None:
+        """Where the sampling loop starts (`sdxl.program.START_FROM`): a `denoising_start` continues latents."""
+        if self.denoising_start is not None:
             return "latents"
         return "noise" if self.images is None else "image"
 
@@ -282,6 +282,8 @@ class Request:
                     f"the image is {shape[2]}x{shape[1]} (width x height), but the request is for {width}x{height}: "
                     f"sizes must be multiples of {spec.latent_factor} (resize or crop the image)"
                 )
+        if (self.denoising_start is not None) != (self.start_latents is not None):
+            raise ValueError("denoising_start continues a base model's latents: give both, or neither")
         if start == "latents" and tuple(np.shape(self.start_latents)) != latent_shape:
             raise ValueError(f"start latents must have shape {latent_shape}, got {tuple(np.shape(self.start_latents))}")
         if self.masks is not None:
@@ -301,8 +303,6 @@ class Request:
             value = getattr(self, label)
             if value is not None and not (isinstance(value, float | int) and 0 < value < 1):
                 raise ValueError(f"{label} must be a fraction above 0 and below 1, got {value!r}")
-        if (self.denoising_start is not None) != (start == "latents"):
-            raise ValueError("denoising_start continues a base model's latents: give both, or neither")
         if self.refine_from is not None and (self.masks is not None or start == "latents" or self.denoising_end):
             raise ValueError("refine_from refines a whole generation: not an inpainting, nor a handoff of its own")
         if None not in (self.denoising_start, self.denoising_end) and self.denoising_start >= self.denoising_end:

@@ -50,11 +50,14 @@ def test_bad_values_are_named(name, text, message):
 
 def test_cells_run_row_by_row_and_at_most_64():
     x, y = grid.parse_axis("seed", "1, 2, 3"), grid.parse_axis("guidance_scale", "3, 5")
-    cells = grid.cell_settings({"seed": 0, "guidance_scale": 1.0, "prompt": "p"}, x, y)
+    def with_value(settings, name, value):
+        return settings | {name: value}
+
+    cells = grid.cells({"seed": 0, "guidance_scale": 1.0, "prompt": "p"}, x, y, with_value)
     assert [(c["seed"], c["guidance_scale"]) for c in cells] == [(1, 3), (2, 3), (3, 3), (1, 5), (2, 5), (3, 5)]
     assert all(c["prompt"] == "p" for c in cells)
     with pytest.raises(ValueError, match="65 cells; at most 64"):
-        grid.cell_settings({}, grid.parse_axis("seed", "1-13"), grid.parse_axis("seed", "1-5"))
+        grid.cells({}, grid.parse_axis("seed", "1-13"), grid.parse_axis("seed", "1-5"), with_value)
 
 
 def test_cells_with_the_same_key_share_calls_of_at_most_the_batch_limit():

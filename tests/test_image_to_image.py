@@ -212,14 +212,15 @@ def test_base_hands_its_latents_to_the_refiner_like_diffusers(sdxl, refiner):
 
 
 def test_strength_and_the_handoff_never_recompile(sdxl):
-    """`warmup_request` compiles what an image request runs, once; strengths and steps reuse it."""
+    """`programs_for` names what an image request runs, compiled once; strengths and steps reuse it."""
     _, pipe = sdxl
     request = Request.from_prompt("a cat", num_images=4, steps=4, height=HEIGHT, width=WIDTH)
     pictures = np.stack([np.asarray(_picture())] * 4)
     for edit in (dict(images=pictures, strength=0.5), dict(images=pictures, masks=pictures[..., 0] > 128)):
         edited = pipe.validated(dataclasses.replace(request, **edit))
-        pipe.warmup_request(edited)
-        assert pipe.is_compiled_for(edited) and not pipe.is_compiled_for(edited, progress=True)
+        programs = pipe.programs_for(edited)
+        pipe.compile(programs)
+        assert pipe.is_compiled(programs) and not pipe.is_compiled(programs, progress=True)
     with CompileCounter() as compiles:
         for strength, steps in ((0.3, 6), (0.8, 5), (1.0, 3)):
             pipe.generate("a dog", steps=steps, image=_picture(2), strength=strength, num_images=4)
@@ -274,5 +275,5 @@ def test_merged_requests_keep_their_own_images(sdxl):
     first = dataclasses.replace(one, images=np.stack([np.asarray(_picture(1))] * 2), strength=0.5)
     second = dataclasses.replace(first, images=np.stack([np.asarray(_picture(2))] * 2), seeds=(2, 2))
     assert first.batch_key == second.batch_key
-    merged = pipe.render(Request.merged([first, second]), output="float").images
-    np.testing.assert_allclose(merged[2:], pipe.render(second, output="float").images, atol=1e-4)
+    merged = pipe.render(Request.merged([first, second]), output_type="np").images
+    np.testing.assert_allclose(merged[2:], pipe.render(second, output_type="np").images, atol=1e-4)

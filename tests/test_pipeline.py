@@ -23,16 +23,18 @@ from diffusers import (
 )
 from diffusers.schedulers import scheduling_euler_ancestral_discrete, scheduling_lcm, scheduling_tcd
 from jax._src.cudnn import fused_attention_stablehlo
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import two_hosts
 from reference import diffusers_images, random_latents, sdxl_pipeline
-from sdxl import unet
+from sdxl import inputs, unet
 from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec, random_models
 from sdxl.compilation import CompileCounter
+from sdxl.compiled import Executables
 from sdxl.layers import STEP_INVARIANTS
-from sdxl.pipeline import Pipeline, PromptTruncatedWarning
-from sdxl.program import per_image_keys
+from sdxl.mesh import batch_mesh
+from sdxl.pipeline import Pipeline
+from sdxl.program import GenerateProgram, per_image_keys
+from sdxl.prompts import PromptTruncatedWarning
 from sdxl.request import Request
 from sdxl.sampling import step_noise
 from sdxl.schedulers import TCD_GAMMA
@@ -257,12 +259,15 @@ def test_without_guidance_the_unet_sees_the_prompts_alone(reference, pipe):
     request = Request(tuple(PROMPTS * 2), tuple(NEGATIVES * 2), (1,) * 4, (0, 1, 2, 3), (1.0, 0.0, 0.5, 1.0), 2,
                       HEIGHT, WIDTH, noise=latents.transpose(0, 2, 3, 1))
     assert not request.guided
-    unguided = pipe.render(request, output="float").images
-    program = pipe._program(None, HEIGHT, WIDTH, output="float", guided=True)  # forced: the guided program
-    guided = pipe._compiled_stage("whole", program, 4, True)(pipe.params, pipe._inputs(pipe.validated(request), 4)[0])
+    unguided = pipe.render(request, output_type="np").images
+    request = pipe.tokenized(pipe.validated(request))
+    program = pipe.program_for(request, output_type="np")
+    forced = dataclasses.replace(program, guided=True)
+    arrays = inputs.placed(inputs.host_inputs(forced, request, (0, 2)), pipe.mesh)
+    guided = pipe.executables.compiled(forced, "whole")(pipe.params, arrays)
     np.testing.assert_allclose(unguided, np.asarray(guided[0]), atol=1e-5)
     # A denoising step (the loop's body, which the cost analysis counts once) costs about half.
-    flops = [pipe.compiled(HEIGHT, WIDTH, 4, stage="denoise", guided=g).cost_analysis()["flops"] for g in (True, False)]
+    flops = [pipe.executables.compiled(p, "denoise").cost_analysis()["flops"] for p in (forced, program)]
     assert 0.4 < flops[1] / flops[0] < 0.6
     pipe.generate("a cat", steps=2, guidance_scale=0.0, height=HEIGHT, width=WIDTH, num_images=4)
     with CompileCounter() as compiles:
@@ -295,12 +300,12 @@ def test_what_a_larger_batch_guarantees(pipe):
     alone = Request.from_prompt("a cat", num_images=4, seed=11, steps=3, height=HEIGHT, width=WIDTH)
     others = Request.from_prompt("a dog", num_images=12, seed=12, steps=3, height=HEIGHT, width=WIDTH)
     merged = Request.merged([alone, others])
-    for output in ("float", "uint8"):
-        first = pipe.render(alone, output=output).images
-        in_batch = pipe.render(merged, output=output).images[:4]
-        np.testing.assert_array_equal(pipe.render(alone, output=output).images, first)
+    for output_type in ("np", "pil"):
+        first = pipe.render(alone, output_type=output_type).images
+        in_batch = pipe.render(merged, output_type=output_type).images[:4]
+        np.testing.assert_array_equal(pipe.render(alone, output_type=output_type).images, first)
         difference = np.abs(first.astype(np.float64) - in_batch)
-        if output == "uint8":
+        if output_type == "pil":
             assert difference.max() <= 1 and np.mean(difference > 0) <= 1e-3, np.mean(difference > 0)
         else:
             assert difference.max() <= 1e-4
@@ -359,7 +364,7 @@ def test_prompt_seed_guidance_and_steps_do_not_recompile(pipe):
 def test_compiled_program_has_no_cross_device_communication(reference, monkeypatch, attention):
     monkeypatch.setenv("SDXL_ATTENTION", attention)
     pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
-    hlo = pipe.compiled(HEIGHT, WIDTH, 4).as_text()
+    hlo = pipe.executables.compiled(_text_to_image(pipe), "whole").as_text()
     for collective in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
         assert collective not in hlo
 
@@ -372,23 +377,19 @@ def test_splash_attention_renders_the_same_images_on_four_devices(reference, pip
     np.testing.assert_allclose(splash.generate("a cat", **kwargs), expected, atol=1e-5)
 
 
-def _abstract_sdxl_pipeline() -> Pipeline:
-    """The real SDXL configs with abstract bfloat16 parameters on this host's 4 devices: enough to
-    lower the full-size program for an accelerator, from this CPU host."""
+def _lowered_sdxl(platforms: tuple[str, ...]):
+    """SDXL base's program at 1024x1024, batch 4 on this host's 4 devices, in bfloat16, lowered for an
+    accelerator from this CPU host: a program compiles from its fields alone, with no weights."""
     spec = ModelSpec.from_folder(BUILTIN_CONFIGS / "sdxl-base-1.0")
-    mesh = Mesh(np.array(jax.devices()), ("batch",))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    params = jax.tree.map(
-        lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16, sharding=replicated), spec.abstract_params()
-    )
-    return Pipeline(spec, params, tokenizers=[], mesh=mesh, dtype="bfloat16")
+    program = GenerateProgram(spec, "euler", 1024, 1024, 4, jnp.dtype("bfloat16"), 100)
+    return Executables(batch_mesh(jax.devices())).lowered(program, "whole", platforms)
 
 
 def test_sdxl_program_lowers_for_a_tpu_with_a_splash_kernel_per_device(monkeypatch):
     """The TPU target at full size: 1024x1024, batch 4 on 4 devices. Pallas' Mosaic lowering checks
     each kernel's block shapes and dtypes, which its interpreter (the other splash tests) does not."""
     monkeypatch.setenv("SDXL_ATTENTION", "splash")
-    text = _abstract_sdxl_pipeline().lowered(1024, 1024, num_images=4, platforms=("tpu",)).as_text()
+    text = _lowered_sdxl(("tpu",)).as_text()
     # One kernel per distinct attention shape. Operand types: two masks, then query, key, value, ...
     operand_types = [types.split(", ") for types in re.findall(r"@tpu_custom_call\(.*? : \(([^)]*)\)", text)]
     assert operand_types, "no splash kernel went through Mosaic (was it interpreted?)"
@@ -411,7 +412,7 @@ def test_sdxl_program_lowers_for_a_gpu_with_a_cudnn_call_per_device(monkeypatch)
     checks (the GPU, its plan for each shape) comes only on a GPU."""
     monkeypatch.setattr(fused_attention_stablehlo, "cuda_versions", SimpleNamespace(cudnn_get_version=lambda: 91000))
     monkeypatch.setenv("SDXL_ATTENTION", "cudnn")
-    text = _abstract_sdxl_pipeline().lowered(1024, 1024, num_images=4, platforms=("cuda",)).as_text()
+    text = _lowered_sdxl(("cuda",)).as_text()
     # Each device calls the kernel on its own latents: nothing is left for XLA's partitioner to decide.
     assert "CustomSPMDPartitioning" not in text
     calls = re.findall(r"@__cudnn\$fmhaSoftmax\(.*? : \(([^)]*)\)", text)
@@ -449,14 +450,22 @@ def test_progress_reports_every_step_and_changes_no_pixel(reference, pipe, monke
     assert every_two == [2, 4, 5]
 
 
+def _text_to_image(pipe, num_images=4, **settings) -> GenerateProgram:
+    """The program of a plain text-to-image request at the test size."""
+    request = Request.from_prompt("a cat", num_images=num_images, height=HEIGHT, width=WIDTH, **settings)
+    return pipe.program_for(request)
+
+
 def test_is_compiled_tells_what_warmup_compiled(reference):
     pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
-    assert not pipe.is_compiled(HEIGHT, WIDTH, 4) and not pipe.is_compiled(HEIGHT, WIDTH, 4, progress=True)
+    programs = [_text_to_image(pipe)]
+    assert not pipe.is_compiled(programs) and not pipe.is_compiled(programs, progress=True)
     pipe.warmup(HEIGHT, WIDTH, 4)
-    assert pipe.is_compiled(HEIGHT, WIDTH, 4) and not pipe.is_compiled(HEIGHT, WIDTH, 4, progress=True)
+    assert pipe.is_compiled(programs) and not pipe.is_compiled(programs, progress=True)
     pipe.warmup(HEIGHT, WIDTH, 4, progress=True)
-    assert pipe.is_compiled(HEIGHT, WIDTH, 4, progress=True)
-    assert not pipe.is_compiled(HEIGHT, WIDTH, 8)
+    assert pipe.is_compiled(programs, progress=True)
+    assert not pipe.is_compiled([_text_to_image(pipe, 8)])
+    assert not pipe.is_compiled([_text_to_image(pipe, sampler="ddim")])
 
 
 def test_denoising_loops_leave_the_step_invariants_outside(reference, monkeypatch):
@@ -466,7 +475,7 @@ def test_denoising_loops_leave_the_step_invariants_outside(reference, monkeypatc
     pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
 
     def products(stage):  # the program's matmuls and convolutions that compute step invariants
-        return _products_named(pipe.compiled(HEIGHT, WIDTH, 4, stage=stage).as_text(), STEP_INVARIANTS)
+        return _products_named(pipe.executables.compiled(_text_to_image(pipe), stage).as_text(), STEP_INVARIANTS)
 
     _, prepared = products("prepare")
     for invariant in ("attn2/step_invariants/to_k", "attn2/step_invariants/to_v", "conv1/step_invariants"):
@@ -513,13 +522,13 @@ def test_truncated_prompt_warns(pipe):
 def test_the_prompt_a_model_reads_is_what_its_77_tokens_hold(pipe):
     """What a saved image records: a long prompt's beginning, as far as its tokens reach (the last
     may end mid-word, where BPE marks no word end); a short one whole."""
-    assert pipe.read_prompt("a red cube") == "a red cube"
+    assert pipe.prompts.read("a red cube") == "a red cube"
     long = "word " * 200
-    kept = pipe.read_prompt(long)
+    kept = pipe.prompts.read(long)
     assert long.startswith(kept) and len(kept) < len(long)
-    (ids, _), (kept_ids, truncated) = pipe._tokenize([long]), pipe._tokenize([kept])
+    (ids, _), (kept_ids, truncated) = pipe.prompts.ids([long]), pipe.prompts.ids([kept])
     assert truncated == [] and (kept_ids[..., :-2] == ids[..., :-2]).all()
-    assert pipe._tokenize([long[: len(kept) + 1]])[1], "one more character would be cut"
+    assert pipe.prompts.ids([long[: len(kept) + 1]])[1], "one more character would be cut"
 
 
 @pytest.mark.parametrize(

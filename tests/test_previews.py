@@ -25,12 +25,12 @@ def test_the_shapes_projection_is_the_least_squares_fit_of_its_vae(shapes_pipe):
     latent pixel's colour by less than half as much as the images' mean colour would."""
     pixels, _ = shapes.training_batch(seed=777, step=3, batch=128)
     images = pixels.astype(np.float32) / 127.5 - 1
-    program = GenerateProgram(shapes_pipe.spec, "euler", 64, 64, shapes_pipe.dtype)
+    program = GenerateProgram(shapes_pipe.spec, "euler", 64, 64, len(images), shapes_pipe.dtype, 1)
     latents = np.asarray(jax.jit(program.encode)(shapes_pipe.params, images))
     matrix, bias = previews.fit(latents, images)
     np.testing.assert_allclose(matrix, previews.SHAPES_FACTORS[0], atol=0.05)
     np.testing.assert_allclose(bias, previews.SHAPES_FACTORS[1], atol=0.1)
-    assert previews.factors_for(shapes_pipe.spec, "shapes") == previews.SHAPES_FACTORS
+    assert shapes_pipe.preview_factors == previews.SHAPES_FACTORS
     projected = np.asarray(previews.project(latents, previews.SHAPES_FACTORS), np.float32)
     colours = _patch_means(pixels.astype(np.float32), 4)
     error, spread = np.abs(projected - colours).mean(), np.abs(colours - colours.mean(axis=(0, 1, 2))).mean()

@@ -36,27 +36,28 @@ def _render_at_once(queue: DeviceQueue, seeds) -> list:
 
 def test_requests_merge_only_into_compiled_batch_sizes(pipe):
     queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
-    assert pipe.num_devices == 4 and not pipe.is_compiled(HEIGHT, WIDTH, 8, progress=True)
+    merged = pipe.programs_for(_request(0), 8)
+    assert pipe.num_devices == 4 and not pipe.is_compiled(merged, progress=True)
 
     tickets = _render_at_once(queue, range(3))
     # Batch 8 was not compiled, so the requests ran one by one, and it compiled in the background.
     assert [t.batch_images for t in tickets] == [4, 4, 4]
     assert not any(t.compiling for t in tickets)
-    queue.compile_in_background(_request(0), 8).result(timeout=300)
-    assert pipe.is_compiled(HEIGHT, WIDTH, 8, progress=True)
+    queue.compile_in_background(merged).result(timeout=300)
+    assert pipe.is_compiled(merged, progress=True)
 
     # While the first of three renders, the other two wait, and now they share a compiled call.
     tickets = _render_at_once(queue, range(3, 6))
     assert 8 in [t.batch_images for t in tickets]
     assert not any(t.compiling for t in tickets)
-    assert DeviceQueue(pipe, max_batch_images=16, max_queued=8).compile_in_background(_request(0), 8) is None
+    assert DeviceQueue(pipe, max_batch_images=16, max_queued=8).compile_in_background(merged) is None
 
 
 def test_a_batch_being_compiled_in_the_background_waits_for_it(pipe):
     queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
     # 16: the previous test's merges may have started compiling 12 on the same pipeline.
     request = Request(("a dog",) * 16, ("",) * 16, (7,) * 16, tuple(range(16)), (5.0,) * 16, STEPS, HEIGHT, WIDTH)
-    compiling = queue.compile_in_background(request, 16)
+    compiling = queue.compile_in_background(pipe.programs_for(request))
     assert compiling is not None
     updates = []
     ticket = queue.submit(request)
@@ -90,8 +91,8 @@ def test_prompts_are_tokenized_when_submitted_not_in_the_device_worker(pipe, mon
     """Issue 21, hole 1: the one device worker never spends its time on text; a merged batch keeps
     each request's tokens, and says which prompts were truncated."""
     threads = []
-    tokenize = pipe._tokenize
-    monkeypatch.setattr(pipe, "_tokenize", lambda prompts: threads.append(threading.current_thread().name)
+    tokenize = pipe.prompts.ids
+    monkeypatch.setattr(pipe.prompts, "ids", lambda prompts: threads.append(threading.current_thread().name)
                         or tokenize(prompts))
     queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
     long = "word " * 100
@@ -140,7 +141,7 @@ def test_a_cancelled_waiting_request_leaves_the_queue_unrendered(pipe, monkeypat
 def test_a_batch_everyone_gave_up_stops_between_progress_reports(pipe, monkeypatch):
     """Only once every request of the batch is given up; the worker then goes on with the next."""
     queue = DeviceQueue(pipe, max_batch_images=8, max_queued=8)
-    if (compiling := queue.compile_in_background(_request(0), 8)) is not None:
+    if (compiling := queue.compile_in_background(pipe.programs_for(_request(0), 8))) is not None:
         compiling.result(timeout=300)  # so that two requests share a batch
     gate, reports = threading.Event(), []
 
@@ -150,7 +151,7 @@ def test_a_batch_everyone_gave_up_stops_between_progress_reports(pipe, monkeypat
             if done == 1:
                 for ticket in tickets:
                     queue.cancel(ticket)
-            on_step(done)
+            return on_step(done)
         return step if request.seeds[0] == 4 else on_step
 
     _held(monkeypatch, pipe, gate, giving_up)

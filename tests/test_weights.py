@@ -9,7 +9,8 @@ from safetensors.numpy import load_file, save_file
 
 from sdxl.checkpoints import random_models
 from sdxl.checkpoints import ModelSpec, load_weights
-from sdxl.pipeline import Pipeline, place
+from sdxl.mesh import place
+from sdxl.pipeline import Pipeline
 from sdxl.weights import CheckpointError, SafetensorsFile
 
 UNET = "unet/diffusion_pytorch_model.safetensors"

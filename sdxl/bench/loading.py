@@ -101,7 +101,7 @@ def default_dtype() -> str:
     return "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
 
 
-def load_pipeline(folder: Path, dtype: str, max_steps: int, num_devices: int | None):
+def load_on_devices(folder: Path, dtype: str, max_steps: int, num_devices: int | None):
     return Pipeline.from_pretrained(str(folder), dtype=dtype, max_steps=max_steps, devices=jax.devices()[:num_devices])
 
 
@@ -138,7 +138,7 @@ def measure_load(folder: str, dtype: str, max_steps: int, num_devices: int | Non
         evict_from_page_cache(files)
     before = memory_status()["VmRSS"]
     start = time.perf_counter()
-    pipe = load_pipeline(folder, dtype, max_steps, num_devices)
+    pipe = load_on_devices(folder, dtype, max_steps, num_devices)
     load_s = time.perf_counter() - start
     suffix = "_cold" if cold else ""
     return pipe, {

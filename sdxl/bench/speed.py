@@ -15,7 +15,7 @@ from .. import attention, convolution, lora, unet
 from ..compilation import CompileCounter, enable_compilation_cache
 from ..request import DEFAULT_GUIDANCE_SCALE, Request
 from .loading import (
-    bf16_bytes, default_dtype, in_fresh_process, load_pipeline, memory_status, process_start_time, scratch_dir,
+    bf16_bytes, default_dtype, in_fresh_process, load_on_devices, memory_status, process_start_time, scratch_dir,
     disk_and_fresh_memory_loads, load_ratios, machine_description, measure_load, resolve_model,
 )
 
@@ -84,18 +84,23 @@ def unet_flops(
     return float(_cost(lowered)["flops"])
 
 
-def generation_flops(pipe, height: int, width: int, batch: int, steps: int) -> float:
-    """FLOPs of one `steps`-step generation of a batch over all devices (padding images included).
+def generation_flops(pipe, request: Request) -> float:
+    """FLOPs of one guided generation of a batch over all devices (padding images included).
 
     The compiled program's cost analysis is per device and counts the denoising loop's body once;
     the other `steps - 1` guided UNet evaluations are added from `unet_flops`.
     """
-    per_device = float(_cost(pipe.compiled(height, width, batch, SAMPLER))["flops"])
-    padded = pipe.padded_batch(batch)
+    per_device = float(_cost(whole_program(pipe, request))["flops"])
     spec = pipe.spec
-    latent_h, latent_w, _ = spec.latent_shape(height, width)
+    latent_h, latent_w, _ = spec.latent_shape(request.height, request.width)
+    padded = pipe.padded_batch(len(request))
     step = unet_flops(spec.unet, 2 * padded, latent_h, latent_w, spec.max_tokens, pipe.dtype)  # x2: guidance
-    return per_device * pipe.num_devices + (steps - 1) * step
+    return per_device * pipe.num_devices + (request.steps - 1) * step
+
+
+def whole_program(pipe, request: Request) -> "jax.stages.Compiled":
+    """The one compiled program that renders `request` without progress reports."""
+    return pipe.executables.compiled(pipe.program_for(request), "whole")
 
 
 def _cost(stage) -> dict:
@@ -277,7 +282,7 @@ def run_benchmark(
         enable_compilation_cache(cache_dir)  # empty: the first compile is cold
 
         log(f"loading {folder}")
-        pipe = load_pipeline(folder, dtype, max_steps, num_devices)
+        pipe = load_on_devices(folder, dtype, max_steps, num_devices)
         request = pipe.validated(batch_request(batch or pipe.num_devices, height, width, steps))
         first = _first_run(pipe, request, log, started=process_start + write_s)
         flops = first.pop("flops")
@@ -368,9 +373,9 @@ def _first_run(pipe, request: Request, log: Callable[[str], None], started: floa
     return dict(
         compile_s=compile_s,
         first_image_s=first_image_s,
-        flops=generation_flops(pipe, height, width, batch, request.steps),
+        flops=generation_flops(pipe, request),
         # read off the compiled program (sdxl.attention)
-        attention="+".join(sorted(attention.kernels_in(pipe.compiled(height, width, batch, SAMPLER)))),
+        attention="+".join(sorted(attention.kernels_in(whole_program(pipe, request)))),
         convolution="+".join(sorted(unet_convolution)),  # its resnets' (sdxl.convolution)
         progress_compile_s=pipe.warmup(height, width, batch, SAMPLER, progress=True),
     )

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import previews
 from ..weights import CheckpointError, SafetensorsFile, load_params
 from . import hub, random_models, single_file
 from .folder import load_weights
@@ -23,8 +24,10 @@ from .hub import HubUnavailableError
 from .random_models import BUILTIN_CONFIGS
 from .spec import ModelSpec
 
-# Models trained in this project and shipped with it (their model cards say how).
+# Models trained in this project and shipped with it (their model cards say how): their folders, and
+# the projections of their latents to RGB that their live previews use (`sdxl.previews`).
 TRAINED_MODELS = {"shapes": Path(__file__).parents[2] / "assets" / "shapes"}
+TRAINED_PREVIEW_FACTORS = {TRAINED_MODELS["shapes"]: previews.SHAPES_FACTORS}
 
 __all__ = [
     "BUILTIN_CONFIGS",
@@ -48,6 +51,11 @@ class Checkpoint:
     single_file: Path | None = None  # the weights, when not in `folder`
     family: str | None = None  # the single file's ("sdxl", "sd1", "sd2")
     unet_file: Path | None = None  # a UNet's weights (diffusers keys) replacing the folder's
+
+    @property
+    def preview_factors(self) -> tuple:
+        """How its live previews project latents to RGB (`sdxl.previews`): a trained model's own, else its family's."""
+        return TRAINED_PREVIEW_FACTORS.get(self.folder) or previews.factors_for(self.spec)
 
     def load(self, dtype, put: Callable) -> dict:
         """The parameter tree, every key and shape checked; `put` places each array."""

@@ -1,0 +1,131 @@
+"""`Pipeline.generate`: one prompt's images in diffusers' terms, for people who come from its pipelines.
+
+It builds a `Request` from diffusers' arguments (text-to-image, image-to-image, inpainting, the
+SDXL refiner's two uses) and renders it; everything else about a request is `Pipeline.render`'s.
+"""
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from . import images
+from .prompts import PromptTruncatedWarning
+from .request import DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_strength
+
+
+def generate(
+    pipe,
+    prompt: str | Sequence[str],
+    negative_prompt: str | Sequence[str] = "",
+    *,
+    seed: int = 0,
+    steps: int = DEFAULT_STEPS,
+    guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
+    height: int | None = None,
+    width: int | None = None,
+    num_images: int | None = None,
+    sampler: str | None = None,
+    latents: np.ndarray | None = None,
+    image=None,
+    mask_image=None,
+    strength: float | None = None,
+    denoising_start: float | None = None,
+    denoising_end: float | None = None,
+    aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[0],
+    negative_aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[1],
+    refine_from: float | None = None,
+    padding_mask_crop: int | None = None,
+    output_type: str = "pil",
+):
+    """Images (seed, 0), (seed, 1), ...: image i depends only on (seed, i), whatever the device count.
+
+    As diffusers' StableDiffusion[XL]Pipeline, with `image` its Img2ImgPipeline, with `image` and
+    `mask_image` its InpaintPipeline (an inpainting UNet, or any other, which keeps the unmasked
+    region after every step). Where the arguments differ from diffusers':
+
+    Args:
+      prompt, negative_prompt: a string for every image, or a list with one per image. An empty
+        negative prompt is none: SDXL's conditioning is then zeros (force_zeros_for_empty_prompt).
+      num_images: default the prompt or image list's length, else one image per device.
+      sampler: a name in `sampling.SAMPLERS`; default the one that reproduces the checkpoint's scheduler.
+      latents: [N, C, h, w] noise in diffusers' layout, replacing the seeded noise.
+      image: a PIL image or [H, W, 3] array (uint8, or floats in [0, 1]), or one per image, at a size
+        the model renders; or the latents a base model returned (`output_type="latent"`), which
+        `denoising_start` continues.
+      strength: default as diffusers': image-to-image 0.3 for SDXL and 0.8 for SD 1.x/2.x,
+        inpainting 0.9999 and 1.
+      refine_from: finish with the refiner (`Pipeline.set_refiner`) from this fraction of the noise:
+        diffusers' two handoff calls as one.
+      output_type: "pil", "np" (float32 [N, H, W, 3] in [0, 1]) or "latent" ([N, h, w, C] left on the devices).
+
+    Raises:
+      ValueError: an argument is out of range, in one sentence.
+      NonFiniteImageError: the output holds NaN/inf.
+    """
+    if output_type not in ("pil", "np", "latent"):
+        raise ValueError(f'output_type must be "pil", "np" or "latent", got {output_type!r}')
+    if padding_mask_crop is not None:
+        raise ValueError(
+            "padding_mask_crop is not implemented: crop the image and the mask around the masked region "
+            "(plus a margin) to a size the model renders, inpaint that, and paste the result back"
+        )
+    start_latents = None
+    if isinstance(image, jax.Array) and image.ndim == 4 and image.shape[-1] == pipe.spec.vae.latent_channels:
+        start_latents, image = image, None
+    image, mask_image = _per_image(image, images.pixels), _per_image(mask_image, images.mask)
+    if num_images is None:
+        lists = [p for p in (prompt, negative_prompt) if not isinstance(p, str)]
+        given = [len(a) for a in (latents, start_latents, image) if a is not None and len(a) > 1]
+        num_images = len(lists[0]) if lists else (given[0] if given else pipe.num_devices)
+    image, mask_image = (_repeated(a, num_images) for a in (image, mask_image))
+    size = _size_of(pipe.spec, image, start_latents) or (pipe.spec.native_size,) * 2
+    if strength is None:
+        strength = default_strength(pipe.spec, inpainting=mask_image is not None)
+    request = Request.from_prompt(
+        prompt, negative_prompt, num_images=num_images, seed=seed, guidance_scale=guidance_scale, steps=steps,
+        height=size[0] if height is None else height, width=size[1] if width is None else width, sampler=sampler,
+        noise=None if latents is None else np.asarray(latents, np.float32).transpose(0, 2, 3, 1),
+    )
+    request = dataclasses.replace(
+        request, images=image, masks=mask_image, strength=strength, denoising_start=denoising_start,
+        denoising_end=denoising_end, start_latents=start_latents,
+        aesthetic_scores=(aesthetic_score, negative_aesthetic_score), refine_from=refine_from,
+    )
+    result = pipe.render(request, output_type=output_type)
+    result.raise_if_not_finite()
+    for p in result.truncated_prompts:
+        warnings.warn(PromptTruncatedWarning(f"prompt truncated to {pipe.spec.max_tokens} tokens: {p!r}"), stacklevel=2)
+    return images.to_pil(result.images) if output_type == "pil" else result.images
+
+
+def _size_of(spec, image: np.ndarray | None, start_latents) -> tuple[int, int] | None:
+    """(height, width) of the images to start from, if any. Raises ValueError for a size the model cannot render."""
+    if start_latents is not None:
+        return tuple(d * spec.vae.downscale_factor for d in start_latents.shape[1:3])
+    if image is None:
+        return None
+    size, f = image.shape[1:3], spec.latent_factor
+    if size[0] % f or size[1] % f:
+        fitting = f"{max(f, size[1] // f * f)}x{max(f, size[0] // f * f)}"
+        raise ValueError(
+            f"the image is {size[1]}x{size[0]} (width x height); this model renders sizes in multiples of {f}: "
+            f"crop or resize it, to {fitting} for example"
+        )
+    return size
+
+
+def _repeated(stack: np.ndarray | None, n: int) -> np.ndarray | None:
+    """One image or mask for all `n` images: [1, ...] repeated to [n, ...]."""
+    return stack if stack is None or len(stack) != 1 else np.repeat(stack, n, axis=0)
+
+
+def _per_image(given, read) -> np.ndarray | None:
+    """An image or mask for every image ([1, ...]) or a list or stack of them ([N, ...]), each read by `read`."""
+    if given is None:
+        return None
+    if isinstance(given, list | tuple) or (isinstance(given, np.ndarray) and given.ndim == 4):
+        return np.stack([read(item) for item in given])
+    return read(given)[None]

@@ -1,0 +1,196 @@
+"""Starting the demo or the CLI: the model options both take, loading the model they name (with its
+LoRAs and refiner, and offline the built-in `shapes` model in its place), and the demo's service,
+warmed up before it serves and compiling the rest in the background while it does.
+"""
+
+import argparse
+import dataclasses
+import functools
+import logging
+import os
+import time
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+from .checkpoints import HubUnavailableError
+from .checkpoints.known import Recommended, recommended
+from .compilation import enable_compilation_cache
+from .demo import DemoService, Settings
+from .images import model_label
+from .lora import parse_option as parse_lora_option
+from .pipeline import Pipeline
+from .request import DEFAULT_MODEL, DEFAULT_REFINE_FROM, Request
+
+log = logging.getLogger(__name__)
+
+FALLBACK_MODEL = "shapes"  # trained here, shipped in assets/: it draws what it is told, offline
+
+
+def add_model_options(parser: argparse.ArgumentParser, env: Mapping[str, str] = {}) -> None:
+    """The options that pick and load the model, defaulting to `env`'s SDXL_* variables where given."""
+    parser.add_argument(
+        "--model", default=env.get("SDXL_MODEL", DEFAULT_MODEL),
+        help="a Hub repo id, a diffusers folder, a single .safetensors file (local, or owner/name/file on the Hub), "
+        "'shapes' (built in), or 'tiny' / 'tiny-sd1' (random weights, for tests) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--config", default=env.get("SDXL_CONFIG"),
+        help="for a single file: sdxl-base-1.0, sd-1.5, sd-2.1, sd-2.1-base or a diffusers folder "
+        "(default: the published one of the family its keys show)",
+    )
+    parser.add_argument(
+        "--unet", default=env.get("SDXL_UNET"), help="a UNet weights file (diffusers keys) replacing the model's, "
+        "e.g. ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors (local, or owner/name/file on the Hub)",
+    )
+    parser.add_argument("--lora", action="append", type=parse_lora_option, default=[], metavar="FILE[:SCALE]",
+                        help="a LoRA, with its scale (default 1); repeatable. A .safetensors file (kohya/A1111 or "
+                        "diffusers/PEFT), a Hub repo id, or owner/name/file.safetensors")
+    parser.add_argument(
+        "--refiner", default=env.get("SDXL_REFINER"), help="an SDXL refiner (e.g. stabilityai/stable-diffusion-xl-"
+        "refiner-1.0) that finishes images from a fraction of the noise; it is held on every device beside the model",
+    )
+    parser.add_argument("--dtype", default=env.get("SDXL_DTYPE"), choices=["float32", "bfloat16"],
+                        help="default: bfloat16 on accelerators, float32 on CPU")
+    parser.add_argument("--cache-dir", default=env.get("SDXL_CACHE_DIR"),
+                        help="the persistent compilation cache (default: ~/.cache/sdxl-jax/xla)")
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model, as the demo and the CLI present it."""
+
+    pipe: Pipeline
+    label: str  # how results name it
+    settings: Recommended  # its steps, guidance, sizes and examples
+    loras: dict[str, float]  # the LoRAs loaded with it, {source: scale}
+    notice: str | None = None  # why the built-in model stands in for the one asked for
+
+
+def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int = 100) -> Model:
+    """The model `add_model_options` named, with the compilation cache on, its LoRAs applied (each file
+    read and checked now, not at a first request) and its refiner set. With `fallback`, a Hub model
+    that cannot be fetched is replaced by the built-in `shapes` model, with a notice that says why.
+
+    Raises:
+      CheckpointError: a file is missing or corrupt, or the model cannot run; in one line.
+    """
+    enable_compilation_cache(options.cache_dir)
+    loras = dict(options.lora)
+    load = functools.partial(Pipeline.from_pretrained, dtype=options.dtype, max_steps=max_steps)
+    try:
+        scheduler = recommended(options.model, options.unet, loras=tuple(loras)).scheduler
+        pipe = load(options.model, config=options.config, scheduler=scheduler, unet=options.unet)
+        name, notice = options.model, None
+    except HubUnavailableError as e:
+        if not fallback:
+            raise
+        notice = (
+            f"{e}. Showing the built-in {FALLBACK_MODEL} model instead: it draws coloured circles, squares and "
+            f"triangles on coloured backgrounds (try the examples). For real images, start once where the Hub is "
+            f"reachable and without HF_HUB_OFFLINE=1: the files the pipeline loads (configs, tokenizers, "
+            f"safetensors weights) are then downloaded into your Hugging Face cache, and later starts read them "
+            f"from there, offline too."
+        )
+        log.warning(notice)
+        pipe, name = load(FALLBACK_MODEL), FALLBACK_MODEL
+    pipe.set_loras(loras)
+    if options.refiner:
+        pipe.set_refiner(load(options.refiner, devices=list(pipe.mesh.devices.flat)))
+    unet = None if notice else options.unet
+    label = model_label(name, unet)
+    return Model(pipe, label, recommended(name, unet, pipe.spec.default_sampler, tuple(loras)), loras, notice)
+
+
+def add_demo_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """The demo's own options: where it listens and how much it takes."""
+    parser.add_argument("--host", default=env.get("SDXL_HOST"), help="default: 127.0.0.1 (Gradio's own default)")
+    parser.add_argument("--port", type=_integer_from(1, 65535), default=env.get("SDXL_PORT", "7860"))
+    parser.add_argument("--share", action="store_true", default=env.get("SDXL_SHARE") == "1")
+    # String defaults go through `type` too, so a bad environment variable gets argparse's message.
+    parser.add_argument("--max-images-per-core", type=_integer_from(1),
+                        default=env.get("SDXL_MAX_IMAGES_PER_CORE", "4"))
+    parser.add_argument("--max-queue", type=_integer_from(1), default=env.get("SDXL_MAX_QUEUE", "32"))
+    parser.add_argument("--max-per-user", type=_integer_from(1), default=env.get("SDXL_MAX_PER_USER", "4"),
+                        help="requests one browser session or API client may have waiting (default: %(default)s)")
+
+
+def demo_parser(description: str) -> argparse.ArgumentParser:
+    """`python app.py`'s options; each also reads an environment variable (SDXL_MODEL, ...), for Spaces."""
+    parser = argparse.ArgumentParser(description=description)
+    add_model_options(parser, os.environ)
+    add_demo_options(parser, os.environ)
+    return parser
+
+
+def demo_service(options: argparse.Namespace) -> DemoService:
+    """The demo's service for `demo_parser`'s options, warmed up: the default request's programs are
+    compiled and have run once; the others compile in the background while it serves."""
+    # The package's own log lines (refused requests, given-up work) go to the console, one line each.
+    console = logging.StreamHandler()
+    console.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("sdxl").addHandler(console)
+    logging.getLogger("sdxl").setLevel(logging.INFO)
+    start = time.perf_counter()
+    model = load(options, fallback=True)
+    loaded = time.perf_counter()
+    pipe = model.pipe
+    service = DemoService(
+        pipe, model_label=model.label, max_images_per_core=options.max_images_per_core, max_queued=options.max_queue,
+        max_per_owner=options.max_per_user, notice=model.notice, loras=model.loras, recommended=model.settings,
+    )
+    warm_up = service.images(Settings(prompt="warm-up", guidance_scale=model.settings.guidance_scale, steps=2))
+    compile_seconds = pipe.compile(pipe.programs_for(warm_up), progress=True)
+    warm_start = time.perf_counter()
+    service.queue.wait(service.queue.submit(warm_up))
+    ready = time.perf_counter()
+    print(f"model {model.label} ({pipe.dtype.name}) on {pipe.device_description}; compilation cache "
+          f"{jax.config.jax_compilation_cache_dir}")
+    print(f"startup: load {loaded - start:.1f} s, compile {compile_seconds:.1f} s, "
+          f"warm-up {ready - warm_start:.1f} s, total {ready - start:.1f} s", flush=True)
+    for label, programs in _compiled_in_background(pipe, warm_up, options.max_images_per_core).items():
+        compiling = service.queue.compile_in_background(programs)
+        if compiling is not None:
+            compiling.add_done_callback(functools.partial(_report_background_compile, label))
+    return service
+
+
+def _compiled_in_background(pipe: Pipeline, warm_up: Request, max_images_per_core: int) -> dict[str, list]:
+    """The programs that compile while the demo serves, by label: the batch sizes that "images per
+    core" and merged requests use, the other guidance variant (a guidance scale of 1 or less runs
+    without), then image-to-image and inpainting (and the refiner's handoff), at the first size."""
+    programs = {f"batch {n * pipe.num_devices}": pipe.programs_for(warm_up, n * pipe.num_devices)
+                for n in range(2, max_images_per_core + 1)}
+    other = "without guidance" if warm_up.guided else "with guidance"
+    flipped = dataclasses.replace(warm_up, guidance_scales=(1.0 if warm_up.guided else 5.0,) * len(warm_up))
+    programs[f"batch {len(warm_up)} {other}"] = pipe.programs_for(flipped)
+    pixels = np.zeros((len(warm_up), warm_up.height, warm_up.width, 3), np.uint8)
+    edits = {"image-to-image": dict(images=pixels), "inpainting": dict(images=pixels, masks=pixels[..., 0] == 0)}
+    if pipe.refiner is not None:
+        edits["refining"] = dict(refine_from=DEFAULT_REFINE_FROM)
+    for label, edit in edits.items():
+        programs[label] = pipe.programs_for(dataclasses.replace(warm_up, **edit))
+    return programs
+
+
+def _report_background_compile(label: str, compiling) -> None:
+    error = compiling.exception()
+    outcome = f"failed: {error}" if error else f"{compiling.result():.1f} s"
+    print(f"background compile of {label}: {outcome}", flush=True)
+
+
+def _integer_from(low: int, high: int | None = None):
+    """An argparse type: an integer of at least `low` (and at most `high`)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            bounds = f"from {low} to {high}" if high is not None else f"of at least {low}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {text!r}")
+        return value
+
+    return parse

@@ -1,0 +1,110 @@
+"""The demo's requests, built from a visitor's settings without a server (`sdxl.demo`)."""
+
+import pytest
+from PIL import Image
+
+from sdxl import lora
+from sdxl.demo import DemoService, Settings, fit_to_sizes, lora_parameters
+from sdxl.pipeline import Pipeline
+from sdxl.request import MAX_SEED
+from sdxl.styles import STYLES
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return Pipeline.from_pretrained("tiny", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def service(pipe, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loras")
+    loras = {str(lora.write_random(folder / name, pipe.spec, seed=i)): scale
+             for i, (name, scale) in enumerate((("ink.safetensors", 0.8), ("glow.safetensors", 1.0)))}
+    return DemoService(pipe, model_label="tiny", max_images_per_core=2, loras=loras)
+
+
+def test_form_fields_arrive_by_name_and_lora_scales_by_their_parameters(service):
+    assert service.lora_parameters == ["lora_ink", "lora_glow"]
+    settings = service.settings({"prompt": "a fox", "seed": "7", "lora_glow": 0.5, "lora_ink": 0.25, "steps": 3})
+    assert (settings.prompt, settings.seed, settings.steps) == ("a fox", "7", 3)
+    assert settings.lora_scales == (0.25, 0.5), "in launch order, whatever the form's order"
+    assert service.settings({"prompt": "a fox"}).lora_scales is None
+    assert lora_parameters(["a/x.safetensors", "b/x.safetensors", "c/y-z.safetensors"]) == ["lora_x_0", "lora_x_1",
+                                                                                          "lora_y_z"]
+
+
+def test_images_are_one_per_core_with_the_style_loras_and_first_size(service, pipe):
+    request = service.images(Settings(prompt="a fox", negative_prompt="blur", style="Cinematic", seed=5,
+                                      images_per_core=2, lora_scales=(0.25, 0.0)))
+    assert len(request) == 2 * pipe.num_devices
+    assert request.seeds == (5,) * 8 and request.image_index == tuple(range(8))
+    assert request.prompts[0] == STYLES["Cinematic"].apply("a fox", "blur")[0]
+    assert request.negative_prompts[0].endswith("blur")
+    assert (request.width, request.height) == service.sizes[0]
+    ink = next(source for source in service.loras if source.endswith("ink.safetensors"))
+    assert request.loras == ((ink, 0.25),), "a scale of 0 leaves its LoRA out"
+    assert service.images(Settings(prompt="a fox")).loras == tuple(sorted(service.loras.items()))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (Settings(prompt="  "), "please enter a prompt"),
+    (Settings(prompt="a fox", style="Baroque"), "unknown style 'Baroque'"),
+    (Settings(prompt="a fox", images_per_core=3), "images per core must be an integer from 1 to 2"),
+    (Settings(prompt="a fox", width=100, height=100), "height must be a multiple of 16"),
+    (Settings(prompt="a fox", width=96, height=64), "size 96x64 is not one of this model's sizes"),
+    (Settings(prompt="a fox", lora_scales=(1.0,)), "give one LoRA scale per LoRA"),
+    (Settings(prompt="a fox", lora_scales=(9, 1)), "must be a number from -4 to 4, got 9"),
+    (Settings(prompt="a fox", refine=True), "no refiner is loaded"),
+    (Settings(prompt=["a", "list"]), "prompt must be text, got list"),
+])
+def test_bad_settings_are_refused_with_a_sentence_naming_them(service, settings, message):
+    with pytest.raises(ValueError, match=message):
+        service.images(settings)
+
+
+def test_an_image_edit_is_fitted_to_the_nearest_size_with_its_mask(service):
+    picture = Image.new("RGB", (300, 200), "red")
+    painted = Image.new("L", (300, 200), 0)
+    painted.paste(255, (0, 0, 150, 200))
+    request, note = service.image_edit(Settings(prompt="a fox"), picture, painted, 0.6)
+    width, height = fit_to_sizes(picture, service.sizes)[1]
+    assert (request.width, request.height) == (width, height) and request.images.shape[1:3] == (height, width)
+    assert note.startswith("the image was 300x200; cropped and resized")
+    assert request.strength == 0.6 and request.masks.shape == (len(request), height, width)
+    assert request.masks[:, :, : width // 3].all() and not request.masks[:, :, -width // 3:].any()
+    with pytest.raises(ValueError, match="the mask is 10x10, the image 300x200"):
+        service.image_edit(Settings(prompt="a fox"), picture, Image.new("L", (10, 10)), 0.6)
+    with pytest.raises(ValueError, match="strength must be a number from 0 to 1"):
+        service.image_edit(Settings(prompt="a fox"), picture, None, 2)
+    with pytest.raises(ValueError, match="upload an image"):
+        service.image_edit(Settings(prompt="a fox"), None, None, 0.5)
+
+
+def test_comparisons_share_the_starting_noise_or_step_through_seeds(service):
+    prompts = service.prompt_comparison(Settings(seed=3, style="Anime"), ["a fox", "", "a cat"])
+    assert prompts.prompts == tuple(STYLES["Anime"].apply(p, "")[0] for p in ("a fox", "a cat"))
+    assert prompts.seeds == (3, 3) and prompts.image_index == (0, 0)
+    with pytest.raises(ValueError, match="enter from 1 to 8 prompts"):
+        service.prompt_comparison(Settings(), ["x"] * 9)
+    seeds = service.seed_comparison(Settings(prompt="a fox", seed=10), 3)
+    assert seeds.seeds == (10, 11, 12) and seeds.image_index == (0, 0, 0)
+    with pytest.raises(ValueError, match=f"go past {MAX_SEED}"):
+        service.seed_comparison(Settings(prompt="a fox", seed=MAX_SEED), 2)
+
+
+def test_a_grid_plans_its_cells_into_as_few_device_calls_as_fit(service):
+    settings = Settings(prompt="a red fox", seed=1, steps=2)
+    plan = service.grid(settings, "seed", "1-3", "prompt", "red, blue")
+    assert len(plan.where) == 6 and len(plan.requests) == 1, "prompts and seeds are per-image: one call"
+    cells = [plan.requests[call].prompts[index] for call, index in plan.where]
+    assert cells == ["a red fox"] * 3 + ["a blue fox"] * 3
+    assert [plan.requests[0].seeds[index] for _, index in plan.where] == [1, 2, 3] * 2
+
+    by_scale = service.grid(settings, "lora:ink", "0, 0.5", "steps", "2, 3")
+    assert len(by_scale.requests) == 4, "steps and LoRA scales change the call"
+    loras = {request.loras for request in by_scale.requests}
+    assert len(loras) == 2 and any(all("ink" not in source for source, _ in set_) for set_ in loras)
+    with pytest.raises(ValueError, match="both seed"):
+        service.grid(settings, "seed", "1, 2", "seed", "3")
+    with pytest.raises(ValueError, match="unknown axis 'lora:nope'"):
+        service.grid(settings, "lora:nope", "1", None, "")
