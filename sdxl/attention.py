@@ -47,20 +47,25 @@ def implementation(dtype, head_dim: int) -> str:
     return chosen
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(D)) v, unmasked.  [B, T, H, D], [B, S, H, D] x2 -> [B, T, H, D]."""
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | None = None) -> jax.Array:
+    """softmax(q k^T / sqrt(D)) v.  [B, T, H, D], [B, S, H, D] x2 -> [B, T, H, D].
+
+    `kv_lengths` [B] int32: each image attends to its first `kv_lengths[b]` keys only (a prompt
+    shorter than the batch's longest); None: to all.
+    """
     kernel = implementation(q.dtype, q.shape[-1])
+    arrays = (q, k, v) if kv_lengths is None else (q, k, v, kv_lengths)
     if kernel == "cudnn":
         try:
             with _kernel_scope("cudnn"):
-                return _data_parallel(_cudnn_attention, q, k, v)
+                return _data_parallel(_cudnn_attention, *arrays)
         except (NotImplementedError, RuntimeError) as error:  # an old cuDNN, or a GPU it does not support
             log.warning("cuDNN attention unavailable (%s); using XLA's", error)
             kernel = "xla"
     with _kernel_scope(kernel):
         if kernel == "splash":
-            return _data_parallel(_splash_attention, q, k, v)
-        return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+            return _data_parallel(_splash_attention, *arrays)
+        return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation="xla")
 
 
 def _kernel_scope(kernel: str):
@@ -74,8 +79,8 @@ def kernels_in(compiled: jax.stages.Compiled) -> set[str]:
     return set(re.findall(rf"/({'|'.join(IMPLEMENTATIONS)})_attention/", compiled.as_text()))
 
 
-def _cudnn_attention(q, k, v):
-    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+def _cudnn_attention(q, k, v, kv_lengths=None):
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation="cudnn")
 
 
 def _data_parallel(attention, *arrays):
@@ -101,32 +106,33 @@ def _padded_length(length: int) -> tuple[int, int]:
     return -(-length // block) * block, block
 
 
-def _splash_attention(q, k, v):
+def _splash_attention(q, k, v, kv_lengths=None):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    _, q_length, heads, head_dim = q.shape
+    batch, q_length, heads, head_dim = q.shape
     kv_length = k.shape[1]
     q_padded, block_q = _padded_length(q_length)
     kv_padded, block_kv = _padded_length(kv_length)
     mask = splash.MultiHeadMask([splash.FullMask((q_padded, kv_padded))] * heads)
     blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv)
-    # Padding keys get segment 1 and real queries segment 0, so no real query attends to padding.
-    segments = splash.SegmentIds(
-        q=jnp.asarray(np.arange(q_padded) >= q_length, jnp.int32),
-        kv=jnp.asarray(np.arange(kv_padded) >= kv_length, jnp.int32),
-    )
+    # Padding keys (and each image's keys past its length) get segment 1 and real queries segment 0,
+    # so no real query attends to them.
+    if kv_lengths is None:
+        kv_lengths = jnp.full((batch,), kv_length, jnp.int32)
+    q_segments = jnp.asarray(np.arange(q_padded) >= q_length, jnp.int32)
+    kv_segments = (jnp.arange(kv_padded)[None] >= kv_lengths[:, None]).astype(jnp.int32)  # [B, padded S]
 
     def heads_major(x, length):  # [B, L, H, D] -> [B, H, padded L, D]
         return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
     def attend(interpret: bool):
         kernel = splash.make_splash_mha_single_device(mask, block_sizes=blocks, interpret=interpret)
-        return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=segments))
+        return jax.vmap(lambda q, k, v, kv: kernel(q, k, v, segment_ids=splash.SegmentIds(q=q_segments, kv=kv)))
 
     q = heads_major(q * jnp.asarray(1 / math.sqrt(head_dim), q.dtype), q_padded)  # splash does not scale
     # Decided by the platform the program is lowered for, not the host's: a CPU host can lower
     # (and the tests do) a TPU program, whose kernel Mosaic must compile.
     out = jax.lax.platform_dependent(
-        q, heads_major(k, kv_padded), heads_major(v, kv_padded), tpu=attend(False), default=attend(True)
+        q, heads_major(k, kv_padded), heads_major(v, kv_padded), kv_segments, tpu=attend(False), default=attend(True)
     )
     return out.transpose(0, 2, 1, 3)[:, :q_length]

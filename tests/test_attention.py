@@ -35,6 +35,21 @@ def test_splash_matches_xla_attention(monkeypatch, q_length, kv_length, heads, h
     np.testing.assert_allclose(got, expected, atol=2e-6)
 
 
+@pytest.mark.parametrize("kernel", ["xla", "splash"])
+def test_each_image_attends_to_its_own_number_of_keys(monkeypatch, kernel):
+    """A batch's shorter prompts: keys past an image's length are left out, as if they were not there,
+    on a mesh as on one device."""
+    monkeypatch.setenv("SDXL_ATTENTION", kernel)
+    q, k, v = _qkv(4, 96, 231, 2, 32)  # three 77-token chunks
+    lengths = jnp.array([77, 231, 154, 77], jnp.int32)
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    with jax.set_mesh(mesh):
+        got = jax.jit(attention.dot_product_attention)(q, k, v, lengths)
+    for b, length in enumerate(lengths):
+        alone = jax.nn.dot_product_attention(q[b:b + 1], k[b:b + 1, :length], v[b:b + 1, :length])
+        np.testing.assert_allclose(got[b:b + 1], alone, atol=2e-6)
+
+
 def test_splash_in_bfloat16_is_close_to_float32(monkeypatch):
     q, k, v = _qkv(1, 256, 77, 2, 64)
     expected = jax.nn.dot_product_attention(q, k, v)
