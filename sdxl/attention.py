@@ -6,6 +6,10 @@
 - GPU in bfloat16 or float16: cuDNN's flash attention, through `jax.nn.dot_product_attention`.
 - Everything else (CPU; float32 on a GPU, which cuDNN's kernel does not take): XLA's attention.
 
+The backend is the platform of the devices the program is traced for: those of the mesh in context
+(`jax.set_mesh`), else the host's. So a CPU host that compiles for a TPU topology's mesh (`python -m
+sdxl bench --topology`) traces the TPU's kernels, as the TPU would.
+
 `SDXL_ATTENTION=xla|splash|cudnn` overrides the choice when a model is traced; `xla` is the
 fallback should a kernel misbehave on some accelerator. Lowered for anything but a TPU, `splash`
 runs the same kernel in Pallas' interpreter: far too slow to serve, but it is how the tests check
@@ -34,12 +38,18 @@ SPLASH_LANES = 128
 SPLASH_MAX_BLOCK = 512
 
 
+def target_platform() -> str:
+    """The platform being traced for: the devices' of the mesh in context, else the host's backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return jax.default_backend() if device is None else device.platform
+
+
 def implementation(dtype, head_dim: int) -> str:
-    """The kernel for this backend, or the one SDXL_ATTENTION names; XLA where it can't take the shape."""
+    """The kernel for the target platform, or the one SDXL_ATTENTION names; XLA where it can't take the shape."""
     chosen = kernel_override("SDXL_ATTENTION", IMPLEMENTATIONS)
     if not chosen:
-        backend = jax.default_backend()
-        chosen = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "cudnn"}.get(backend, "xla")
+        chosen = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "cudnn"}.get(target_platform(), "xla")
     # cuDNN's flash attention takes 16-bit inputs and heads up to 128 wide: not the VAE's 512-wide head.
     cudnn_takes = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim <= 128 and head_dim % 8 == 0
     if chosen == "cudnn" and not cudnn_takes:

@@ -101,6 +101,17 @@ def test_accelerators_default_to_their_flash_kernels(monkeypatch):
     assert attention.implementation(jnp.float32, 64) == "xla"
 
 
+def test_the_mesh_in_context_names_the_platform(monkeypatch):
+    """A program is traced for its mesh's devices, whatever the host's backend: a CPU host compiling for
+    a TPU topology traces splash (`tests/test_topology.py`), and a CPU mesh keeps XLA's attention."""
+    monkeypatch.delenv("SDXL_ATTENTION", raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with jax.set_mesh(Mesh(np.array(jax.devices()), ("batch",))):
+        assert attention.target_platform() == "cpu"
+        assert attention.implementation(jnp.bfloat16, 64) == "xla"
+    assert attention.implementation(jnp.bfloat16, 64) == "splash"
+
+
 def test_cudnn_falls_back_to_xla_where_cudnn_is_missing(monkeypatch):
     """On this CPU the cuDNN call fails as it does on a GPU without a usable cuDNN: alone, and per
     device under the pipeline's mesh."""
