@@ -3,7 +3,6 @@
 from .checkpoints import CheckpointError
 from .compilation import CompileCounter, enable_compilation_cache
 from .pipeline import Generation, NonFiniteImageError, Pipeline
-from .prompts import PromptTruncatedWarning
 from .request import Request
 
 __all__ = [
@@ -12,7 +11,6 @@ __all__ = [
     "Generation",
     "NonFiniteImageError",
     "Pipeline",
-    "PromptTruncatedWarning",
     "Request",
     "enable_compilation_cache",
 ]

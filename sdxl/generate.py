@@ -5,14 +5,12 @@ SDXL refiner's two uses) and renders it; everything else about a request is `Pip
 """
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from . import images
-from .prompts import PromptTruncatedWarning
 from .request import DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_strength
 
 
@@ -37,6 +35,7 @@ def generate(
     aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[0],
     negative_aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[1],
     refine_from: float | None = None,
+    emphasis: str = "original",
     padding_mask_crop: int | None = None,
     output_type: str = "pil",
 ):
@@ -47,8 +46,10 @@ def generate(
     region after every step). Where the arguments differ from diffusers':
 
     Args:
-      prompt, negative_prompt: a string for every image, or a list with one per image. An empty
-        negative prompt is none: SDXL's conditioning is then zeros (force_zeros_for_empty_prompt).
+      prompt, negative_prompt: a string for every image, or a list with one per image, read as webui
+        reads them (`sdxl.prompt_syntax`): (weights:1.2), BREAK, up to 8 chunks of 75 tokens, and in
+        the prompt `<lora:NAME:SCALE>` tags naming LoRAs given to `set_loras`. An empty negative prompt
+        is none: SDXL's conditioning is then zeros (force_zeros_for_empty_prompt).
       num_images: default the prompt or image list's length, else one image per device.
       sampler: a name in `sampling.SAMPLERS`; default the one that reproduces the checkpoint's scheduler.
       latents: [N, C, h, w] noise in diffusers' layout, replacing the seeded noise.
@@ -59,6 +60,8 @@ def generate(
         inpainting 0.9999 and 1.
       refine_from: finish with the refiner (`Pipeline.set_refiner`) from this fraction of the noise:
         diffusers' two handoff calls as one.
+      emphasis: how weights apply: "original" (webui's default, each chunk keeps its mean), "no-norm",
+        or "none" (brackets read as text).
       output_type: "pil", "np" (float32 [N, H, W, 3] in [0, 1]) or "latent" ([N, h, w, C] left on the devices).
 
     Raises:
@@ -92,12 +95,10 @@ def generate(
     request = dataclasses.replace(
         request, images=image, masks=mask_image, strength=strength, denoising_start=denoising_start,
         denoising_end=denoising_end, start_latents=start_latents,
-        aesthetic_scores=(aesthetic_score, negative_aesthetic_score), refine_from=refine_from,
+        aesthetic_scores=(aesthetic_score, negative_aesthetic_score), refine_from=refine_from, emphasis=emphasis,
     )
     result = pipe.render(request, output_type=output_type)
     result.raise_if_not_finite()
-    for p in result.truncated_prompts:
-        warnings.warn(PromptTruncatedWarning(f"prompt truncated to {pipe.spec.max_tokens} tokens: {p!r}"), stacklevel=2)
     return images.to_pil(result.images) if output_type == "pil" else result.images
 
 

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from . import mesh as meshes
 from .program import PER_CALL_INPUTS, GenerateProgram, Inputs
+from .prompts import Tokens
 from .request import Request
 from .sampling import SAMPLERS
 from .schedulers import Schedule, SchedulerConfig
@@ -71,7 +72,7 @@ def host_inputs(program: GenerateProgram, request: Request, steps: tuple[int, in
         values = np.asarray(values, dtype=dtype)
         return values if n == program.batch else np.concatenate([values, np.repeat(values[-1:], program.batch - n, 0)])
 
-    ids, _ = request.tokens
+    tokens = request.tokens
     zero_negative = [spec.force_zeros_for_empty_prompt and not p for p in request.negative_prompts]
     time_ids = None
     if spec.is_sdxl:
@@ -88,7 +89,10 @@ def host_inputs(program: GenerateProgram, request: Request, steps: tuple[int, in
         start = {"image": per_image(request.start_latents, np.float32)}
     first, stop = steps
     return Inputs(
-        ids=per_image(ids, np.int32),
+        ids=per_image(tokens.ids, np.int32),
+        weights=per_image(tokens.weights, np.float32),
+        rescale=per_image(tokens.rescale, np.bool_),
+        chunks=per_image(tokens.chunks, np.int32) if program.chunks > 1 else None,
         zero_negative=per_image(zero_negative, np.bool_),
         time_ids=time_ids,
         seeds=per_image(request.seeds, np.uint32),
@@ -134,10 +138,11 @@ def placeholder(program: GenerateProgram) -> Request:
     def zeros(*shape):
         return np.broadcast_to(np.float32(0), shape)
 
-    tokens = np.zeros((n, 2, len(spec.text_encoders), spec.max_tokens), np.int32)
+    shape = (n, 2, len(spec.text_encoders), program.chunks * spec.max_tokens)
+    tokens = Tokens(np.zeros(shape, np.int32), np.ones(shape, np.float32), np.ones((n, 2), np.int32), np.ones(n, bool))
     guidance = 2.0 if program.guided else 1.0
     request = Request(("",) * n, ("",) * n, (0,) * n, (0,) * n, (guidance,) * n, 1, program.height, program.width,
-                      program.sampler, tokens=(tokens, ()))
+                      program.sampler, tokens=tokens)
     latents = zeros(n, *spec.latent_shape(program.height, program.width))
     return dataclasses.replace(
         request,

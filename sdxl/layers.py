@@ -13,6 +13,7 @@ Conv kernels (12%) keep `nn.Conv`'s HWIO layout, which the loader transposes to.
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -152,6 +153,14 @@ class ResnetBlock2D(nn.Module):
         return (x + h) / self.output_scale_factor
 
 
+class Context(NamedTuple):
+    """What cross-attention attends to: the text's token states, and how many of them each image's
+    prompt has (a prompt of fewer chunks than the batch's longest); None: all of them."""
+
+    states: jax.Array  # [B, S, D]
+    lengths: jax.Array | None = None  # [B] int32
+
+
 class Attention(nn.Module):
     """Multi-head attention of `x` over `context` (over itself when `context` is None).
 
@@ -163,7 +172,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, context=None):  # [B, T, C], [B, S, D] -> [B, T, C]
+    def __call__(self, x, context: Context | None = None):  # [B, T, C], [B, S, D] -> [B, T, C]
         batch, length, channels = x.shape
         head_dim = channels // self.num_heads
 
@@ -171,12 +180,14 @@ class Attention(nn.Module):
             y = Linear(channels, use_bias=self.qkv_bias, dtype=self.dtype, name=name)(inputs)
             return y.reshape(batch, -1, self.num_heads, head_dim)
 
+        lengths = None
         if context is None:
             key, value = project("to_k", x), project("to_v", x)
         else:  # the text's keys and values: the same in every denoising step
-            key = step_invariant(self, "key", lambda: project("to_k", context))
-            value = step_invariant(self, "value", lambda: project("to_v", context))
-        out = dot_product_attention(project("to_q", x), key, value)
+            key = step_invariant(self, "key", lambda: project("to_k", context.states))
+            value = step_invariant(self, "value", lambda: project("to_v", context.states))
+            lengths = context.lengths
+        out = dot_product_attention(project("to_q", x), key, value, lengths)
         return Linear(channels, dtype=self.dtype, name="to_out.0")(out.reshape(batch, length, channels))
 
 

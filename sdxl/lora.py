@@ -30,10 +30,12 @@ single-file key map. A key that no rule or table entry explains is an error that
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
 import re
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,6 +89,7 @@ class Lora:
 
     name: str
     layers: tuple[LoraLayer, ...]
+    short_hash: str  # as webui's "Lora hashes" show it (`short_hash`)
 
 
 def targets(spec: ModelSpec) -> dict[str, dict[str, tuple[str, ...]]]:
@@ -177,7 +180,7 @@ def read(path: str | os.PathLike, spec: ModelSpec, name: str | None = None) -> L
         layers.append(LoraLayer(component, module, down, up, factor))
     if problems:
         raise CheckpointError(f"LoRA {where} does not fit the model:\n" + "\n".join(f"  {p}" for p in problems))
-    return Lora(where, tuple(layers))
+    return Lora(where, tuple(layers), short_hash(path))
 
 
 def _layer_of(key: str, kohya: dict) -> tuple[str, str, str] | None:
@@ -291,6 +294,27 @@ def write_random(path: str | os.PathLike, spec: ModelSpec, *, rank: int = 4, see
             tensors[f"{component}.{module}.lora_B.weight"] = up.astype(dtype)
     safetensors.numpy.save_file(tensors, path)
     return Path(path)
+
+
+def short_hash(path: str | os.PathLike) -> str:
+    """A LoRA file's hash as webui shows it in "Lora hashes": 12 hex digits.
+
+    For a .safetensors file: the `sshs_model_hash` that sd-scripts wrote into its metadata when there is
+    one, else the SHA-256 of the bytes after the header (sd-scripts' "addnet" hash, Civitai's AutoV3).
+    For another file, the SHA-256 of the whole file.
+    """
+    path = Path(path)
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        if path.suffix.lower() == ".safetensors":
+            (header_length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(header_length))
+            recorded = (header.get("__metadata__") or {}).get("sshs_model_hash")
+            if recorded:
+                return recorded[:12]
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:12]
 
 
 def locate(source: str) -> Path:

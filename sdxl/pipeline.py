@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from . import checkpoints, inputs, lora, mesh as meshes
+from . import checkpoints, inputs, lora, mesh as meshes, prompt_syntax
 from .checkpoints import ModelSpec
 from .compiled import Executables, ProgressReports, run_in_stages
 from .generate import generate
@@ -39,16 +39,11 @@ class Generation:
     images: np.ndarray  # [N, H, W, 3] uint8, or float32 in [0, 1]; or a jax.Array of latents, left on the devices
     finite: np.ndarray  # [N] bool: False where the model produced NaN/inf
     devices: list[str]  # the device that rendered each image
-    truncated_prompts: list[str]
     seconds: float  # the whole call's time, compilation included
 
-    def part(self, start: int, stop: int, request: Request) -> "Generation":
-        """Images start..stop-1 of a merged batch: `request`'s share."""
-        texts = set(request.prompts) | set(request.negative_prompts)
-        return Generation(
-            self.images[start:stop], self.finite[start:stop], self.devices[start:stop],
-            [p for p in self.truncated_prompts if p in texts], self.seconds,
-        )
+    def part(self, start: int, stop: int) -> "Generation":
+        """Images start..stop-1 of a merged batch: one request's share."""
+        return Generation(self.images[start:stop], self.finite[start:stop], self.devices[start:stop], self.seconds)
 
     def raise_if_not_finite(self) -> None:
         if not self.finite.all():
@@ -75,7 +70,7 @@ class Pipeline:
         self.base_params = params  # as loaded; `params` is them with the active LoRAs applied
         self.params = params
         self.loras: dict[str, float] = {}  # the active LoRAs: {source: scale}
-        self._lora_files: dict[str, lora.Lora] = {}
+        self.lora_files: dict[str, lora.Lora] = {}  # every LoRA read (`set_loras`), by source
         self.prompts = Prompts(spec, tokenizers)
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
@@ -178,10 +173,27 @@ class Pipeline:
             raise checkpoints.CheckpointError(f"the refiner {refiner.name} is an inpainting model")
 
     def validated(self, request: Request) -> Request:
-        """The request checked against this model and converted (`Request.validated`). Raises ValueError."""
+        """The request checked against this model and converted (`Request.validated`), with the LoRAs its
+        prompts' tags name (`<lora:NAME:SCALE>`) at their scales. Raises ValueError."""
         if request.refine_from is not None and self.refiner is None:
             raise ValueError("no refiner is loaded to refine with (start the demo or the CLI with --refiner)")
-        return request.validated(self.spec, max_steps=self.max_steps)
+        request = request.validated(self.spec, max_steps=self.max_steps)
+        tags = {tuple(prompt_syntax.lora_tags(prompt)[1]) for prompt in request.prompts}
+        if tags == {()}:
+            return request
+        if len(tags) > 1:
+            raise ValueError("the prompts of one request name different LoRA tags; give each its own request")
+        scales = {}  # a LoRA tagged twice applies twice, as in webui: the scales add
+        for name, scale in tags.pop():
+            scales[name] = scales.get(name, 0.0) + scale
+        loaded = {lora.display_name(source): source for source in self.lora_files}
+        loras = dict(self.loras if request.loras is None else request.loras)
+        for name, scale in scales.items():
+            if name not in loaded:
+                names = ", ".join(sorted(loaded)) or "none is loaded"
+                raise ValueError(f"the prompt names the LoRA {name!r}, which is not loaded; the loaded ones: {names}")
+            loras[loaded[name]] = scale
+        return dataclasses.replace(request, loras=tuple(loras.items())).validated(self.spec, max_steps=self.max_steps)
 
     def tokenized(self, request: Request) -> Request:
         return self.prompts.tokenized(request)
@@ -191,13 +203,14 @@ class Pipeline:
     def program_for(self, request: Request, num_images: int | None = None, output_type: str = "pil") -> GenerateProgram:
         """The program that renders `request` (at `num_images`, by default its own count) on this model."""
         spec = self.spec
+        tokens = (request if request.tokens is not None else self.tokenized(request)).tokens
         return GenerateProgram(
             spec, request.sampler or spec.default_sampler, request.height, request.width,
             self.padded_batch(num_images or len(request)), self.dtype, self.max_steps, output_type,
             # An LCM UNet takes the guidance scale as an embedding, with no unconditional pass (as diffusers).
             guided=request.guided and spec.unet.time_cond_proj_dim is None,
             start_from=request.start_from, inpaint=request.masks is not None, given_noise=request.noise is not None,
-            preview_factors=self.preview_factors,
+            chunks=tokens.num_chunks, preview_factors=self.preview_factors,
         )
 
     def programs_for(self, request: Request, num_images: int | None = None, output_type: str = "pil"):
@@ -249,9 +262,9 @@ class Pipeline:
             return 0.0
         start = time.perf_counter()
         for source in wanted:
-            if source not in self._lora_files:
-                self._lora_files[source] = lora.read(lora.locate(source), self.spec, name=source)
-        layers = [(self._lora_files[source], scale) for source, scale in wanted.items()]
+            if source not in self.lora_files:
+                self.lora_files[source] = lora.read(lora.locate(source), self.spec, name=source)
+        layers = [(self.lora_files[source], scale) for source, scale in wanted.items()]
         replicated = meshes.replicated(self.mesh)
         self.params = jax.block_until_ready(lora.apply(self.base_params, layers, lambda a: meshes.place(a, replicated)))
         self.loras = wanted
@@ -308,8 +321,7 @@ class Pipeline:
                 return None
             images, finite = rendered
         images = images[:n] if output_type == "latent" else meshes.fetch(images)[:n]
-        truncated = list(request.tokens[1])
-        return Generation(images, meshes.fetch(finite)[:n], self.devices_of(n), truncated, time.perf_counter() - start)
+        return Generation(images, meshes.fetch(finite)[:n], self.devices_of(n), time.perf_counter() - start)
 
     def _handoff(self, request: Request) -> tuple[Request, Request]:
         """A request with `refine_from` as its two parts: this model's down to that fraction of the
@@ -341,5 +353,4 @@ class Pipeline:
         )
         if second is not None:
             second.seconds += first.seconds
-            second.truncated_prompts = list(dict.fromkeys(first.truncated_prompts + second.truncated_prompts))
         return second

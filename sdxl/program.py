@@ -47,7 +47,13 @@ OUTPUT_TYPES = ("pil", "np", "latent")
 class Inputs:
     """One batch's array inputs, B images (padded to a multiple of the device count)."""
 
-    ids: jax.Array  # [B, 2, E, T] int32 token ids; axis 1 is (negative, positive), axis 2 the text encoders
+    # [B, 2, E, K * 77] int32 token ids, K chunks (`sdxl.prompts.Tokens`); axis 1 is (negative, positive),
+    # axis 2 the text encoders; and each token's weight, float32.
+    ids: jax.Array
+    weights: jax.Array
+    rescale: jax.Array  # [B] bool: weighted chunks keep their mean (webui's "original" emphasis)
+    # [B, 2] int32: each prompt's chunks, those after them unread; None when every prompt has the one chunk.
+    chunks: jax.Array | None
     zero_negative: jax.Array  # [B] bool: all-zero negative conditioning (SDXL's empty negative prompt)
     time_ids: jax.Array | None  # [B, 2, K] float32 SDXL's size (and aesthetic score) ids, (negative, positive)
     seeds: jax.Array  # [B] uint32; image b's noise depends only on (seeds[b], image_index[b])
@@ -94,23 +100,46 @@ class Known:
     masked_latents: jax.Array | None  # [B, h, w, C] the kept pixels' latents (9-channel inpainting UNets' input)
 
 
-def encode_text(spec: ModelSpec, params: dict, ids: jax.Array, dtype) -> tuple[jax.Array, jax.Array | None]:
-    """Text conditioning as the diffusers pipelines compute it.
+def encode_text(
+    spec: ModelSpec, params: dict, ids: jax.Array, weights: jax.Array, rescale: jax.Array, dtype
+) -> tuple[jax.Array, jax.Array | None]:
+    """Text conditioning as webui computes it chunk by chunk; for an unweighted prompt of one chunk,
+    as the diffusers pipelines do.
 
     Args:
-      ids: [B, E, T] token ids, one row per text encoder.
+      ids, weights: [B, E, K * 77] token ids and their weights, one row per text encoder, K chunks.
+      rescale: [B] bool, whether weighted chunks keep their mean (`emphasized`).
 
     Returns:
-      context: [B, T, D] cross-attention states. SDXL: both encoders' penultimate hidden states,
-        concatenated; SD 1.x/2.x: the single encoder's last (final-normed) hidden state.
-      pooled: [B, P] the last encoder's projected pooled output (SDXL), else None.
+      context: [B, K * 77, D] cross-attention states, the chunks' side by side. SDXL: both encoders'
+        penultimate hidden states, concatenated; SD 1.x/2.x: the single encoder's last (final-normed) one.
+      pooled: [B, P] the last encoder's projected pooled output of the first chunk, unweighted (SDXL), else None.
     """
+    batch, _, length = ids.shape
+    chunks = length // spec.max_tokens
+    per_chunk = jnp.repeat(rescale, chunks)
     states, pooled = [], None
     for e, (name, config) in enumerate(zip(spec.text_encoder_names, spec.text_encoders)):
-        out = clip.CLIPTextModel(config, dtype=dtype).apply({"params": params[name]}, ids[:, e])
-        states.append(out.hidden_states[-2] if spec.is_sdxl else out.last_hidden_state)
-        pooled = out.text_embeds
+        encoder = clip.CLIPTextModel(config, dtype=dtype)
+        out = encoder.apply({"params": params[name]}, ids[:, e].reshape(batch * chunks, -1))
+        hidden = out.hidden_states[-2] if spec.is_sdxl else out.last_hidden_state  # [B * K, 77, D_e]
+        weighted = emphasized(hidden, weights[:, e].reshape(batch * chunks, -1), per_chunk)
+        states.append(weighted.reshape(batch, length, -1))
+        if out.text_embeds is not None:
+            pooled = out.text_embeds.reshape(batch, chunks, -1)[:, 0]
     return jnp.concatenate(states, axis=-1), (pooled if spec.is_sdxl else None)
+
+
+def emphasized(hidden: jax.Array, weights: jax.Array, rescale: jax.Array) -> jax.Array:
+    """webui's emphasis (`sdxl.prompt_syntax.emphasize`): each token's states times its weight, then,
+    where `rescale`, the chunk scaled so that its mean over every token and feature is what it was.
+
+    Args: hidden [C, 77, D] one chunk per row; weights [C, 77]; rescale [C] bool.
+    """
+    weighted = hidden * weights[..., None].astype(hidden.dtype)
+    mean, weighted_mean = (x.astype(jnp.float32).mean(axis=(1, 2)) for x in (hidden, weighted))
+    factor = jnp.where(rescale, mean / weighted_mean, 1.0)
+    return weighted * factor[:, None, None].astype(hidden.dtype)
 
 
 def unscaled_latents(spec: ModelSpec, latents: jax.Array) -> jax.Array:
@@ -188,6 +217,7 @@ class GenerateProgram:
     start_from: str = "noise"  # one of `START_FROM`
     inpaint: bool = False  # `Inputs.mask` says what to repaint; the rest is kept (`Known`)
     given_noise: bool = False  # `Inputs.noise` replaces the seeded starting noise
+    chunks: int = 1  # the prompts' chunks of 77 tokens (`sdxl.prompts.CHUNK_COUNTS`)
     # `previews.project`'s (matrix, bias) for the previews `denoise` returns; None: the family's.
     preview_factors: tuple | None = None
 
@@ -195,14 +225,17 @@ class GenerateProgram:
         """Text conditioning, the starting latents and the sampler's state."""
         spec = self.spec
         if self.guided:  # [2B]: (negative, positive) pairs, a zeroed negative where asked
-            ids = inputs.ids.reshape(-1, *inputs.ids.shape[2:])
+            rows = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])  # noqa: E731
             keep = _interleave(~inputs.zero_negative, jnp.ones_like(inputs.zero_negative))
-            time_ids = None if inputs.time_ids is None else inputs.time_ids.reshape(-1, inputs.time_ids.shape[-1])
+            rescale = _interleave(inputs.rescale, inputs.rescale)
         else:  # [B]: the prompts alone
-            ids, keep = inputs.ids[:, 1], jnp.ones(inputs.ids.shape[0], bool)
-            time_ids = None if inputs.time_ids is None else inputs.time_ids[:, 1]
-        context, pooled = encode_text(spec, params, ids, self.dtype)
+            rows = lambda x: None if x is None else x[:, 1]  # noqa: E731
+            keep, rescale = jnp.ones(inputs.ids.shape[0], bool), inputs.rescale
+        time_ids = rows(inputs.time_ids)
+        context, pooled = encode_text(spec, params, rows(inputs.ids), rows(inputs.weights), rescale, self.dtype)
         cond = {"encoder_hidden_states": context * keep[:, None, None].astype(context.dtype)}
+        if inputs.chunks is not None:  # shorter prompts attend to their own chunks only
+            cond["encoder_lengths"] = rows(inputs.chunks) * spec.max_tokens
         if spec.is_sdxl:
             cond["text_embeds"] = pooled * keep[:, None].astype(pooled.dtype)
             cond["time_ids"] = time_ids

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .prompt_syntax import EMPHASIS_MODES
 from .sampling import SAMPLERS, WHOLE_SCHEDULE_ONLY
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
@@ -24,9 +25,10 @@ DEFAULT_GUIDANCE_SCALE = 5.0
 MAX_SEED = 2**32 - 1
 GUIDANCE_SCALE_RANGE = (0.0, 20.0)
 MAX_SIZE = 4096
-# Far more than the text encoders' 77 tokens read, and little enough that tokenizing it costs
-# milliseconds: a megabyte of prompt held a shared device queue for seconds.
+# About what the 8 chunks of 75 tokens a prompt may have hold, and little enough that tokenizing it
+# costs milliseconds: a megabyte of prompt held a shared device queue for seconds.
 MAX_PROMPT_CHARACTERS = 2000
+
 # LoRA scales people use run from about -2 (slider LoRAs, reversed) to 2; beyond 4 images break up.
 LORA_SCALE_RANGE = (-4.0, 4.0)
 # The SDXL refiner's aesthetic-score conditioning: its training scores ran from 0 to 10; diffusers'
@@ -81,7 +83,7 @@ def _text(value, label: str) -> str:
     if len(value) > MAX_PROMPT_CHARACTERS:
         raise ValueError(
             f"{label} is {len(value)} characters long; at most {MAX_PROMPT_CHARACTERS} are taken "
-            "(the text encoders read 77 tokens, a few hundred characters)"
+            "(a prompt may have 8 chunks of 75 tokens)"
         )
     return value
 
@@ -127,9 +129,10 @@ class Request:
     refine_from: float | None = None
     # The refiner's conditioning (`ModelSpec.requires_aesthetics_score`); other models ignore them.
     aesthetic_scores: tuple[float, float] = DEFAULT_AESTHETIC_SCORES  # (positive, negative)
-    # The prompts already tokenized (`Pipeline.tokenized`): ([N, 2, E, T] int32 ids of the (negative,
-    # positive) prompts for each text encoder, the prompts that were truncated); None: at render time.
-    tokens: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
+    emphasis: str = "original"  # one of `EMPHASIS_MODES`
+    # The prompts as the encoders read them (`sdxl.prompts.Tokens`, made by `Pipeline.tokenized`);
+    # None: made at render time.
+    tokens: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_prompt(
@@ -185,14 +188,15 @@ class Request:
         return (
             self.height, self.width, self.steps, self.sampler, self.loras, self.start_from, self.masks is not None,
             self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores, self.refine_from,
+            self.emphasis,
         )
 
     @property
     def batch_key(self) -> tuple:
-        """Requests with equal keys share a call in the device queue: equal `call_settings`, and all
-        needing guidance or none (a request without would otherwise pay for the other's second UNet
-        pass)."""
-        return self.call_settings, self.guided
+        """Requests with equal keys share a call in the device queue: equal `call_settings`, all needing
+        guidance or none (a request without would otherwise pay for the other's second UNet pass), and
+        prompts of as many chunks (a short one would pay for the other's long context)."""
+        return self.call_settings, self.guided, None if self.tokens is None else self.tokens.num_chunks
 
     @classmethod
     def merged(cls, requests: Sequence["Request"]) -> "Request":
@@ -203,11 +207,8 @@ class Request:
             name: None if getattr(first, name) is None else np.concatenate([getattr(r, name) for r in requests])
             for name in ("images", "masks")
         }
-        if all(r.tokens is not None for r in requests):
-            ids = np.concatenate([r.tokens[0] for r in requests])
-            arrays["tokens"] = ids, tuple(dict.fromkeys(p for r in requests for p in r.tokens[1]))
-        else:
-            arrays["tokens"] = None
+        tokens = [r.tokens for r in requests]
+        arrays["tokens"] = None if any(t is None for t in tokens) else type(tokens[0]).merged(tokens)
         return dataclasses.replace(
             first,
             **{f: tuple(v for r in requests for v in getattr(r, f)) for f in _PER_IMAGE},
@@ -259,6 +260,7 @@ class Request:
             guidance_scales=tuple(guidance_scale(g) for g in self.guidance_scales),
             steps=steps,
             sampler=sampler,
+            emphasis=_choice(self.emphasis, "emphasis", EMPHASIS_MODES),
             loras=None if self.loras is None else _active(self.loras),
             images=None if self.images is None else _pixels(self.images),
             masks=None if self.masks is None else np.asarray(self.masks, np.float32) > 0.5,
@@ -313,6 +315,12 @@ class Request:
                 f"the {sampler} sampler runs whole schedules only; choose another for image-to-image, "
                 "inpainting below strength 1, or a refiner handoff"
             )
+
+
+def _choice(value, label: str, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"{label} must be one of {', '.join(choices)}, got {value!r}")
+    return value
 
 
 def _pixels(images) -> np.ndarray:

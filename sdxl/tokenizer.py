@@ -18,7 +18,7 @@ from .weights import CheckpointError
 # A fast tokenizer keeps its padding and truncation settings in shared state that each call sets
 # before it encodes: two threads tokenizing at once (the demo tokenizes in each submitting request's
 # thread) could pad one call's ids by the other's settings. One call at a time: each takes well under a millisecond.
-_ONE_CALL_AT_A_TIME = threading.Lock()
+one_call_at_a_time = threading.Lock()
 
 
 def load_tokenizer(folder: Path) -> CLIPTokenizer:
@@ -37,20 +37,10 @@ def tokenize(tokenizer: CLIPTokenizer, prompts: list[str], length: int) -> tuple
       ids: [len(prompts), length] int32.
       truncated: for each prompt, whether tokens beyond `length` were dropped.
     """
-    with _ONE_CALL_AT_A_TIME:
+    with one_call_at_a_time:
         full = tokenizer(prompts, truncation=False, padding=False).input_ids
         ids = tokenizer(prompts, padding="max_length", max_length=length, truncation=True).input_ids
     return np.asarray(ids, dtype=np.int32), [len(f) > length for f in full]
-
-
-def kept_text(tokenizer: CLIPTokenizer, prompt: str, length: int) -> str:
-    """The part of `prompt` that `length` tokens (with the start and end tokens) hold: the prompt
-    itself, or its beginning when `tokenize` truncates it."""
-    with _ONE_CALL_AT_A_TIME:
-        offsets = tokenizer(prompt, truncation=False, return_offsets_mapping=True)["offset_mapping"]
-    if len(offsets) <= length:
-        return prompt
-    return prompt[: offsets[length - 2][1]]  # the last token before the end token
 
 
 def write_byte_level_tokenizer(folder: Path, max_length: int = 77) -> int:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .layers import Attention, Conv3x3, Downsample2D, Linear, ResnetBlock2D, Upsample2D, group_norm
+from .layers import Attention, Context, Conv3x3, Downsample2D, Linear, ResnetBlock2D, Upsample2D, group_norm
 
 DOWN_BLOCK_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
 UP_BLOCK_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
@@ -389,7 +389,10 @@ class UNet2DConditionModel(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None, timestep_cond=None):
+    def __call__(
+        self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None, timestep_cond=None,
+        encoder_lengths=None,
+    ):
         """Runs the UNet.
 
         Args:
@@ -401,6 +404,8 @@ class UNet2DConditionModel(nn.Module):
             top-left, target size); required for addition_embed_type 'text_time'.
           timestep_cond: [B, time_cond_proj_dim] the guidance embedding (`guidance_scale_embedding`);
             required when the config has a time_cond_proj_dim (LCM UNets).
+          encoder_lengths: [B] int32, how many of the text tokens each image attends to (diffusers'
+            `encoder_attention_mask` as lengths): the rest is padding of a shorter prompt. None: all.
 
         Returns:
           [B, H, W, out_channels] in `dtype`.
@@ -409,7 +414,7 @@ class UNet2DConditionModel(nn.Module):
         dtype = self.dtype
         batch = sample.shape[0]
         x = sample.astype(dtype)
-        context = encoder_hidden_states.astype(dtype)
+        context = Context(encoder_hidden_states.astype(dtype), encoder_lengths)
 
         timesteps = jnp.broadcast_to(jnp.asarray(timesteps, jnp.float32), (batch,))
         t_emb = timestep_embedding(timesteps, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)

@@ -5,6 +5,7 @@ modules, in the format under test), loads the same file into diffusers, which co
 with its own code, and compares images: a name we map to the wrong layer changes the picture.
 """
 
+import hashlib
 import json
 import math
 
@@ -303,3 +304,29 @@ def test_loras_as_users_hold_them_a_hub_repo_and_a_half_precision_kohya_file(sdx
     read_half = lora.read(tmp_path / "kohya-fp16.safetensors", pipe.spec)
     assert {x.factor for x in read_half.layers} == {3.0 / 2, 3.0 / 4}  # alpha 3 over ranks 2 and 4
     assert all(x.down.dtype == np.float32 for x in read_half.layers)
+
+
+def test_lora_short_hash_is_sha256_of_the_data_after_the_header(tmp_path):
+    path = tmp_path / "foxy.safetensors"
+    safetensors.numpy.save_file({"a.lora_down.weight": np.arange(12, dtype=np.float32).reshape(3, 4)}, str(path),
+                                metadata={"ss_output_name": "foxy"})
+    data = path.read_bytes()
+    header_length = int.from_bytes(data[:8], "little")
+    expected = hashlib.sha256(data[8 + header_length:]).hexdigest()[:12]
+    assert lora.short_hash(path) == expected
+    assert expected != hashlib.sha256(data).hexdigest()[:12]
+    # Metadata does not change it: only the tensors' bytes count.
+    other = tmp_path / "renamed.safetensors"
+    safetensors.numpy.save_file({"a.lora_down.weight": np.arange(12, dtype=np.float32).reshape(3, 4)}, str(other),
+                                metadata={"ss_output_name": "something else", "note": "x" * 100})
+    assert lora.short_hash(other) == expected
+
+
+def test_lora_short_hash_prefers_the_recorded_one_and_hashes_other_files_whole(tmp_path):
+    path = tmp_path / "recorded.safetensors"
+    safetensors.numpy.save_file({"w": np.ones(3, np.float32)}, str(path),
+                                metadata={"sshs_model_hash": "0123456789abcdef0123"})
+    assert lora.short_hash(path) == "0123456789ab"
+    pt = tmp_path / "old.pt"
+    pt.write_bytes(b"not a safetensors file")
+    assert lora.short_hash(pt) == hashlib.sha256(b"not a safetensors file").hexdigest()[:12]

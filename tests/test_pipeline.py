@@ -34,7 +34,6 @@ from sdxl.layers import STEP_INVARIANTS
 from sdxl.mesh import batch_mesh
 from sdxl.pipeline import Pipeline
 from sdxl.program import GenerateProgram, per_image_keys
-from sdxl.prompts import PromptTruncatedWarning
 from sdxl.request import Request
 from sdxl.sampling import step_noise
 from sdxl.schedulers import TCD_GAMMA
@@ -512,23 +511,6 @@ def _products_named(hlo: str, name: str) -> tuple[list[str], list[str]]:
         return [m.group(1) for c in names for line in computations[c] if (m := pattern.search(line))]
 
     return products(in_loops), products(computations)
-
-
-def test_truncated_prompt_warns(pipe):
-    with pytest.warns(PromptTruncatedWarning, match="truncated"):
-        pipe.generate("x " * 100, steps=1, height=HEIGHT, width=WIDTH, num_images=4)
-
-
-def test_the_prompt_a_model_reads_is_what_its_77_tokens_hold(pipe):
-    """What a saved image records: a long prompt's beginning, as far as its tokens reach (the last
-    may end mid-word, where BPE marks no word end); a short one whole."""
-    assert pipe.prompts.read("a red cube") == "a red cube"
-    long = "word " * 200
-    kept = pipe.prompts.read(long)
-    assert long.startswith(kept) and len(kept) < len(long)
-    (ids, _), (kept_ids, truncated) = pipe.prompts.ids([long]), pipe.prompts.ids([kept])
-    assert truncated == [] and (kept_ids[..., :-2] == ids[..., :-2]).all()
-    assert pipe.prompts.ids([long[: len(kept) + 1]])[1], "one more character would be cut"
 
 
 @pytest.mark.parametrize(

@@ -144,6 +144,30 @@ def test_sdxl_style_matches_diffusers(sdxl_style):
     assert diff <= 1e-4
 
 
+@pytest.mark.parametrize("attention", ["xla", "splash"])
+def test_text_lengths_match_diffusers_encoder_attention_mask(sdxl_style, monkeypatch, attention):
+    """Each image attends to its own number of text tokens, as diffusers' `encoder_attention_mask`
+    (keep the first 3 of 7 for one image, all for the other); the padding's values do not matter."""
+    path, values, _ = sdxl_style
+    monkeypatch.setenv("SDXL_ATTENTION", attention)
+    mask = np.array([[1, 1, 1, 0, 0, 0, 0], [1] * 7], np.float32)
+    model = TorchUNet.from_pretrained(path).eval()
+    with torch.no_grad():
+        expected = model(
+            torch.from_numpy(values["sample"]).permute(0, 3, 1, 2), torch.from_numpy(values["timesteps"]),
+            torch.from_numpy(values["encoder_hidden_states"]), encoder_attention_mask=torch.from_numpy(mask),
+            added_cond_kwargs={k: torch.from_numpy(values[k]) for k in ("text_embeds", "time_ids")},
+        ).sample.permute(0, 2, 3, 1).numpy()
+    config, params = load_jax(path, np.float32)
+    padded = values["encoder_hidden_states"].copy()
+    padded[0, 3:] = 1e3  # ignored
+    lengths = mask.sum(axis=1).astype(np.int32)
+    out = jax_forward(config, params, values | dict(encoder_hidden_states=padded, encoder_lengths=lengths))
+    assert np.abs(out - expected).max() <= 1e-4
+    unmasked = jax_forward(config, params, values)
+    assert np.abs(out[0] - unmasked[0]).max() > 1e-2 and np.abs(out[1] - unmasked[1]).max() <= 1e-5
+
+
 @pytest.mark.parametrize(
     "variable, kernel",
     [
