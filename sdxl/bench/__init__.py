@@ -26,6 +26,10 @@ here), or "sdxl-base" (SDXL base 1.0's published configs with random weights, ab
 float16, written to a temporary folder). `python -m sdxl write-checkpoint` writes such random
 checkpoints, one tensor at a time.
 
+With `--topology T` (a TPU slice such as v5e:2x2), it compiles the demo's programs for that slice on
+this host instead, without running them (`topology.py`): bytes per chip against the chip's memory,
+FLOPs per step, compile times. It needs libtpu (`pip install "jax[tpu]"`) and no TPU.
+
 With `--soak-clients N`, it measures the demo under load instead (`soak.py`): `python app.py --model M`
 in a subprocess, N clients sending `--soak-requests` requests each at `--steps`, and
 `--soak-killed` more clients killed mid-request.
@@ -39,11 +43,24 @@ from pathlib import Path
 from ..checkpoints.random_models import MEDIUM_SIZE
 from .loading import run_load_benchmark
 from .report import (
-    LOAD_MARKDOWN_HEADER, MARKDOWN_HEADER, append_markdown, format_load_table, format_table, load_markdown_row,
+    LOAD_MARKDOWN_HEADER,
+    MARKDOWN_HEADER,
+    append_markdown,
+    format_load_table,
+    format_table,
+    load_markdown_row,
     markdown_row,
 )
 from .soak import SOAK_MARKDOWN_HEADER, format_soak_table, run_soak, soak_markdown_row
 from .speed import run_benchmark
+from .topology import (
+    PROGRAMS,
+    TOPOLOGY_MARKDOWN_HEADER,
+    format_topology_table,
+    run_topology_benchmark,
+    topology_markdown_row,
+)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -61,7 +78,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--load-only", action="store_true", help="measure only the loading (for checkpoints too big to run here)"
     )
     parser.add_argument(
-        "--soak-clients", type=int, metavar="N",
+        "--topology",
+        metavar="T",
+        help="instead: compile the demo's programs for this TPU slice (v5e:2x2, v6e:2x4, v5p:2x2x1, ...), not run them",
+    )
+    parser.add_argument(
+        "--programs",
+        default=",".join(PROGRAMS),
+        help="with --topology, the programs to compile, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--soak-clients",
+        type=int,
+        metavar="N",
         help="instead: start the demo (app.py --model MODEL) and send it requests from N clients at once",
     )
     parser.add_argument("--soak-requests", type=int, default=10, help="requests per soak client (default: %(default)s)")
@@ -76,7 +105,20 @@ def command(args: argparse.Namespace) -> None:
     def log(message: str) -> None:
         print(message, file=sys.stderr)
 
-    if args.soak_clients is not None:
+    if args.topology:
+        result = run_topology_benchmark(
+            args.model,
+            args.topology,
+            height=args.height,
+            width=args.width,
+            steps=args.steps,
+            batch=args.batch,
+            dtype=args.dtype or "bfloat16",
+            programs=tuple(args.programs.split(",")),
+            log=log,
+        )
+        table, header, row = format_topology_table(result), TOPOLOGY_MARKDOWN_HEADER, topology_markdown_row(result)
+    elif args.soak_clients is not None:
         killed = args.soak_clients // 3 if args.soak_killed is None else args.soak_killed
         result = run_soak(args.model, args.soak_clients, args.soak_requests, killed, args.steps, log=log)
         table, header, row = format_soak_table(result), SOAK_MARKDOWN_HEADER, soak_markdown_row(result)
@@ -104,5 +146,3 @@ def command(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.markdown:
         append_markdown(Path(args.markdown), header, row)
-
-

@@ -1,0 +1,258 @@
+"""`python -m sdxl bench --topology T`: the demo's programs compiled for a TPU slice on this host, not run.
+
+libtpu (`jax[tpu]`) compiles for a TPU slice that is not there: `get_topology_desc("v5e:2x2", "tpu")`
+gives the slice's devices, and a program lowered over a mesh of them goes through the real TPU
+compiler, Mosaic for the splash kernels included. What comes back is XLA's plan for one chip: its
+buffers (`memory_analysis`) and its operations (`cost_analysis`), which tell whether a size and batch
+fit a chip before one is rented. Nothing runs and no weights are read: the programs are those the
+demo compiles (`sdxl.compiled.Executables`, from `GenerateProgram` fields alone), over the mesh it
+would use (`sdxl.mesh.batch_mesh` over every chip of the slice, several hosts' included), with the
+attention kernels of the slice's platform (`sdxl.attention.target_platform`).
+
+XLA's cost model estimates seconds for some programs (`optimal_seconds`) and gives a negative number
+for others (the whole program, whose loop it cannot bound); only positive estimates are kept. They
+come from a model, not a measurement.
+
+Run it with JAX_PLATFORMS=cpu, so that jax does not look for a TPU on this host first.
+"""
+
+import datetime
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+
+from ..attention import kernels_in
+from ..checkpoints import ModelSpec, random_models
+from ..compiled import IN_STAGES, WHOLE, Executables
+from ..mesh import batch_mesh
+from ..program import GenerateProgram
+from .loading import machine_description
+
+# Per-chip HBM in GiB from Google Cloud's TPU system architecture pages (v4, v5e, v5p, v6e), matched
+# in order against `device_kind`: libtpu's topology devices do not report their memory.
+HBM_GIB = (("TPU v4", 32), ("TPU v5 lite", 16), ("TPU v5", 95), ("TPU v6 lite", 32))
+HBM_SOURCE = "Google Cloud TPU docs, system architecture (per-chip HBM)"
+# The demo's padded schedule length (`sdxl.launch.load`), a field of every program it compiles.
+MAX_STEPS = 100
+# The programs the demo runs at one size: where the loop starts (text-to-image, image-to-image,
+# inpainting), each with and without classifier-free guidance.
+PROGRAMS = ("text", "text-unguided", "image", "image-unguided", "inpaint", "inpaint-unguided")
+
+
+def model_spec(model: str) -> ModelSpec:
+    """The configs of a bench model: a checkpoint folder, a random model ("tiny", "medium", ...), a
+    config folder of `sdxl/configs`, or "sdxl-base" (SDXL base 1.0's). No weights are read or written."""
+    if Path(model).is_dir():
+        return ModelSpec.from_folder(Path(model))
+    configs = random_models.configs_of("sdxl-base-1.0" if model == "sdxl-base" else model)
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, config in configs.items():
+            (Path(scratch) / name).parent.mkdir(parents=True, exist_ok=True)
+            (Path(scratch) / name).write_text(json.dumps(config))
+        return ModelSpec.from_folder(Path(scratch))
+
+
+def program_named(name: str, spec: ModelSpec, height: int, width: int, batch: int, dtype) -> GenerateProgram:
+    """One of `PROGRAMS` as the demo compiles it: the model's sampler, uint8 images, one prompt chunk."""
+    kind, _, unguided = name.partition("-")
+    start_from = "noise" if kind == "text" else "image"
+    return GenerateProgram(
+        spec,
+        spec.default_sampler,
+        height,
+        width,
+        batch,
+        jnp.dtype(dtype),
+        MAX_STEPS,
+        guided=not unguided,
+        start_from=start_from,
+        inpaint=kind == "inpaint",
+    )
+
+
+def hbm_bytes(device_kind: str) -> int | None:
+    return next((gib * 2**30 for name, gib in HBM_GIB if name in device_kind), None)
+
+
+def run_topology_benchmark(
+    model: str,
+    topology: str,
+    *,
+    height: int,
+    width: int,
+    steps: int,
+    batch: int | None = None,
+    dtype: str = "bfloat16",
+    programs: tuple[str, ...] = PROGRAMS,
+    log=print,
+) -> dict:
+    """Compiles `programs` whole and in stages for the TPU slice `topology` ("v5e:2x2"); returns the report.
+
+    Args:
+      batch: images per call, a multiple of the slice's chips (default: one per chip).
+      steps: the steps a generation takes, for the estimate of its seconds; programs take any count.
+    """
+    # libtpu locks a file so that one process drives a host's chips; compiling drives none, so a test
+    # may compile while a bench does.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    devices = topologies.get_topology_desc(topology, "tpu").devices
+    chips = len(devices)
+    batch = batch or chips
+    if batch % chips:
+        raise ValueError(f"--batch must be a multiple of the {chips} chips of {topology}, got {batch}")
+    if unknown := set(programs) - set(PROGRAMS):
+        raise ValueError(f"unknown programs {sorted(unknown)}; choose from {', '.join(PROGRAMS)}")
+    spec, mesh = model_spec(model), batch_mesh(devices)
+    log(f"compiling {model} at {width}x{height}, {batch // chips} images per chip, for {topology} ({chips} chips)")
+    compiled = []
+    for name in programs:
+        program = program_named(name, spec, height, width, batch, dtype)
+        executables = Executables(mesh)  # one program's at a time: SDXL's executables are large
+        for stage in WHOLE + IN_STAGES:  # `denoise` and `finish` take what `prepare` returns: after it
+            compiled.append({"program": name, "stage": stage, **_compile(executables, program, stage)})
+            log(_program_line(compiled[-1]))
+    return _report(
+        compiled,
+        model=model,
+        topology=topology,
+        devices=devices,
+        height=height,
+        width=width,
+        steps=steps,
+        batch=batch,
+        dtype=dtype,
+    )
+
+
+def _compile(executables: Executables, program: GenerateProgram, stage: str) -> dict:
+    """One stage compiled as the demo compiles it (trace, lower, compile: the seconds cover all three),
+    with its bytes and FLOPs on one chip; or why the TPU compiler refused it."""
+    start = time.perf_counter()
+    try:
+        compiled = executables.compiled(program, stage)
+    except jax.errors.JaxRuntimeError as error:  # RESOURCE_EXHAUSTED: the program does not fit HBM
+        return {"compiled": False, "compile_s": time.perf_counter() - start, "error": str(error)}
+    seconds = time.perf_counter() - start
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    sizes = {kind: getattr(memory, f"{kind}_size_in_bytes") for kind in ("argument", "output", "temp", "alias")}
+    result = {
+        "compiled": True,
+        "compile_s": seconds,
+        # What the chip holds while the program runs: inputs, outputs and scratch, less the outputs
+        # that reuse donated inputs' buffers.
+        "bytes": sizes["argument"] + sizes["output"] + sizes["temp"] - sizes["alias"],
+        **{f"{kind}_bytes": size for kind, size in sizes.items()},
+        "flops": cost.get("flops"),
+        "attention": sorted(kernels_in(compiled)),
+    }
+    if cost.get("optimal_seconds", 0) > 0:
+        result["estimated_s"] = cost["optimal_seconds"]
+    return result
+
+
+def _report(compiled: list[dict], *, model, topology, devices, height, width, steps, batch, dtype) -> dict:
+    kind = devices[0].device_kind
+    ok = [c for c in compiled if c["compiled"]]
+    largest = max(ok, key=lambda c: c["bytes"], default=None)
+
+    guided = next((c["program"] for c in compiled if not c["program"].endswith("-unguided")), None)
+
+    def guided_stage(stage: str) -> dict | None:  # of the first guided program ("text": the demo's default)
+        return next((c for c in ok if (c["program"], c["stage"]) == (guided, stage)), None)
+
+    denoise = guided_stage("denoise")
+    estimates = [guided_stage(stage) for stage in IN_STAGES]
+    report = {
+        "compiled": len(ok) == len(compiled),
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_description(),
+        "jax": jax.__version__,
+        "topology": topology,
+        "device": kind,
+        "chips": len(devices),
+        "hosts": len({d.process_index for d in devices}),
+        "model": model,
+        "dtype": dtype,
+        "height": height,
+        "width": width,
+        "steps": steps,
+        "batch": batch,
+        "images_per_chip": batch // len(devices),
+        "attention": sorted({k for c in ok for k in c["attention"]}),
+        "bytes_per_chip": largest and largest["bytes"],
+        "largest_program": largest and f"{largest['program']} {largest['stage']}",
+        "hbm_bytes_per_chip": hbm_bytes(kind),
+        "hbm_source": HBM_SOURCE,
+        # XLA's cost analysis counts a loop's body once: `denoise` is one step, the guided UNet on
+        # this chip's share of the latents (2 per image) plus the sampler's few elementwise ops.
+        "unet_flops_per_step": denoise and denoise["flops"],
+        "compile_s": sum(c["compile_s"] for c in compiled),
+        "programs": compiled,
+    }
+    capacity = report["hbm_bytes_per_chip"]
+    report["fits"] = None if capacity is None else report["compiled"] and largest["bytes"] <= capacity
+    if all(e is not None and "estimated_s" in e for e in estimates):
+        prepare, step, finish = (e["estimated_s"] for e in estimates)
+        report["estimated_generation_s"] = prepare + steps * step + finish
+    return report
+
+
+def _gib(value) -> str:
+    return "n/a" if value is None else f"{value / 2**30:.2f} GiB"
+
+
+def _program_line(c: dict) -> str:
+    what = f"{c['program']} {c['stage']}: {c['compile_s']:.1f} s, "
+    if not c["compiled"]:
+        return what + f"not compiled: {c['error'].splitlines()[0]}"
+    flops = "n/a" if c["flops"] is None else f"{c['flops'] / 1e12:.3g} TFLOP"
+    return what + f"{_gib(c['bytes'])} per chip (temporaries {_gib(c['temp_bytes'])}), {flops}"
+
+
+def format_topology_table(r: dict) -> str:
+    flops = r["unet_flops_per_step"]
+    lines = [
+        f"compiled for {r['topology']} ({r['chips']}x {r['device']}, {r['hosts']} host(s)) on this CPU, not run",
+        f"{r['model']} {r['dtype']} at {r['width']}x{r['height']}, {r['images_per_chip']} images per chip, "
+        f"{', '.join(r['attention']) or 'no'} attention",
+        f"largest program: {r['largest_program']}, {_gib(r['bytes_per_chip'])} per chip of "
+        f"{_gib(r['hbm_bytes_per_chip'])} ({'fits' if r['fits'] else 'does NOT fit'})",
+        "guided UNet per step: " + ("n/a" if flops is None else f"{flops / 1e12:.3g} TFLOP per chip"),
+        f"compile: {r['compile_s']:.0f} s for {len(r['programs'])} programs",
+        *(_program_line(c) for c in r["programs"]),
+    ]
+    if "estimated_generation_s" in r:
+        estimate = r["estimated_generation_s"]
+        lines.append(f"XLA's cost model (not a measurement): {estimate:.2f} s per call of {r['steps']} steps")
+    return "\n".join(lines)
+
+
+TOPOLOGY_MARKDOWN_HEADER = (
+    "| Date | Machine | Topology | Model | Size, images per chip | Bytes per chip / HBM | Largest program "
+    "| Guided UNet TFLOP per step per chip | Compile | Note |\n"
+    "|---|---|---|---|---|---|---|---|---|---|\n"
+)
+
+
+def topology_markdown_row(r: dict) -> str:
+    flops = r["unet_flops_per_step"]
+    failed = [f"{c['program']} {c['stage']}: {c['error'].splitlines()[0]}" for c in r["programs"] if not c["compiled"]]
+    cells = [
+        r["date"],
+        r["machine"],
+        f"{r['topology']} ({r['chips']}x {r['device']})",
+        f"{r['model']} {r['dtype']}, {', '.join(r['attention'])} attention",
+        f"{r['width']}x{r['height']}, {r['images_per_chip']}",
+        f"{_gib(r['bytes_per_chip'])} / {_gib(r['hbm_bytes_per_chip'])}" + ("" if r["fits"] else " (does not fit)"),
+        r["largest_program"] or "",
+        "n/a" if flops is None else f"{flops / 1e12:.3g}",
+        f"{r['compile_s']:.0f} s, {len(r['programs'])} programs",
+        "; ".join([f"compiled for {r['topology']} on this CPU, not run", *failed]),
+    ]
+    return "| " + " | ".join(cells) + " |\n"
