@@ -8,6 +8,7 @@ Every option also reads an environment variable (SDXL_MODEL, SDXL_HOST, ...), fo
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
 import re
@@ -26,6 +27,7 @@ from sdxl.images import image_count
 from sdxl.request import (
     DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request, default_strength,
 )
+from sdxl.prompt_syntax import A1111_EMPHASIS_NAMES, EMPHASIS_MODES
 from sdxl.sampling import SAMPLER_NAMES
 from sdxl.serving import QueueFullError
 from sdxl.styles import NO_STYLE, STYLES
@@ -101,21 +103,22 @@ class Handlers:
         does not name are left as they are."""
         keep = gr.update()
         if png is None:
-            return [keep] * 8
+            return [keep] * 9
         try:
             with Image.open(_path_of(png)) as picture:
                 found = images.read_parameters(picture.info.get("parameters", ""))
         except (OSError, ValueError) as e:
             raise _user_error(f"cannot reuse that image's settings: {e}") from e
-        samplers = {label: name for name, label in SAMPLER_NAMES.items()}
         size = (found.get("width"), found.get("height"))
         return [
             found["prompt"], found["negative_prompt"],
             found.get("seed", keep), False if "seed" in found else keep,
-            found.get("guidance_scale", keep), found.get("steps", keep),
-            samplers.get(found.get("sampler"), keep),
-            _size_label(*size) if size in self.service.sizes else keep,
+            found.get("guidance_scale", keep), found.get("steps", keep), found.get("sampler", keep),
+            found.get("emphasis", keep), _size_label(*size) if size in self.service.sizes else keep,
         ]
+
+    def prompt_length(self, text, emphasis, negative: bool = False) -> str:
+        return self.service.prompt_length(text, emphasis, negative=negative)
 
     def _answer(self, request: gr.Request, progress, make, form):
         """Renders the request `make(settings)` builds, with a note for the status (or None)."""
@@ -130,6 +133,8 @@ class Handlers:
             return self.service.queue.submit(request, owner)
         except QueueFullError as e:
             raise _user_error(str(e), title=QUEUE_FULL) from e
+        except ValueError as e:  # a prompt that cannot be read: too long, or a weight out of range
+            raise _user_error(str(e)) from e
 
     def _render(self, request: Request, owner: str | None, progress: gr.Progress, note: str | None):
         """Yields (previews, status) while the request renders, then (its images, status).
@@ -145,7 +150,8 @@ class Handlers:
                     progress((ticket.step, ticket.steps), desc="Denoising", unit="steps")
                 elif ticket.compiling:
                     size = _size_label(request.width, request.height)
-                    progress(0, desc=f"Compiling for {size} (first use of this size, batch or sampler; cached after)")
+                    progress(0, desc=f"Compiling for {size}, {_chunks_label(ticket.request)} (first use of this size, "
+                             "batch, sampler or prompt length; cached after)")
                 else:
                     ahead = self.service.queue.position(ticket)
                     progress(0, desc=f"Waiting in queue: {ahead} request(s) ahead" if ahead else "Starting")
@@ -198,8 +204,6 @@ class Handlers:
 
     def _finished(self, request: Request, ticket, result, note: str | None) -> tuple[list, str]:
         _raise_if_not_finite(result)
-        for prompt in result.truncated_prompts:
-            gr.Warning(f"Prompt truncated to {self.service.pipe.spec.max_tokens} tokens: {prompt[:80]!r}…")
         gallery = [(picture, f"seed {request.seeds[i]} · image {request.image_index[i]} · {result.devices[i]}")
                    for i, picture in enumerate(self._pictures(request, result))]
         notes = [note] if note else []
@@ -279,6 +283,16 @@ def _size_label(width: int, height: int) -> str:
     return f"{width}×{height}"
 
 
+def _chunks_label(request: Request) -> str:
+    count = request.tokens.num_chunks
+    return "prompts of one chunk" if count == 1 else f"prompts of up to {count} chunks"
+
+
+def _length_line(elem_id: str) -> gr.Markdown:
+    """The line under a prompt box that says how long the prompt is."""
+    return gr.Markdown("", elem_id=elem_id, elem_classes="prompt-length")
+
+
 def _cell_caption(plan: GridPlan, i: int) -> str:
     labels = []
     columns = 1 if plan.x is None else len(plan.x.labels)
@@ -317,6 +331,14 @@ const label = () => {
 new MutationObserver(label).observe(document.documentElement, {childList: true, subtree: true});
 </script>"""
 
+# The token count under each prompt box: a quiet caption, close to the box it counts.
+CSS = """
+.prompt-length, .prompt-length * {
+    font-size: var(--text-sm) !important; color: var(--body-text-color-subdued) !important;
+}
+.prompt-length p { margin: 0 0 0 var(--spacing-md); }
+"""
+
 
 def _mask_of(editor) -> tuple[Image.Image | None, Image.Image | None]:
     """The picture an image editor holds and, where a layer is painted, a mask (white where painted)."""
@@ -349,8 +371,11 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                 with gr.Tabs() as tabs:
                     with gr.Tab("Generate", id="generate-tab"):
                         prompt = gr.Textbox("", label="Prompt", placeholder=settings.placeholder, lines=2,
-                                            elem_id="prompt", info="Ctrl+Enter generates")
+                                            elem_id="prompt", info="Ctrl+Enter generates; (word:1.2) weighs a word, "
+                                            "BREAK starts a new chunk")
+                        prompt_length = _length_line("prompt-length")
                         negative = gr.Textbox("", label="Negative prompt", placeholder="What to avoid (optional)")
+                        negative_length = _length_line("negative-length")
                         style = gr.Dropdown(list(STYLES), value=NO_STYLE, label="Style")
                         run = gr.Button("Generate", variant="primary", elem_id="generate")
                         examples = [[text, NO_STYLE] for text in settings.examples] or EXAMPLES
@@ -362,6 +387,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                             brush=gr.Brush(colors=["#ffffff"], color_mode="fixed"), height=320,
                         )
                         image_prompt = gr.Textbox("", label="Prompt", lines=2, elem_id="image-prompt")
+                        image_prompt_length = _length_line("image-prompt-length")
                         strength = gr.Slider(0.05, 1, value=default_strength(pipe.spec, inpainting=False),
                                              step=0.05, label="Strength",
                                              info="how much changes: 0.3 keeps the picture, 1 redraws it "
@@ -376,6 +402,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                         compare_run = gr.Button("Compare", variant="primary")
                     with gr.Tab("Grid"):
                         grid_prompt = gr.Textbox("", label="Prompt", lines=2, elem_id="grid-prompt")
+                        grid_prompt_length = _length_line("grid-prompt-length")
                         lora_axes = [grid.LORA_AXIS + lora.display_name(source) for source in service.loras]
                         axes = [("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
                                 *((f"LoRA {name[len(grid.LORA_AXIS):]} scale", name) for name in lora_axes)]
@@ -404,6 +431,11 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                     sampler = gr.Dropdown(
                         [(label, name) for name, label in SAMPLER_NAMES.items()], value=pipe.spec.default_sampler,
                         label="Sampler", info="the model's own by default; each compiles once, then stays cached",
+                    )
+                    emphasis = gr.Dropdown(
+                        [(A1111_EMPHASIS_NAMES[mode], mode) for mode in EMPHASIS_MODES], value=service.emphasis,
+                        label="Emphasis", info="how (word:1.2) weights apply, as in AUTOMATIC1111: Original keeps "
+                        "each chunk's mean, No norm does not, None reads brackets as text",
                     )
                     has_refiner = pipe.refiner is not None
                     with gr.Row(visible=has_refiner):
@@ -440,11 +472,18 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
         history_selected = gr.State(None)
         past = gr.State([])  # this browser session's results, newest first
         for field in (prompt, negative, compare_prompts, compare_negative, num_seeds, seed, guidance, steps, per_core,
-                      width, height, *lora_sliders, style, compare_style, mode, sampler, image_prompt, strength, refine,
+                      width, height, *lora_sliders, style, compare_style, mode, sampler, emphasis, image_prompt,
+                      strength, refine,
                       refine_from, image_in, mask_in, grid_prompt, x_axis, x_values, y_axis, y_values):
             _checked_by_the_service(field)
 
         size.change(lambda label: [int(v) for v in label.split("×")], size, [width, height], api_name=False)
+        for box, line, negative_prompt in ((prompt, prompt_length, False), (negative, negative_length, True),
+                                           (image_prompt, image_prompt_length, False),
+                                           (grid_prompt, grid_prompt_length, False)):
+            count = functools.partial(handlers.prompt_length, negative=negative_prompt)
+            gr.on([box.change, emphasis.change], count, [box, emphasis], line, api_name=False, queue=False,
+                  show_progress="hidden")
 
         def pick_seed(seed, randomize):
             return random.randint(0, MAX_SEED) if randomize else seed
@@ -460,7 +499,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
         common = {"seed": seed, "guidance_scale": guidance, "steps": steps}
         dimensions = {"width": width, "height": height}
         generate_form = {"prompt": prompt, "negative_prompt": negative, "style": style, **common, **dimensions,
-                         "images_per_core": per_core, "sampler": sampler, **refining, **loras}
+                         "images_per_core": per_core, "sampler": sampler, "emphasis": emphasis, **refining, **loras}
         for trigger, api_name in ((run.click, "generate"), (prompt.submit, False)):
             trigger(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
                 handlers.generate, inputs_kwargs=generate_form, outputs=[gallery, status], api_name=api_name,
@@ -468,7 +507,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
             ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
         image_form = {"prompt": image_prompt, "negative_prompt": negative, "style": style, **common,
                       "image": image_in, "mask": mask_in, "strength": strength, "images_per_core": per_core,
-                      "sampler": sampler, **refining, **loras}
+                      "sampler": sampler, "emphasis": emphasis, **refining, **loras}
         image_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
             _mask_of, editor, [image_in, mask_in], api_name=False, queue=False,
         ).then(
@@ -477,14 +516,14 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
         ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
         compare_form = {"mode": mode, "prompts": compare_prompts, "negative_prompt": compare_negative,
                         "style": compare_style, "seed": seed, "num_seeds": num_seeds, "guidance_scale": guidance,
-                        "steps": steps, **dimensions, "sampler": sampler, **loras}
+                        "steps": steps, **dimensions, "sampler": sampler, "emphasis": emphasis, **loras}
         compare_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
             handlers.compare, inputs_kwargs=compare_form, outputs=[gallery, status], api_name="compare",
             concurrency_limit=limit,
         ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
         grid_form = {"prompt": grid_prompt, "negative_prompt": negative, "style": style, **common, **dimensions,
-                     "sampler": sampler, "x_axis": x_axis, "x_values": x_values, "y_axis": y_axis,
-                     "y_values": y_values, **loras}
+                     "sampler": sampler, "emphasis": emphasis, "x_axis": x_axis, "x_values": x_values,
+                     "y_axis": y_axis, "y_values": y_values, **loras}
         grid_run.click(
             handlers.grid, inputs_kwargs=grid_form, outputs=[grid_image, gallery, status], api_name="grid",
             concurrency_limit=limit,
@@ -499,14 +538,12 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
         history.select(select, None, history_selected, api_name=False, queue=False)
         send.click(lambda path: path, selected, editor, api_name=False, queue=False).then(
             lambda: gr.Tabs(selected="image-tab"), None, tabs, api_name=False, queue=False)
-        reused = [prompt, negative, seed, randomize, guidance, steps, sampler, size]
+        reused = [prompt, negative, seed, randomize, guidance, steps, sampler, emphasis, size]
         reuse_run.click(handlers.reuse, selected, reused, api_name=False, queue=False)
         history_reuse.click(handlers.reuse, history_selected, reused, api_name=False, queue=False)
         reuse_file.upload(handlers.reuse, reuse_file, reused, api_name=False, queue=False)
     blocks.queue(max_size=limit, default_concurrency_limit=limit)
     return blocks
-
-
 
 
 def main() -> None:
@@ -523,7 +560,7 @@ def main() -> None:
     errors = Middleware(HttpErrors, endpoints=endpoints, api_names=api_names, statuses=ERROR_STATUS)
     blocks.launch(
         server_name=options.host, server_port=options.port, share=options.share, max_file_size=MAX_UPLOAD,
-        head=KEYBOARD_SCRIPT, app_kwargs={"middleware": [errors]},
+        head=KEYBOARD_SCRIPT, css=CSS, app_kwargs={"middleware": [errors]},
     )
 
 

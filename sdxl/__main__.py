@@ -45,6 +45,7 @@ def generate_command(args: argparse.Namespace) -> None:
     )
     request = dataclasses.replace(
         request, loras=tuple(model.loras.items()), refine_from=args.refine_from if pipe.refiner else None,
+        emphasis=args.emphasis,
     )
     if picture is not None:
         strength = default_strength(pipe.spec, inpainting=mask is not None) if args.strength is None else args.strength
@@ -57,8 +58,6 @@ def generate_command(args: argparse.Namespace) -> None:
     print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
     result = pipe.render(request)
     result.raise_if_not_finite()
-    for prompt in result.truncated_prompts:
-        print(f"warning: prompt truncated to {pipe.spec.max_tokens} tokens: {prompt!r}", file=sys.stderr)
     print(f"generated {image_count(num_images)} in {result.seconds:.2f} s")
 
     out = Path(args.out)
@@ -71,7 +70,7 @@ def generate_command(args: argparse.Namespace) -> None:
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    launch.add_model_options(parser)
+    launch.add_shared_options(parser)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--negative-prompt", default="")
     parser.add_argument("--seed", type=int, default=0)

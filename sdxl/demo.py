@@ -16,6 +16,7 @@ from . import grid, images, lora
 from .checkpoints.known import Recommended
 from .grid import GridPlan
 from .pipeline import Pipeline
+from .prompt_syntax import EMPHASIS_MODES
 from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, Request, integer, number
 from .serving import DeviceQueue
 from .styles import NO_STYLE, STYLES
@@ -38,6 +39,7 @@ class Settings:
     height: int | None = None
     images_per_core: int = 1
     sampler: str | None = None  # None: the model's own
+    emphasis: str = "original"  # how prompts' weights apply (`sdxl.prompt_syntax.EMPHASIS_MODES`)
     refine: bool = False  # finish with the refiner, from `refine_from` of the noise
     refine_from: float = DEFAULT_REFINE_FROM
     lora_scales: tuple[float, ...] | None = None  # one per launched LoRA (`DemoService.loras`); None: their own
@@ -76,12 +78,14 @@ class DemoService:
     def __init__(
         self, pipe: Pipeline, *, model_label: str, max_images_per_core: int = 4, max_queued: int = 32,
         max_per_owner: int = 4, notice: str | None = None, loras: Mapping[str, float] | None = None,
-        recommended: Recommended = Recommended(),
+        recommended: Recommended = Recommended(), emphasis: str = "original",
     ):
         """`model_label`: how results name the model. `notice`: why another model than the one asked
         for is served. `loras`: the LoRAs a request may use, {source: default scale}, in the order the
-        page lists them. `recommended`: the model's default steps and guidance (`checkpoints.known`)."""
+        page lists them. `recommended`: the model's default steps and guidance (`checkpoints.known`).
+        `emphasis`: the form's default for how prompts' weights apply."""
         self.pipe = pipe
+        self.emphasis = emphasis
         self.model_label = model_label
         self.notice = notice
         self.recommended = recommended
@@ -180,6 +184,16 @@ class DemoService:
         singles = [self._request(cell, self._styled(cell), (cell.seed,), (0,)) for cell in cells]
         return grid.plan(x, y, singles, self.max_images)
 
+    def prompt_length(self, text, emphasis: str = "original", *, negative: bool = False) -> str:
+        """A prompt box's length as the page shows it under the box, "84 tokens, 2 chunks"; or why it
+        cannot be read."""
+        if not isinstance(text, str) or emphasis not in EMPHASIS_MODES:
+            return ""
+        try:
+            return self.pipe.prompts.length_text(text, emphasis, negative=negative)
+        except ValueError as e:
+            return str(e)
+
     def png_parameters(self, request: Request, i: int) -> str:
         return images.png_parameters(self.pipe, request, i, self.model_label)
 
@@ -191,7 +205,7 @@ class DemoService:
         request = Request(
             (styled[0],) * n, (styled[1],) * n, seeds, image_index, (settings.guidance_scale,) * n, settings.steps,
             height, width, settings.sampler, loras=tuple(zip(self.loras, self._lora_scales(settings))),
-            refine_from=float(settings.refine_from) if settings.refine else None,
+            refine_from=float(settings.refine_from) if settings.refine else None, emphasis=settings.emphasis,
         )
         return self._checked(request)
 

@@ -21,6 +21,7 @@ from .demo import DemoService, Settings
 from .images import model_label
 from .lora import parse_option as parse_lora_option
 from .pipeline import Pipeline
+from .prompt_syntax import EMPHASIS_MODES
 from .request import DEFAULT_MODEL, DEFAULT_REFINE_FROM, Request
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 FALLBACK_MODEL = "shapes"  # trained here, shipped in assets/: it draws what it is told, offline
 
 
-def add_model_options(parser: argparse.ArgumentParser, env: Mapping[str, str] = {}) -> None:
-    """The options that pick and load the model, defaulting to `env`'s SDXL_* variables where given."""
+def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] = {}) -> None:
+    """The options the demo and the CLI share, defaulting to `env`'s SDXL_* variables where given: the
+    model and what loads with it, and how prompts' weights apply."""
     parser.add_argument(
         "--model", default=env.get("SDXL_MODEL", DEFAULT_MODEL),
         help="a Hub repo id, a diffusers folder, a single .safetensors file (local, or owner/name/file on the Hub), "
@@ -53,6 +55,9 @@ def add_model_options(parser: argparse.ArgumentParser, env: Mapping[str, str] = 
     )
     parser.add_argument("--dtype", default=env.get("SDXL_DTYPE"), choices=["float32", "bfloat16"],
                         help="default: bfloat16 on accelerators, float32 on CPU")
+    parser.add_argument("--emphasis", default=env.get("SDXL_EMPHASIS", "original"), choices=EMPHASIS_MODES,
+                        help="how (word:1.2) weights apply, as webui's Emphasis setting: original (its default, each "
+                        "chunk keeps its mean), no-norm, or none (brackets read as text) (default: %(default)s)")
     parser.add_argument("--cache-dir", default=env.get("SDXL_CACHE_DIR"),
                         help="the persistent compilation cache (default: ~/.cache/sdxl-jax/xla)")
 
@@ -69,7 +74,7 @@ class Model:
 
 
 def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int = 100) -> Model:
-    """The model `add_model_options` named, with the compilation cache on, its LoRAs applied (each file
+    """The model `add_shared_options` named, with the compilation cache on, its LoRAs applied (each file
     read and checked now, not at a first request) and its refiner set. With `fallback`, a Hub model
     that cannot be fetched is replaced by the built-in `shapes` model, with a notice that says why.
 
@@ -119,7 +124,7 @@ def add_demo_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
 def demo_parser(description: str) -> argparse.ArgumentParser:
     """`python app.py`'s options; each also reads an environment variable (SDXL_MODEL, ...), for Spaces."""
     parser = argparse.ArgumentParser(description=description)
-    add_model_options(parser, os.environ)
+    add_shared_options(parser, os.environ)
     add_demo_options(parser, os.environ)
     return parser
 
@@ -139,8 +144,10 @@ def demo_service(options: argparse.Namespace) -> DemoService:
     service = DemoService(
         pipe, model_label=model.label, max_images_per_core=options.max_images_per_core, max_queued=options.max_queue,
         max_per_owner=options.max_per_user, notice=model.notice, loras=model.loras, recommended=model.settings,
+        emphasis=options.emphasis,
     )
-    warm_up = service.images(Settings(prompt="warm-up", guidance_scale=model.settings.guidance_scale, steps=2))
+    warm_up = service.images(Settings(prompt="warm-up", guidance_scale=model.settings.guidance_scale, steps=2,
+                                      emphasis=options.emphasis))
     compile_seconds = pipe.compile(pipe.programs_for(warm_up), progress=True)
     warm_start = time.perf_counter()
     service.queue.wait(service.queue.submit(warm_up))

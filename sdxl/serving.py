@@ -5,9 +5,10 @@ bounded queue; when the devices free up, the oldest request is taken together wi
 waiting request of the same settings that still fits, and they are rendered in one call. So N users
 who click at once wait about as long as one, not N times as long.
 
-Requests merge only into programs that are already compiled: compiling a new batch size takes far
-longer than rendering the requests one after another (minutes for SDXL on a TPU). A declined merge
-compiles that program in the background instead, for the next time.
+The devices run only compiled programs: compiling one takes far longer than rendering (minutes for
+SDXL on a TPU). A request whose programs are new (another size, sampler or prompt length) waits aside
+while they compile in the background, and the devices serve the others meanwhile; requests merge only
+into batch sizes already compiled, and a declined merge compiles that batch size for the next time.
 
 One user cannot take the queue: each owner (a browser session, an API client) may have at most
 `max_per_owner` requests waiting, and the next batch starts with the oldest request of the owner
@@ -69,7 +70,7 @@ class Ticket:
     step: int = 0  # denoising steps done, while running
     steps: int = 0  # the steps it runs (fewer than the request's for image-to-image), once running
     previews: "np.ndarray | None" = None  # [N, h, w, 3] uint8 previews of its images, while running
-    compiling: bool = False  # whether its batch compiles first (a new size, batch size or sampler)
+    compiling: bool = False  # whether it waits for its programs to compile (a new size, sampler or prompt length)
     batch_images: int = 0  # images in the batch it runs in (its own and other requests')
     abandoned: bool = False  # given up (`DeviceQueue.cancel`): nobody waits for its result
 
@@ -103,7 +104,12 @@ class DeviceQueue:
             if self.pipe.is_compiled(key, progress=True):
                 return None
             self._compiles[key] = self._compiler.submit(self.runner.compile, key)
+            self._compiles[key].add_done_callback(self._notify)  # requests waiting for it may be ready
             return self._compiles[key]
+
+    def _notify(self, _) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
     def submit(self, request: Request, owner: str | None = None) -> Ticket:
         """Queues `owner`'s request, checked first (`Pipeline.validated`: a ValueError names a bad value).
@@ -149,11 +155,27 @@ class DeviceQueue:
                 if on_update is not None:
                     on_update(ticket)
 
-    def _take_batch(self) -> list[Ticket]:
-        """The oldest waiting request of the owner who led a batch longest ago (or never), plus other
-        waiting requests with its batch key, oldest first, up to the image budget, as long as the
+    def _ready(self) -> list[Ticket]:
+        """The waiting requests whose programs are compiled. The others' programs compile in the
+        background meanwhile; a request whose compile failed fails."""
+        ready = []
+        for ticket in list(self._waiting):
+            programs = self.pipe.programs_for(ticket.request)
+            if self.pipe.is_compiled(programs, progress=True):
+                ready.append(ticket)
+                continue
+            ticket.compiling = True
+            compiling = self.compile_in_background(programs)
+            if compiling.done() and compiling.exception() is not None:
+                self._waiting.remove(ticket)
+                ticket.future.set_exception(compiling.exception())
+        return ready
+
+    def _take_batch(self, ready: list[Ticket]) -> list[Ticket]:
+        """Of the `ready` requests, the oldest of the owner who led a batch longest ago (or never), plus
+        other waiting requests with its batch key, oldest first, up to the image budget, as long as the
         merged batch's programs are compiled."""
-        first = min(self._waiting, key=lambda t: self._last_started.get(t.owner, -1))  # min keeps the oldest
+        first = min(ready, key=lambda t: self._last_started.get(t.owner, -1))  # min keeps the oldest
         self._waiting.remove(first)
         # Only owners with requests waiting need remembering: a session does not grow the server forever.
         waiting_owners = {t.owner for t in self._waiting}
@@ -179,8 +201,7 @@ class DeviceQueue:
     def _serve(self) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._waiting)
-                batch = self._take_batch()
+                batch = self._take_batch(self._changed.wait_for(self._ready))
             try:
                 self._render(batch)
             except Exception as e:  # never let one bad batch stop the queue
@@ -191,14 +212,9 @@ class DeviceQueue:
 
     def _render(self, batch: list[Ticket]) -> None:
         request = Request.merged([t.request for t in batch])
-        programs = self.pipe.programs_for(request)
-        compiling = not self.pipe.is_compiled(programs, progress=True)
         first, stop = self.pipe.steps_run(request)
         for ticket in batch:
-            ticket.compiling, ticket.batch_images, ticket.steps = compiling, len(request), stop - first
-        background = self._compiles.get(tuple(programs))
-        if background is not None:
-            background.exception()  # the programs being compiled are this batch's: wait rather than compile twice
+            ticket.batch_images, ticket.steps = len(request), stop - first
         starts = np.cumsum([0, *(len(t.request) for t in batch)])
 
         def on_step(done: int) -> bool:
@@ -221,4 +237,4 @@ class DeviceQueue:
                 ticket.future.cancel()
             return
         for ticket, begin, end in zip(batch, starts, starts[1:]):
-            ticket.future.set_result(result.part(begin, end, ticket.request))
+            ticket.future.set_result(result.part(begin, end))

@@ -198,7 +198,7 @@ def test_a_launched_lora_applies_at_the_scale_a_request_gives(client):
     plain, _ = _generate(client, seed=5)
     styled, status = _generate(client, seed=5, lora_style=0.75)
     assert np.abs(_pixels(plain)[0].astype(int) - _pixels(styled)[0]).mean() > 5
-    assert "LoRAs: style:0.75" in Image.open(styled[0]["image"]).info["parameters"]
+    assert 'LoRAs: "style:0.75"' in Image.open(styled[0]["image"]).info["parameters"]
     assert "LoRAs" not in Image.open(plain[0]["image"]).info["parameters"]
     again, _ = _generate(client, seed=5)  # turning it off restores the base weights exactly
     assert [p.tobytes() for p in _pixels(again)] == [p.tobytes() for p in _pixels(plain)]
@@ -392,9 +392,10 @@ def _post(server: Server, route: str, payload: dict) -> tuple[int, dict, dict]:
 
 
 def _generate_values(**kwargs) -> list:
-    """/generate's 13 values in order, for raw HTTP (the server has one LoRA, whose scale is last)."""
+    """/generate's 14 values in order, for raw HTTP (the server has one LoRA, whose scale is last)."""
     values = dict(prompt="a lighthouse", negative_prompt="", style="No style", seed=0, guidance_scale=5, steps=3,
-                  width=128, height=128, images_per_core=1, sampler="euler", refine=False, refine_from=0.8,
+                  width=128, height=128, images_per_core=1, sampler="euler", emphasis="original", refine=False,
+                  refine_from=0.8,
                   lora_style=0)
     return list((values | kwargs).values())
 
@@ -407,8 +408,8 @@ def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
     """Issue 21, hole 5: too few values, an unknown endpoint and a bad value on /run/ each get a
     sentence and a 4xx status, and one log line, not a traceback; /run/ answers with the final images."""
     logged = len(server.output())
-    takes = ("/generate takes 13 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
-             "steps, width, height, images_per_core, sampler, refine, refine_from, lora_style; got 1")
+    takes = ("/generate takes 14 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
+             "steps, width, height, images_per_core, sampler, emphasis, refine, refine_from, lora_style; got 1")
     assert _post(server, "run/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "call/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "run/nope", {"data": []})[:2] == (404, {
@@ -485,18 +486,23 @@ def test_a_client_that_goes_away_has_its_work_given_up(server, downloads):
     _assert_serving(Client(server.url, verbose=False, download_files=downloads))
 
 
-def test_long_prompt_is_truncated_with_a_warning(client):
-    """gradio_client has no warnings API: a gr.Warning arrives as a Status.LOG update on the job's async iterator."""
-    job = client.submit(**(FAST | dict(prompt="word " * 100, seed=3)), api_name="/generate")
+def test_a_long_weighted_prompt_is_read_whole_and_one_over_the_limit_is_refused(client):
+    """A prompt of several chunks compiles its program in the background while it waits, and says so;
+    nothing is cut. One over 8 chunks gets a sentence with its length."""
+    job = client.submit(**(FAST | dict(prompt="(word:1.2) " * 100, seed=3)), api_name="/generate")
     gallery, status = job.result(timeout=CALL_TIMEOUT)
-    assert len(gallery) == 4 and "4 images" in status, status
+    assert len(gallery) == 4 and "4 images" in status and "compiling" in status, status
+    assert Image.open(gallery[0]["image"]).info["parameters"].startswith("(word:1.2) (word:1.2)")
 
     async def updates():
         return [update async for update in job]
 
-    logs = [u.log for u in asyncio.run(updates()) if isinstance(u, StatusUpdate) and u.code == Status.LOG]
-    assert [level for _, level in logs] == ["warning"], logs
-    assert logs[0][0].startswith("Prompt truncated to 77 tokens: 'word word"), logs
+    statuses = [u for u in asyncio.run(updates()) if isinstance(u, StatusUpdate)]
+    assert not [u for u in statuses if u.code == Status.LOG], "no warning: nothing was cut"
+    descriptions = [unit.desc or "" for update in statuses for unit in update.progress_data or []]
+    assert any("prompts of up to 8 chunks" in d for d in descriptions), descriptions
+    with pytest.raises(AppError, match="the prompt is 1200 tokens in 16 chunks of 75, over the limit of 8 chunks"):
+        client.predict(**(FAST | dict(prompt="ab " * 600)), api_name="/generate")
 
 
 def test_concurrent_clients(server, downloads):
@@ -661,6 +667,7 @@ def test_browser_generate(shapes_server, tmp_path):
             expect(page.locator("#model-notice")).to_contain_text("Showing the built-in shapes model instead",
                                                                   timeout=30_000)
             page.locator("#prompt textarea").fill("a red circle on a blue background")
+            expect(page.locator("#prompt-length")).to_contain_text("tokens, 1 chunk", timeout=30_000)
             page.get_by_text("Advanced").click()
             page.get_by_label("Randomize seed").uncheck()
             page.get_by_label("Seed", exact=True).fill("0")

@@ -108,3 +108,13 @@ def test_a_grid_plans_its_cells_into_as_few_device_calls_as_fit(service):
         service.grid(settings, "seed", "1, 2", "seed", "3")
     with pytest.raises(ValueError, match="unknown axis 'lora:nope'"):
         service.grid(settings, "lora:nope", "1", None, "")
+
+
+def test_emphasis_reaches_the_request_and_prompt_boxes_count_their_chunks(service):
+    assert service.images(Settings(prompt="a (fox:1.2)", emphasis="no-norm")).emphasis == "no-norm"
+    with pytest.raises(ValueError, match="emphasis"):
+        service.images(Settings(prompt="a fox", emphasis="strong"))
+    assert service.prompt_length("a fox <lora:ink:0.5>") == service.prompt_length("a fox"), "a tag is not text"
+    assert service.prompt_length("a fox BREAK snow").endswith("tokens, 2 chunks")
+    assert service.prompt_length("ab " * 450) == "900 tokens, 12 chunks (at most 8)"
+    assert service.prompt_length("a fox", "strong") == "", "not a mode: nothing to show"

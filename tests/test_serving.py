@@ -88,21 +88,22 @@ def test_requests_with_other_loras_never_share_a_batch(pipe, tmp_path):
 
 
 def test_prompts_are_tokenized_when_submitted_not_in_the_device_worker(pipe, monkeypatch):
-    """Issue 21, hole 1: the one device worker never spends its time on text; a merged batch keeps
-    each request's tokens, and says which prompts were truncated."""
+    """Issue 21, hole 1: the one device worker never spends its time on text; a request keeps its
+    tokens, and a prompt over the chunk limit is refused when it is submitted."""
     threads = []
-    tokenize = pipe.prompts.ids
-    monkeypatch.setattr(pipe.prompts, "ids", lambda prompts: threads.append(threading.current_thread().name)
-                        or tokenize(prompts))
+    read = pipe.prompts.read
+    monkeypatch.setattr(pipe.prompts, "read", lambda *args, **kwargs: threads.append(threading.current_thread().name)
+                        or read(*args, **kwargs))
     queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
     long = "word " * 100
     tickets = [queue.submit(dataclasses.replace(_request(seed), prompts=(prompt,) * 4))
                for seed, prompt in ((1, "a cat"), (2, long))]
     results = [queue.wait(ticket) for ticket in tickets]
     assert threads and "device-queue" not in threads
-    assert results[0].truncated_prompts == [] and results[1].truncated_prompts == [long]
     alone = pipe.render(dataclasses.replace(_request(2), prompts=(long,) * 4))
     np.testing.assert_array_equal(results[1].images, alone.images)
+    with pytest.raises(ValueError, match="over the limit of 8 chunks"):
+        queue.submit(dataclasses.replace(_request(3), prompts=("w " * 700,) * 4))
 
 
 def _held(monkeypatch, pipe, gate: threading.Event, on_render=None):
