@@ -17,14 +17,14 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
         ref_images_per_s ratio load_s raw_read_s load_cold_s raw_read_cold_s load_over_raw_read_cold
         first_image_s first_image_warm_s load_peak_rss_bytes param_bytes_bf16 peak_rss_bytes
         peak_device_memory_bytes progress_overhead unguided_images_per_s unguided_speedup lora_first_s lora_scale_s
-        lora_clear_s lora_recompiles""".split()
+        lora_clear_s lora_recompiles long_prompt_images_per_s long_prompt_cost""".split()
     assert not [key for key in required if key not in r]
     assert (r["model"], r["device"], r["n_devices"], r["batch"]) == ("tiny", "cpu", 1, 1)
     assert r["attention"] == "xla" and r["convolution"] == "xla"  # 4x4 latents: too small for Winograd
     assert r["images_per_s"] > 0 and np.isclose(r["s_per_image"] * r["images_per_s"], 1)
     assert np.isclose(r["ratio"], r["images_per_s"] / r["ref_images_per_s"])
     assert r["mfu"] is None and r["tflops"] > 0  # no known peak for a CPU
-    assert r["recompiles"] == 0 and r["sweep_runs"] >= 4 and r["lora_recompiles"] == 0
+    assert r["recompiles"] == 0 and r["sweep_runs"] >= 5 and r["lora_recompiles"] == 0
     assert r["lora_first_s"] > 0 and r["lora_scale_s"] > 0 and r["lora_clear_s"] < r["lora_scale_s"]
     assert 0 < r["warm_compile_s"] < r["compile_s"]
     assert r["load_s"] > 0 and r["raw_read_s"] > 0 and r["weight_bytes"] > r["param_bytes_bf16"]  # tiny is float32
@@ -151,10 +151,13 @@ def test_unet_flop_count_matches_an_independent_count(monkeypatch):
     assert 1 <= bfloat16 / expected < 1.05
 
 
-def test_compile_counter_sees_a_new_size_but_not_new_prompts_seeds_guidance_or_steps():
+def test_compile_counter_sees_a_new_size_or_chunk_count_but_not_new_prompts_weights_seeds_guidance_or_steps():
     pipe = Pipeline.from_pretrained("tiny", max_steps=4, devices=jax.devices()[:1])
+    long_prompt = speed.prompt_of_chunks(pipe.prompts, speed.LONG_PROMPT_CHUNKS)
+    assert pipe.prompts.read(long_prompt)[0].shape[-1] == 3 * 77
     assert speed.count_compilations(pipe, [speed.batch_request(1, 16, 16, 1)]) >= 1
-    assert speed.count_compilations(pipe, speed.sweep_requests(1, 16, 16, 1)) == 0
+    assert speed.count_compilations(pipe, [speed.batch_request(1, 16, 16, 1, prompt=long_prompt)]) >= 1
+    assert speed.count_compilations(pipe, speed.sweep_requests(1, 16, 16, 1, long_prompt)) == 0
     assert speed.count_compilations(pipe, [speed.batch_request(1, 32, 16, 1)]) >= 1
 
 

@@ -67,6 +67,10 @@ def format_table(r: dict) -> str:
             "without guidance (scale 0)",
             f"{_number(r['unguided_images_per_s'])} images/s, {r['unguided_speedup']:.2f}x those with guidance",
         ),
+        (
+            f"a prompt of {r['long_prompt_chunks']} chunks",
+            f"{_number(r['long_prompt_images_per_s'])} images/s, {r['long_prompt_cost']:.2f}x the time of one chunk",
+        ),
         ("recompilations over the sweep", f"{r['recompiles']} in {r['sweep_runs']} calls"),
         (
             f"LoRA, rank 32 on {r['lora_layers']} layers",

@@ -2,6 +2,7 @@
 
 import dataclasses
 import datetime
+import itertools
 import os
 import statistics
 import time
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 
 from .. import attention, convolution, lora, unet
 from ..compilation import CompileCounter, enable_compilation_cache
+from ..prompts import TOKENS_PER_CHUNK
 from ..request import DEFAULT_GUIDANCE_SCALE, Request
 from .loading import (
     bf16_bytes, default_dtype, in_fresh_process, load_on_devices, memory_status, process_start_time, scratch_dir,
@@ -20,6 +22,9 @@ from .loading import (
 )
 
 PROMPT = "a photograph of an astronaut riding a horse on the moon, detailed, sharp focus"
+# Weighted, as prompts pasted from model pages are; repeated to fill a given number of chunks.
+WEIGHTED_PHRASE = "(an astronaut:1.2) riding a horse on the moon, [blurry], ((sharp focus)), "
+LONG_PROMPT_CHUNKS = 3  # compiled as 4, one masked: the cost of a long prompt as users write them
 NEGATIVE_PROMPT = "blurry, low quality"
 GUIDANCE_SCALE = DEFAULT_GUIDANCE_SCALE
 SAMPLER = "euler"  # diffusers' EulerDiscreteScheduler is the reference's counterpart
@@ -130,13 +135,25 @@ def batch_request(
     )
 
 
-def sweep_requests(batch: int, height: int, width: int, steps: int) -> list[Request]:
+def prompt_of_chunks(prompts, chunks: int) -> str:
+    """`WEIGHTED_PHRASE` repeated until the model's tokenizers read it as `chunks` chunks."""
+    for repeats in itertools.count(1):
+        text = WEIGHTED_PHRASE * repeats
+        ids, _ = prompts.read(text)
+        if ids.shape[-1] // TOKENS_PER_CHUNK >= chunks:
+            return text
+
+
+def sweep_requests(batch: int, height: int, width: int, steps: int, long_prompt: str) -> list[Request]:
     """Requests that change everything a user changes between calls except what selects another
-    program (the image size, the batch, the sampler, guidance or none): prompts (including an
-    empty negative prompt and one past the token limit), seed, guidance scale and step count."""
+    program (the image size, the batch, the sampler, guidance or none, the chunk count): prompts
+    (including an empty negative prompt), their weights and emphasis, seed, guidance scale and step
+    count. `long_prompt` is one of a chunk count already compiled, whose weights the sweep changes."""
+    reweighted = long_prompt.replace(":1.2)", ":0.7)").replace("((", "(((")
     return [
         batch_request(batch, height, width, 1, prompt="a red cube", negative_prompt=""),
-        batch_request(batch, height, width, 2, seed=123, prompt=" ".join(["a very long prompt"] * 40)),
+        batch_request(batch, height, width, 2, seed=123, prompt="a (red:1.4) [cube]", negative_prompt="(blurry:1.3)"),
+        dataclasses.replace(batch_request(batch, height, width, 1, prompt=reweighted), emphasis="no-norm"),
         batch_request(batch, height, width, 1, guidance_scale=1.5),
         batch_request(batch, height, width, steps + 1, guidance_scale=9.0, seed=7),
     ]
@@ -295,11 +312,14 @@ def run_benchmark(
         fresh |= disk_and_fresh_memory_loads(**options)
 
         unguided = dataclasses.replace(request, guidance_scales=(0.0,) * len(request))
+        long_prompt = prompt_of_chunks(pipe.prompts, LONG_PROMPT_CHUNKS)
+        long = pipe.validated(batch_request(len(request), height, width, steps, prompt=long_prompt))
         calls = {
             "ours": lambda: pipe.render(request),
             # Progress as the demo shows it: a report and the images' previews after every step.
             "progress": lambda: pipe.render(request, on_step=lambda done: None, on_preview=lambda done, images: None),
             "unguided": lambda: pipe.render(unguided),  # the program without the negative prompts' pass
+            "long_prompt": lambda: pipe.render(long),  # the program of 4 chunks
         }
         reference = {}
         if compare:
@@ -310,8 +330,8 @@ def run_benchmark(
         log(f"timing {runs} runs each of: {', '.join(calls)}")
         timings = _interleaved_timings(calls, runs)
 
-        log("counting compilations over a sweep of prompts, seeds, guidance and steps")
-        sweep = sweep_requests(len(request), height, width, steps)
+        log("counting compilations over a sweep of prompts, weights, seeds, guidance and steps")
+        sweep = sweep_requests(len(request), height, width, steps, long_prompt)
         recompiles = count_compilations(pipe, sweep)
         log("timing LoRA switches")
         lora_switches = time_lora_switches(pipe, scratch, request)
@@ -385,7 +405,7 @@ def _interleaved_timings(calls: dict[str, Callable[[], object]], runs: int) -> d
     """`runs` (wall, CPU) timings of each call, taking turns so that drifting machine load hits all alike."""
     # Warm-up: ours ran once already (the first image); torch's CPU kernels take a few calls to settle.
     for name, call in calls.items():
-        for _ in range({"ours": 0, "progress": 1, "unguided": 1, "reference": 2}[name]):
+        for _ in range({"ours": 0, "progress": 1, "unguided": 1, "long_prompt": 1, "reference": 2}[name]):
             call()
     timings = {name: [] for name in calls}
     for _ in range(runs):
@@ -428,6 +448,9 @@ def _speed(pipe, request: Request, timings: dict, flops: float) -> dict:
         progress_overhead=_median_s(timings["progress"]) / _median_s(ours) - 1,
         unguided_images_per_s=batch / _median_s(timings["unguided"]),
         unguided_speedup=_median_s(ours) / _median_s(timings["unguided"]),
+        long_prompt_chunks=LONG_PROMPT_CHUNKS,
+        long_prompt_images_per_s=batch / _median_s(timings["long_prompt"]),
+        long_prompt_cost=_median_s(timings["long_prompt"]) / _median_s(ours),
     )
 
 
