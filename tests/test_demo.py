@@ -118,3 +118,15 @@ def test_emphasis_reaches_the_request_and_prompt_boxes_count_their_chunks(servic
     assert service.prompt_length("a fox BREAK snow").endswith("tokens, 2 chunks")
     assert service.prompt_length("ab " * 450) == "900 tokens, 12 chunks (at most 8)"
     assert service.prompt_length("a fox", "strong") == "", "not a mode: nothing to show"
+
+
+def test_prompt_search_and_replace_keeps_weights_and_prompts_of_other_lengths_share_a_call(service, pipe):
+    settings = Settings(prompt="a (red:1.2) fox, [snow]", seed=1, steps=2, emphasis="no-norm")
+    plan = service.grid(settings, "prompt", "red\nblue", "seed", "1, 2")
+    assert [plan.requests[call].prompts[index] for call, index in plan.where][:2] == [
+        "a (red:1.2) fox, [snow]", "a (blue:1.2) fox, [snow]"]
+    plan = service.grid(settings, "prompt", "snow\nsnow] BREAK [dawn", None, "")
+    cells = [plan.requests[call].prompts[index] for call, index in plan.where]
+    assert cells == ["a (red:1.2) fox, [snow]", "a (red:1.2) fox, [snow] BREAK [dawn]"]
+    (request,) = plan.requests
+    assert request.emphasis == "no-norm" and pipe.tokenized(request).tokens.chunks[:, 1].tolist() == [1, 2]
