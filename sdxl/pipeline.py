@@ -190,8 +190,8 @@ class Pipeline:
         loras = dict(self.loras if request.loras is None else request.loras)
         for name, scale in scales.items():
             if name not in loaded:
-                names = ", ".join(sorted(loaded)) or "none is loaded"
-                raise ValueError(f"the prompt names the LoRA {name!r}, which is not loaded; the loaded ones: {names}")
+                known = f"the loaded ones: {', '.join(sorted(loaded))}" if loaded else "no LoRA is loaded"
+                raise ValueError(f"the prompt names the LoRA {name!r}, which is not loaded; {known}")
             loras[loaded[name]] = scale
         return dataclasses.replace(request, loras=tuple(loras.items())).validated(self.spec, max_steps=self.max_steps)
 
