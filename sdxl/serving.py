@@ -27,6 +27,8 @@ NaN image fails only the request it belongs to, and the worker thread survives a
 
 import concurrent.futures
 import dataclasses
+import heapq
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -90,22 +92,49 @@ class DeviceQueue:
         self._last_started: dict[str | None, int] = {}  # owner -> the batch number it last led
         self._changed = threading.Condition()
         # One compile at a time, so that background compiles never starve the host of CPU.
-        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
         self._compiles: dict[tuple[GenerateProgram, ...], concurrent.futures.Future] = {}
+        self._to_compile: list[tuple[int, int, tuple[GenerateProgram, ...]]] = []  # heap: (urgency, order, programs)
+        self._queued_urgency: dict[tuple[GenerateProgram, ...], int] = {}  # programs in the heap, not yet started
+        self._order = itertools.count()
         threading.Thread(target=self._serve, name="device-queue", daemon=True).start()
+        threading.Thread(target=self._compile_forever, name="compile", daemon=True).start()
 
-    def compile_in_background(self, programs: Sequence[GenerateProgram]) -> concurrent.futures.Future | None:
+    def compile_in_background(
+        self, programs: Sequence[GenerateProgram], *, needed: bool = False
+    ) -> concurrent.futures.Future | None:
         """Compiles the programs of a batch (`Pipeline.programs_for`) without holding up the devices,
-        once each. Returns a future of the seconds it took (the same one while it runs), or None if compiled."""
-        key = tuple(programs)
+        once each, one at a time. Those a waiting request `needed` go first: a visitor who picks a new
+        size waits for at most the one compile under way, not for every batch size compiled ahead.
+
+        Returns a future of the seconds it took (the same one while it runs), or None if compiled."""
+        key, urgency = tuple(programs), 0 if needed else 1
         with self._changed:
-            if key in self._compiles:
-                return self._compiles[key]
-            if self.pipe.is_compiled(key, progress=True):
-                return None
-            self._compiles[key] = self._compiler.submit(self.runner.compile, key)
-            self._compiles[key].add_done_callback(self._notify)  # requests waiting for it may be ready
-            return self._compiles[key]
+            compiling = self._compiles.get(key)
+            if compiling is None:
+                if self.pipe.is_compiled(key, progress=True):
+                    return None
+                compiling = self._compiles[key] = concurrent.futures.Future()
+                compiling.add_done_callback(self._notify)  # requests waiting for it may be ready
+            elif key not in self._queued_urgency or self._queued_urgency[key] <= urgency:
+                return compiling  # under way, done, or queued at least this urgently
+            self._queued_urgency[key] = urgency  # an entry queued less urgently is skipped when it comes up
+            heapq.heappush(self._to_compile, (urgency, next(self._order), key))
+            self._changed.notify_all()
+            return compiling
+
+    def _compile_forever(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._to_compile)
+                urgency, _, key = heapq.heappop(self._to_compile)
+                if self._queued_urgency.get(key) != urgency:
+                    continue  # moved up: its more urgent entry came first
+                del self._queued_urgency[key]
+            compiling = self._compiles[key]
+            try:
+                compiling.set_result(self.runner.compile(key))
+            except Exception as e:  # the requests waiting for it fail with the reason (`_ready`)
+                compiling.set_exception(e)
 
     def _notify(self, _) -> None:
         with self._changed:
@@ -165,7 +194,7 @@ class DeviceQueue:
                 ready.append(ticket)
                 continue
             ticket.compiling = True
-            compiling = self.compile_in_background(programs)
+            compiling = self.compile_in_background(programs, needed=True)
             if compiling.done() and compiling.exception() is not None:
                 self._waiting.remove(ticket)
                 ticket.future.set_exception(compiling.exception())

@@ -10,7 +10,7 @@ import pytest
 from sdxl import lora
 from sdxl.pipeline import Pipeline
 from sdxl.request import Request
-from sdxl.serving import DeviceQueue
+from sdxl.serving import DeviceQueue, Runner
 
 HEIGHT, WIDTH, STEPS = 64, 64, 2
 
@@ -65,6 +65,30 @@ def test_a_batch_being_compiled_in_the_background_waits_for_it(pipe):
     assert compiling.done() and ticket.batch_images == 16 and ticket.compiling
     assert updates and all(updates), "while it waits for the compile, the request must say it is compiling"
     assert len(result.images) == 16
+
+
+def test_compiles_a_waiting_request_needs_go_before_those_ahead_of_need(pipe):
+    started, release = [], threading.Event()
+
+    class Recording(Runner):
+        def compile(self, programs):
+            started.append(programs)
+            release.wait(60)
+            return 0.0
+
+    queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8, runner=Recording(pipe))
+    first, second, third, new_size = (tuple(pipe.programs_for(dataclasses.replace(_request(0), height=h, width=h)))
+                                      for h in (32, 48, 80, 96))
+    compiles = [queue.compile_in_background(first)]
+    while not started:  # the first is under way: nothing overtakes it
+        threading.Event().wait(0.01)
+    compiles += [queue.compile_in_background(programs) for programs in (second, third)]
+    assert queue.compile_in_background(third, needed=True) is compiles[2], "moved up, compiled once"
+    compiles.append(queue.compile_in_background(new_size, needed=True))
+    release.set()
+    for compiling in compiles:
+        compiling.result(timeout=60)
+    assert started == [first, third, new_size, second]
 
 
 def test_requests_with_other_loras_never_share_a_batch(pipe, tmp_path):
