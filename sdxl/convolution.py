@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .attention import target_platform
 from .config import kernel_override
 
 IMPLEMENTATIONS = ("xla", "winograd")
@@ -62,12 +63,13 @@ _TILE, _OUT = _INPUT_TRANSFORM.shape[0], _OUTPUT_TRANSFORM.shape[0]
 
 
 def implementation(height: int, width: int, channels: int, dtype) -> str:
-    """The algorithm for a 3x3 convolution of a [B, height, width, channels] map on this backend,
+    """The algorithm for a 3x3 convolution of a [B, height, width, channels] map on the target platform,
     or the one SDXL_CONV names."""
     chosen = kernel_override("SDXL_CONV", IMPLEMENTATIONS)
     if chosen:
         return chosen
-    suits = jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
+    # The platform traced for, not the host's: a CPU host compiling for a TPU slice must not pick Winograd.
+    suits = target_platform() == "cpu" and jnp.dtype(dtype) == jnp.float32
     pays = 16 <= min(height, width) and max(height, width) <= 128 and channels >= 64
     return "winograd" if suits and pays else "xla"
 

@@ -50,6 +50,8 @@ def test_cpu_picks_winograd_where_it_pays(monkeypatch):
     assert convolution.implementation(32, 32, 64, jnp.bfloat16) == "xla"  # too few digits
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert convolution.implementation(32, 32, 64, jnp.float32) == "xla"
+    with jax.set_mesh(jax.sharding.Mesh(np.array(jax.devices()), ("batch",))):  # traced for the mesh's CPUs
+        assert convolution.implementation(32, 32, 64, jnp.float32) == "winograd"
 
 
 def test_environment_overrides(monkeypatch):
