@@ -132,8 +132,9 @@ def encode_text(
 
 
 def emphasized(hidden: jax.Array, weights: jax.Array, rescale: jax.Array) -> jax.Array:
-    """webui's emphasis (`sdxl.prompt_syntax.emphasize`): each token's states times its weight, then,
-    where `rescale`, the chunk scaled so that its mean over every token and feature is what it was.
+    """webui's emphasis: each token's states times its weight, then, where `rescale` ("original"; not
+    "no-norm"), the chunk scaled so that its mean over every token and feature, BOS and padding
+    included, is what it was. "none" is all weights 1 (`sdxl.prompt_syntax.prompt_pieces`).
 
     Args: hidden [C, 77, D] one chunk per row; weights [C, 77]; rescale [C] bool.
     """

@@ -1,9 +1,8 @@
 """Prompts read as AUTOMATIC1111's stable-diffusion-webui reads them, with its default "Original" emphasis.
 
 Host-side only (Python and numpy): the text becomes weighted pieces, the pieces' tokens are packed into
-chunks of 75, and each chunk becomes the 77 ids an encoder reads and one weight per position. What an
-encoder's output then goes through is `emphasize`, written here in numpy as the definition that the
-compiled program follows.
+chunks of 75, and each chunk becomes the 77 ids an encoder reads and one weight per position. The
+compiled program then weighs each chunk's hidden states (`sdxl.program.emphasized`).
 
 The reading, as webui 1.10 does it:
 
@@ -16,9 +15,10 @@ The reading, as webui 1.10 does it:
   the next token is not a comma, a comma at most 20 tokens back moves what follows it to the next chunk.
 - `encoder_ids`: a chunk is BOS + its 75 tokens (EOS-padded) + EOS; positions after the first EOS take
   the tokenizer's pad id (EOS for SD 1.x and SDXL's first tokenizer, 0 for the OpenCLIP ones).
-- `emphasize`: the chunk's hidden states times each position's weight, then rescaled so that the mean of
-  the whole chunk tensor is what it was unweighted ("original"); without the rescale ("no-norm"); or
-  not at all ("none", where the prompt is also read literally: no brackets, no BREAK).
+- Emphasis (in the program): the chunk's hidden states times each position's weight, then rescaled so
+  that the mean of the whole chunk tensor is what it was unweighted ("original"); without the rescale
+  ("no-norm"); or not at all ("none", where `prompt_pieces` reads the prompt literally: no brackets, no
+  BREAK, every weight 1).
 
 LoRA tags (`lora_tags`) come out of the text before any of this, as webui removes them, and only from
 the positive prompt: webui reads a tag in the negative prompt as text.
@@ -217,24 +217,6 @@ def encoder_ids(chunk: Chunk, *, bos: int, eos: int, pad: int) -> tuple[np.ndarr
     first_end = int(np.argmax(ids == eos))  # there is one: the last position
     ids[first_end + 1:] = pad
     return ids, np.array([1.0, *chunk.weights, 1.0], dtype=np.float32)
-
-
-def emphasize(hidden: np.ndarray, weights: np.ndarray, emphasis: str = "original") -> np.ndarray:
-    """Applies one chunk's weights to an encoder's hidden states for it, as webui's emphasis modes do.
-
-    hidden: [..., 77, D] for one chunk of one prompt; weights: [..., 77]. "original" multiplies each
-    position by its weight, then scales everything by (mean before / mean after), the means taken over the
-    whole tensor (every position and feature, BOS and padding included); "no-norm" only multiplies; "none"
-    leaves the hidden states alone. Computed in the dtype of `hidden`.
-    """
-    if emphasis not in EMPHASIS_MODES:
-        raise ValueError(f"unknown emphasis {emphasis!r}; it is one of {', '.join(EMPHASIS_MODES)}")
-    if emphasis == "none":
-        return hidden
-    weighted = hidden * weights[..., None].astype(hidden.dtype)
-    if emphasis == "no-norm":
-        return weighted
-    return weighted * (hidden.mean() / weighted.mean())
 
 
 def prompt_chunks(

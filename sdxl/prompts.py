@@ -98,10 +98,11 @@ class Prompts:
         """
         if not negative:
             text, _ = prompt_syntax.lora_tags(text)
-        pieces = prompt_syntax.prompt_pieces(text, emphasis)
-        per_encoder = [self._chunks(tokenizer, pieces) for tokenizer in self.tokenizers]
         what = "negative prompt" if negative else "prompt"
-        prompt_syntax.check(pieces, per_encoder[0], what=what)
+        per_encoder = [
+            prompt_syntax.prompt_chunks(text, **self._reading(tokenizer), emphasis=emphasis, what=what)
+            for tokenizer in self.tokenizers
+        ]
         count = max(len(chunks) for chunks in per_encoder)  # the same but for tokenizers of other vocabularies
         framed = [self._framed(tokenizer, chunks, count) for tokenizer, chunks in zip(self.tokenizers, per_encoder)]
         return np.stack([ids for ids, _ in framed]), np.stack([weights for _, weights in framed])
@@ -110,19 +111,22 @@ class Prompts:
         """How long a prompt is, as a UI shows it: "84 tokens, 2 chunks"."""
         if not negative:
             text, _ = prompt_syntax.lora_tags(text)
-        chunks = self._chunks(self.tokenizers[0], prompt_syntax.prompt_pieces(text, emphasis))
+        pieces = prompt_syntax.prompt_pieces(text, emphasis)
+        chunks = prompt_syntax.chunks(pieces, **self._reading(self.tokenizers[0]))  # unchecked: a count to show
         over = f" (at most {MAX_CHUNKS})" if len(chunks) > MAX_CHUNKS else ""
         return prompt_syntax.length_text(chunks) + over
 
     @staticmethod
-    def _chunks(tokenizer, pieces) -> list[Chunk]:
+    def _reading(tokenizer) -> dict:
+        """What `sdxl.prompt_syntax` needs of a tokenizer to chunk a prompt: tokenize, comma_id, eos."""
+
         def tokenize(texts: list[str]) -> list[list[int]]:
             with one_call_at_a_time:
                 return tokenizer(texts, add_special_tokens=False, verbose=False).input_ids
 
         comma = tokenizer.convert_tokens_to_ids(",</w>")
         comma = -1 if comma == tokenizer.unk_token_id else comma  # a vocabulary without one: no backtrack
-        return prompt_syntax.chunks(pieces, tokenize, comma_id=comma, eos=tokenizer.eos_token_id)
+        return {"tokenize": tokenize, "comma_id": comma, "eos": tokenizer.eos_token_id}
 
     @staticmethod
     def _framed(tokenizer, chunks: list[Chunk], count: int) -> tuple[np.ndarray, np.ndarray]:

@@ -6,6 +6,7 @@ Tiny random CLIP encoders stand in for the real ones; the tokenizers are the rea
 import random
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 import a1111_reference as ref
 from sdxl import prompt_syntax as ps
+from sdxl.program import emphasized
 
 CONFIGS = Path(__file__).parents[1] / "sdxl" / "configs" / "sdxl-base-1.0"
 WEBUI_EMPHASIS = ps.A1111_EMPHASIS_NAMES  # ours -> webui's
@@ -134,7 +136,8 @@ def test_oracle_none_emphasis_reads_the_prompt_literally(sdxl):
 # --- sdxl.prompt_syntax against the oracle ---
 
 def ours(prompt, tokenizers, models, emphasis="original", negative=False):
-    """The conditioning built from sdxl.prompt_syntax's chunks and `emphasize`, with the torch encoders."""
+    """The conditioning built from sdxl.prompt_syntax's chunks and the program's `emphasized`, with the torch
+    encoders."""
     tokenizer = tokenizers[0]
     tokenize = lambda texts: tokenizer(texts, truncation=False, add_special_tokens=False)["input_ids"]  # noqa: E731
     chunk_list = ps.prompt_chunks(prompt, tokenize, comma_id=tokenizer.get_vocab()[",</w>"],
@@ -147,7 +150,9 @@ def ours(prompt, tokenizers, models, emphasis="original", negative=False):
                                           pad=tokenizer.pad_token_id)
             with torch.no_grad():
                 out = model(input_ids=torch.from_numpy(ids)[None].long(), output_hidden_states=True)
-            outputs.append(ps.emphasize(out.hidden_states[-2][0].numpy(), weights, emphasis))
+            hidden = jnp.asarray(out.hidden_states[-2].numpy())
+            rescale = jnp.array([emphasis == "original"])
+            outputs.append(np.asarray(emphasized(hidden, jnp.asarray(weights[None]), rescale))[0])
             if i == 0 and hasattr(out, "text_embeds"):
                 pooled = out.text_embeds.numpy()
         per_encoder.append(np.concatenate(outputs, axis=0))

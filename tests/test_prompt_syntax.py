@@ -230,22 +230,6 @@ def test_encoder_ids_frames_the_chunk_and_pads_after_the_first_eos():
     assert ids[76] == EOS and PAD not in ids.tolist()
 
 
-# --- emphasize ---
-
-def test_emphasize_modes(rng):
-    hidden = rng.normal(size=(77, 16)).astype(np.float32) + 0.3
-    weights = np.ones(77, np.float32)
-    weights[3:6] = [1.5, 0.5, 1.21]
-    weighted = hidden * weights[:, None]
-    original = ps.emphasize(hidden, weights, "original")
-    np.testing.assert_allclose(original.mean(), hidden.mean(), rtol=1e-5)
-    np.testing.assert_allclose(original, weighted * (hidden.mean() / weighted.mean()), rtol=1e-6)
-    assert not np.allclose(original, weighted)
-    np.testing.assert_array_equal(ps.emphasize(hidden, weights, "no-norm"), weighted)
-    assert ps.emphasize(hidden, weights, "none") is hidden
-    assert not np.allclose(original, hidden)
-
-
 # --- checks ---
 
 def test_check_refuses_long_prompts_with_one_sentence():

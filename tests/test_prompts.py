@@ -4,6 +4,7 @@ oracle (tests/a1111_reference.py), for SDXL and SD 1.x; weights that never recom
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,7 @@ from reference import diffusers_images, random_latents, sd_pipeline, sdxl_pipeli
 from sdxl import lora, prompt_syntax
 from sdxl.compilation import CompileCounter
 from sdxl.pipeline import Pipeline
+from sdxl.program import emphasized
 from sdxl.request import Request
 
 HEIGHT, WIDTH, STEPS = 64, 96, 3
@@ -65,6 +67,20 @@ def _webui_images(ref, prompts, negatives, latents, emphasis) -> np.ndarray:
             guidance_scale=5.0, latents=torch.from_numpy(latents[i:i + 1]), **embeds,
         )[0])
     return np.stack(images)
+
+
+def test_emphasis_keeps_each_chunks_mean_or_not():
+    hidden = np.random.default_rng(0).normal(size=(3, 77, 16)).astype(np.float32) + 0.3
+    weights = np.ones((3, 77), np.float32)
+    weights[:2, 3:6] = [1.5, 0.5, 1.21]
+    got = np.asarray(emphasized(jnp.asarray(hidden), jnp.asarray(weights), jnp.array([True, False, True])))
+    original, no_norm, unweighted = got
+    weighted = hidden[0] * weights[0, :, None]
+    np.testing.assert_allclose(original.mean(), hidden[0].mean(), rtol=1e-5)
+    np.testing.assert_allclose(original, weighted * (hidden[0].mean() / weighted.mean()), rtol=1e-5)
+    assert not np.allclose(original, weighted) and not np.allclose(original, hidden[0])
+    np.testing.assert_array_equal(no_norm, hidden[1] * weights[1, :, None])
+    np.testing.assert_array_equal(unweighted, hidden[2]), "weights of 1 (emphasis 'none') change nothing"
 
 
 def _chunk_sizes(pipe, text, backtrack) -> list[int]:
