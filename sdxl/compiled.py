@@ -13,8 +13,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from . import mesh as meshes
+from . import controlnet, mesh as meshes
 from .checkpoints import ModelSpec
+from .checkpoints.spec import cached_shapes
 from .inputs import abstract_inputs
 from .program import GenerateProgram, Inputs
 
@@ -59,16 +60,20 @@ class Executables:
         by_image = meshes.by_image(self.mesh)
         # `prepare` keeps the invariants as computed: the text's keys split by image, kernels on every device.
         fn = jax.jit(getattr(program, stage), out_shardings=(by_image, None) if stage == "prepare" else by_image)
-        params = abstract_params(program.spec, program.dtype, meshes.replicated(self.mesh))
+        params = abstract_params(program.spec, program.controlnets, program.dtype, meshes.replicated(self.mesh))
         # The mesh in context lets kernels XLA cannot partition (splash attention) split the batch.
         with jax.set_mesh(self.mesh):
             return fn.trace(params, *args).lower(lowering_platforms=platforms)
 
 
 @functools.lru_cache(maxsize=8)
-def abstract_params(spec: ModelSpec, dtype, sharding) -> dict:
-    """The parameters a program of `spec` takes, as loaded: every leaf in `dtype`, on every device."""
-    return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=sharding), spec.abstract_params())
+def abstract_params(spec: ModelSpec, controlnets: tuple, dtype, sharding) -> dict:
+    """The parameters a program of `spec` (steered by `controlnets`' configs) takes, as loaded: every
+    leaf in `dtype`, on every device."""
+    tree = spec.abstract_params()
+    if controlnets:
+        tree["controlnets"] = tuple(cached_shapes(controlnet.abstract_params, config) for config in controlnets)
+    return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=sharding), tree)
 
 
 class ProgressReports:

@@ -11,7 +11,9 @@ import jax
 import numpy as np
 
 from . import images
-from .request import DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_strength
+from .request import (
+    DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_control_scale, default_strength,
+)
 
 
 def generate(
@@ -37,6 +39,10 @@ def generate(
     refine_from: float | None = None,
     emphasis: str = "original",
     padding_mask_crop: int | None = None,
+    control_image=None,
+    controlnet_conditioning_scale: float | Sequence[float] | None = None,
+    control_guidance_start: float | Sequence[float] = 0.0,
+    control_guidance_end: float | Sequence[float] = 1.0,
     output_type: str = "pil",
 ):
     """Images (seed, 0), (seed, 1), ...: image i depends only on (seed, i), whatever the device count.
@@ -62,6 +68,14 @@ def generate(
         diffusers' two handoff calls as one.
       emphasis: how weights apply: "original" (webui's default, each chunk keeps its mean), "no-norm",
         or "none" (brackets read as text).
+      control_image: with ControlNets loaded (`Pipeline.from_pretrained(controlnet=...)`), the image that
+        steers them (as the `control_image` of diffusers' ControlNet img2img and inpainting pipelines,
+        the `image` of its text-to-image one): for one ControlNet an image or one per image, for
+        several a list with one such entry per ControlNet. Resized to the output with Lanczos, as
+        diffusers resizes; by default the output has its size (rounded down to a size the model renders).
+      controlnet_conditioning_scale, control_guidance_start, control_guidance_end: as diffusers', a
+        number for every ControlNet or a list with one per ControlNet. The scale defaults as diffusers'
+        pipelines do: 1 from text, 0.8 for image-to-image, for inpainting 1 (SDXL) or 0.5 (SD 1.x/2.x).
       output_type: "pil", "np" (float32 [N, H, W, 3] in [0, 1]) or "latent" ([N, h, w, C] left on the devices).
 
     Raises:
@@ -79,23 +93,42 @@ def generate(
     if isinstance(image, jax.Array) and image.ndim == 4 and image.shape[-1] == pipe.spec.vae.latent_channels:
         start_latents, image = image, None
     image, mask_image = _per_image(image, images.pixels), _per_image(mask_image, images.mask)
+    controls = [_per_image(entry, images.pixels) for entry in _per_controlnet(control_image, len(pipe.controlnets))]
     if num_images is None:
         lists = [p for p in (prompt, negative_prompt) if not isinstance(p, str)]
-        given = [len(a) for a in (latents, start_latents, image) if a is not None and len(a) > 1]
+        given = [len(a) for a in (latents, start_latents, image, *controls) if a is not None and len(a) > 1]
         num_images = len(lists[0]) if lists else (given[0] if given else pipe.num_devices)
     image, mask_image = (_repeated(a, num_images) for a in (image, mask_image))
-    size = _size_of(pipe.spec, image, start_latents) or (pipe.spec.native_size,) * 2
+    size = _size_of(pipe.spec, image, start_latents) or _fitting(pipe.spec, controls) or (pipe.spec.native_size,) * 2
+    height, width = size[0] if height is None else height, size[1] if width is None else width
+    control_settings = {}
+    if controls:
+        k = len(controls)
+        if controlnet_conditioning_scale is None:
+            controlnet_conditioning_scale = default_control_scale(
+                pipe.spec, image=image is not None, inpainting=mask_image is not None
+            )
+        control_settings = dict(
+            control_images=tuple(
+                _repeated(np.stack([images.resized(c, int(height), int(width)) for c in stack]), num_images)
+                for stack in controls
+            ),
+            control_scales=(_numbers(controlnet_conditioning_scale, k, "controlnet_conditioning_scale"),) * num_images,
+            control_starts=(_numbers(control_guidance_start, k, "control_guidance_start"),) * num_images,
+            control_ends=(_numbers(control_guidance_end, k, "control_guidance_end"),) * num_images,
+        )
     if strength is None:
         strength = default_strength(pipe.spec, inpainting=mask_image is not None)
     request = Request.from_prompt(
         prompt, negative_prompt, num_images=num_images, seed=seed, guidance_scale=guidance_scale, steps=steps,
-        height=size[0] if height is None else height, width=size[1] if width is None else width, sampler=sampler,
+        height=height, width=width, sampler=sampler,
         noise=None if latents is None else np.asarray(latents, np.float32).transpose(0, 2, 3, 1),
     )
     request = dataclasses.replace(
         request, images=image, masks=mask_image, strength=strength, denoising_start=denoising_start,
         denoising_end=denoising_end, start_latents=start_latents,
         aesthetic_scores=(aesthetic_score, negative_aesthetic_score), refine_from=refine_from, emphasis=emphasis,
+        **control_settings,
     )
     result = pipe.render(request, output_type=output_type)
     result.raise_if_not_finite()
@@ -116,6 +149,41 @@ def _size_of(spec, image: np.ndarray | None, start_latents) -> tuple[int, int] |
             f"crop or resize it, to {fitting} for example"
         )
     return size
+
+
+def _per_controlnet(control_image, k: int) -> list:
+    """One entry (an image, or a list of them) per ControlNet, from diffusers' `control_image`.
+
+    Raises:
+      ValueError: a control image without ControlNets, ControlNets without one, or another count.
+    """
+    if control_image is None:
+        if k:
+            raise ValueError(f"this pipeline has {k} ControlNet(s): give a control image (control_image=)")
+        return []
+    if not k:
+        raise ValueError("control_image needs a ControlNet: load one with Pipeline.from_pretrained(controlnet=...)")
+    if k == 1:
+        return [control_image]
+    if not isinstance(control_image, list | tuple) or len(control_image) != k:
+        raise ValueError(f"control_image: give a list with one entry per ControlNet ({k})")
+    return list(control_image)
+
+
+def _numbers(value, k: int, label: str) -> tuple[float, ...]:
+    """A number for each of `k` ControlNets, from one number or a list of `k`."""
+    values = list(value) if isinstance(value, list | tuple) else [value] * k
+    if len(values) != k:
+        raise ValueError(f"{label}: give one number, or a list of one per ControlNet ({k}), got {len(values)}")
+    return tuple(values)
+
+
+def _fitting(spec, controls: list[np.ndarray]) -> tuple[int, int] | None:
+    """The first control image's size, rounded down to a size the model renders."""
+    if not controls:
+        return None
+    f = spec.latent_factor
+    return tuple(max(f, d // f * f) for d in controls[0].shape[1:3])
 
 
 def _repeated(stack: np.ndarray | None, n: int) -> np.ndarray | None:

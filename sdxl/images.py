@@ -49,6 +49,18 @@ def pixels(image) -> np.ndarray:
     return array.astype(np.float32)
 
 
+def resized(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """[H, W, C] pixels (uint8, or float32 in [0, 1]) at height x width, resized with Lanczos as
+    diffusers' image processors resize the PIL images they are given; unchanged at that size."""
+    if image.shape[:2] == (height, width):
+        return image
+    if image.dtype == np.uint8:
+        return np.asarray(Image.fromarray(image).resize((width, height), Image.Resampling.LANCZOS))
+    channels = [Image.fromarray(image[..., c], "F").resize((width, height), Image.Resampling.LANCZOS)
+                for c in range(image.shape[-1])]
+    return np.clip(np.stack([np.asarray(c) for c in channels], axis=-1), 0, 1)
+
+
 # A bound on what one uploaded or opened image may decode to: SDXL's largest bucket is 1.6
 # megapixels, the largest size here (MAX_SIZE squared) 16.8; PIL's own bound is 89.
 MAX_IMAGE_PIXELS = 4096 * 4096

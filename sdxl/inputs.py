@@ -81,12 +81,18 @@ def host_inputs(program: GenerateProgram, request: Request, steps: tuple[int, in
         time_ids = per_image(np.broadcast_to(np.array(pair, np.float32), (n, *np.shape(pair))), np.float32)
     start = {}
     if program.start_from == "image":
-        pixels = request.images if request.images.dtype != np.uint8 else request.images / np.float32(255)
         # diffusers' inpainting starts from noise alone at strength 1; its image-to-image never does.
         from_noise = request.masks is not None and request.strength == 1
-        start = {"image": per_image(pixels, np.float32), "from_noise": np.bool_(from_noise)}
+        start = {"image": per_image(_unit(request.images), np.float32), "from_noise": np.bool_(from_noise)}
     elif program.start_from == "latents":
         start = {"image": per_image(request.start_latents, np.float32)}
+    control = {}
+    if program.controlnets:
+        control = {
+            "control_images": tuple(per_image(_unit(image), np.float32) for image in request.control_images),
+            **{name: per_image(getattr(request, name), np.float32)
+               for name in ("control_scales", "control_starts", "control_ends")},
+        }
     first, stop = steps
     return Inputs(
         ids=per_image(tokens.ids, np.int32),
@@ -105,7 +111,13 @@ def host_inputs(program: GenerateProgram, request: Request, steps: tuple[int, in
         noise=per_image(request.noise, np.float32) if program.given_noise else None,
         mask=per_image(request.masks[..., None], np.float32) if program.inpaint else None,
         **start,
+        **control,
     )
+
+
+def _unit(pixels: np.ndarray) -> np.ndarray:
+    """Images as float32 in [0, 1], from uint8 or already so."""
+    return pixels / np.float32(255) if pixels.dtype == np.uint8 else pixels
 
 
 def placed(inputs: Inputs, mesh: Mesh) -> Inputs:
@@ -151,4 +163,9 @@ def placeholder(program: GenerateProgram) -> Request:
         masks=zeros(n, program.height, program.width) if program.inpaint else None,
         start_latents=latents if program.start_from == "latents" else None,
         denoising_start=0.5 if program.start_from == "latents" else None,
+        control_images=tuple(zeros(n, program.height, program.width, c.conditioning_channels)
+                             for c in program.controlnets) or None,
+        control_scales=((1.0,) * len(program.controlnets),) * n if program.controlnets else None,
+        control_starts=((0.0,) * len(program.controlnets),) * n if program.controlnets else None,
+        control_ends=((1.0,) * len(program.controlnets),) * n if program.controlnets else None,
     )

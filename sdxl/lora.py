@@ -45,6 +45,7 @@ import numpy as np
 
 from .checkpoints import ModelSpec, locate_file
 from .checkpoints.single_file import unet_original
+from .request import split_scale
 from .weights import CheckpointError, SafetensorsFile, flatten, torch_axes, unflatten
 
 # sd-scripts' prefix of each component's layer names (`lora_te_` is SD 1.x/2.x's one text encoder).
@@ -333,8 +334,6 @@ def display_name(source: str) -> str:
 
 def parse_option(text: str) -> tuple[str, float]:
     """A `--lora SOURCE[:SCALE]` value as (source, scale); the scale defaults to 1."""
-    source, sep, scale = text.rpartition(":")
-    if sep and re.fullmatch(r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?", scale):
-        return source, float(scale)
-    return text, 1.0
+    source, scale = split_scale(text)
+    return source, 1.0 if scale is None else scale
 

@@ -17,7 +17,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from . import checkpoints, inputs, lora, mesh as meshes, prompt_syntax
-from .checkpoints import ModelSpec
+from .checkpoints import ModelSpec, controlnets as controlnet_checkpoints
+from .checkpoints.controlnets import ControlNetCheckpoint
 from .compiled import Executables, ProgressReports, run_in_stages
 from .generate import generate
 from .previews import factors_for
@@ -64,9 +65,11 @@ class Pipeline:
 
     def __init__(
         self, spec: ModelSpec, params: dict, tokenizers: Sequence, *, mesh: Mesh, dtype, max_steps: int = 100,
-        name: str = "", preview_factors: tuple | None = None,
+        name: str = "", preview_factors: tuple | None = None, controlnets: Sequence[ControlNetCheckpoint] = (),
     ):
         self.spec = spec
+        # The ControlNets a request's control images steer through, in order; `params["controlnets"]` their weights.
+        self.controlnets = tuple(controlnets)
         self.base_params = params  # as loaded; `params` is them with the active LoRAs applied
         self.params = params
         self.loras: dict[str, float] = {}  # the active LoRAs: {source: scale}
@@ -91,6 +94,7 @@ class Pipeline:
         config: str | None = None,
         scheduler: dict | None = None,
         unet: str | None = None,
+        controlnet: str | Sequence[str] | None = None,
     ) -> "Pipeline":
         """Loads an SDXL or SD 1.x/2.x checkpoint: a diffusers folder or Hub repo, or a single file.
 
@@ -108,16 +112,27 @@ class Pipeline:
             the default sampler follows its class.
           unet: a UNet weights file in diffusers' keys replacing the checkpoint's, as SDXL-Lightning's
             are used (a local file or "owner/name/file.safetensors").
+          controlnet: a ControlNet (a diffusers folder, a Hub repo id, or a .safetensors file: see
+            `sdxl.checkpoints.controlnets`) or a list of them (diffusers' MultiControlNet), checked
+            against the model before their weights are fetched.
         """
         devices = list(devices or jax.devices())
         dtype = jnp.dtype(dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16"))
         checkpoint = checkpoints.resolve(path_or_repo_id, dtype=dtype, config=config, scheduler=scheduler, unet=unet)
+        sources = [] if controlnet is None else [controlnet] if isinstance(controlnet, str) else list(controlnet)
+        controlnets = [controlnet_checkpoints.resolve(source, checkpoint.spec, dtype=dtype) for source in sources]
         tokenizers = [load_tokenizer(checkpoint.folder / name) for name in checkpoint.spec.tokenizer_names]
         mesh = meshes.batch_mesh(devices)
         replicated = meshes.replicated(mesh)
-        params = checkpoint.load(dtype, lambda a: meshes.place(a, replicated))
+
+        def put(array):
+            return meshes.place(array, replicated)
+
+        params = checkpoint.load(dtype, put)
+        if controlnets:
+            params["controlnets"] = tuple(c.load(dtype, put) for c in controlnets)
         return cls(checkpoint.spec, params, tokenizers, mesh=mesh, dtype=dtype, max_steps=max_steps,
-                   name=str(path_or_repo_id), preview_factors=checkpoint.preview_factors)
+                   name=str(path_or_repo_id), preview_factors=checkpoint.preview_factors, controlnets=controlnets)
 
     @property
     def num_devices(self) -> int:
@@ -177,6 +192,7 @@ class Pipeline:
         prompts' tags name (`<lora:NAME:SCALE>`) at their scales. Raises ValueError."""
         if request.refine_from is not None and self.refiner is None:
             raise ValueError("no refiner is loaded to refine with (start the demo or the CLI with --refiner)")
+        self._check_controls(request)
         request = request.validated(self.spec, max_steps=self.max_steps)
         tags = {tuple(prompt_syntax.lora_tags(prompt)[1]) for prompt in request.prompts}
         if tags == {()}:
@@ -195,6 +211,25 @@ class Pipeline:
             loras[loaded[name]] = scale
         return dataclasses.replace(request, loras=tuple(loras.items())).validated(self.spec, max_steps=self.max_steps)
 
+    def _check_controls(self, request: Request) -> None:
+        """Raises ValueError unless the request has a control image for each ControlNet, or none."""
+        if not request.controls:
+            return
+        if not self.controlnets:
+            raise ValueError("no ControlNet is loaded to steer with a control image (start with --controlnet)")
+        if request.controls != len(self.controlnets):
+            names = ", ".join(c.name for c in self.controlnets)
+            raise ValueError(
+                f"{len(self.controlnets)} ControlNets are loaded ({names}): give one control image for each, "
+                f"not {request.controls}"
+            )
+        for image, controlnet in zip(request.control_images, self.controlnets):
+            channels = controlnet.config.conditioning_channels
+            if np.ndim(image) != 4 or np.shape(image)[-1] != channels:
+                raise ValueError(
+                    f"{controlnet.name} takes {channels}-channel control images, got shape {np.shape(image)}"
+                )
+
     def tokenized(self, request: Request) -> Request:
         return self.prompts.tokenized(request)
 
@@ -211,6 +246,7 @@ class Pipeline:
             guided=request.guided and spec.unet.time_cond_proj_dim is None,
             start_from=request.start_from, inpaint=request.masks is not None, given_noise=request.noise is not None,
             chunks=tokens.num_chunks, preview_factors=self.preview_factors,
+            controlnets=tuple(c.config for c in self.controlnets) if request.controls else (),
         )
 
     def programs_for(self, request: Request, num_images: int | None = None, output_type: str = "pil"):
@@ -326,11 +362,11 @@ class Pipeline:
     def _handoff(self, request: Request) -> tuple[Request, Request]:
         """A request with `refine_from` as its two parts: this model's down to that fraction of the
         noise (`denoising_end`), and the refiner's from there (`denoising_start`; its latents, the
-        `start_latents`, come from the first part). The LoRAs and tokens are this model's."""
+        `start_latents`, come from the first part). The LoRAs, tokens and ControlNets are this model's."""
         base = dataclasses.replace(request, refine_from=None, denoising_end=request.refine_from)
         refining = dataclasses.replace(
             request, refine_from=None, images=None, masks=None, denoising_start=request.refine_from, loras=None,
-            tokens=None,
+            tokens=None, control_images=None, control_scales=None, control_starts=None, control_ends=None,
         )
         return base, refining
 

@@ -20,6 +20,10 @@ Where the loop starts (`GenerateProgram.start_from`), as diffusers' SDXL pipelin
 - "image": image-to-image and inpainting, from the VAE's encoding of an image, noised to the level
   of the first step that runs (`Inputs.first_step`; a strength picks it on the host).
 - "latents": the second expert of a base-plus-refiner run, from another run's latents as they are.
+
+ControlNets (`GenerateProgram.controlnets`) steer the UNet at every step with the residuals they
+compute from a control image, each image's scaled by its own scale between its own start and end:
+inputs, so that changing them never recompiles.
 """
 
 import dataclasses
@@ -29,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from . import clip, previews, unet, vae
+from . import clip, controlnet, previews, unet, vae
 from .checkpoints import ModelSpec
 from .layers import STEP_INVARIANTS
 from .mesh import BATCH_AXIS
@@ -75,6 +79,13 @@ class Inputs:
     mask: jax.Array | None = None
     # start_from "image": scalar bool, start from noise alone all the same (diffusers' inpainting at strength 1).
     from_noise: jax.Array | None = None
+    # ControlNets: one [B, H, W, C] float32 control image in [0, 1] per ControlNet; and [B, K] each
+    # image's conditioning scale per ControlNet, and the fractions of the steps that run between which
+    # it steers (diffusers' `control_guidance_start` and `control_guidance_end`).
+    control_images: tuple | None = None
+    control_scales: jax.Array | None = None
+    control_starts: jax.Array | None = None
+    control_ends: jax.Array | None = None
 
 
 # The inputs every device reads whole; the others are per image, split over the devices with the batch.
@@ -222,7 +233,8 @@ class GenerateProgram:
     embedding) the UNet sees only the prompts, one pass per step on B latents instead of 2B; the
     negative prompts' ids are then not read.
 
-    `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"]} parameter tree, in `dtype`.
+    `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"][, "controlnets"]} parameter
+    tree, in `dtype`; "controlnets" holds one tree per entry of `controlnets`.
     """
 
     spec: ModelSpec
@@ -240,6 +252,7 @@ class GenerateProgram:
     chunks: int = 1  # the prompts' chunks of 77 tokens (`sdxl.prompts.CHUNK_COUNTS`)
     # `previews.project`'s (matrix, bias) for the previews `denoise` returns; None: the family's.
     preview_factors: tuple | None = None
+    controlnets: tuple[controlnet.ControlNetConfig, ...] = ()  # `Inputs.control_images` steer the UNet through these
 
     def initial_state(self, params, inputs: Inputs) -> State:
         """Text conditioning, the starting latents and the sampler's state."""
@@ -316,19 +329,63 @@ class GenerateProgram:
         return Known(mask, encoded, noise.astype(jnp.float32), None)
 
     def prepare(self, params, inputs: Inputs) -> tuple[State, dict]:
-        """The initial state and the UNet's step invariants."""
+        """The initial state and the step invariants: {"unet": the UNet's, "controlnets": each ControlNet's}."""
         state = self.initial_state(params, inputs)
         batch = len(state.cond["encoder_hidden_states"])  # 2B with guidance, else B
         h, w, _ = self.spec.latent_shape(self.height, self.width)
+        zeros = jnp.zeros(batch)
+        # The models' outputs are unused, so the compiled program keeps only what computes the invariants.
         x_in = jnp.zeros((batch, h, w, self.spec.unet.in_channels), self.dtype)
-        # The model's output is unused, so the compiled program keeps only what computes the invariants.
-        _, invariants = self._unet().apply(
-            {"params": params["unet"]}, x_in, jnp.zeros(batch), **state.cond, mutable=[STEP_INVARIANTS]
+        _, unet_invariants = self._unet().apply(
+            {"params": params["unet"]}, x_in, zeros, **state.cond, mutable=[STEP_INVARIANTS]
         )
-        return state, invariants
+        x_in = jnp.zeros((batch, h, w, self.spec.vae.latent_channels), self.dtype)
+        controlnet_invariants = tuple(
+            model.apply({"params": p}, x_in, zeros, controlnet_cond=image, conditioning_scale=zeros,
+                        **_controlnet_cond(state.cond), mutable=[STEP_INVARIANTS])[1]
+            for model, p, image in zip(self._controlnets(), params.get("controlnets", ()), self._control_images(inputs))
+        )
+        return state, {"unet": unet_invariants, "controlnets": controlnet_invariants}
 
     def _unet(self) -> unet.UNet2DConditionModel:
         return unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
+
+    def _controlnets(self) -> list[controlnet.ControlNetModel]:
+        return [controlnet.ControlNetModel(config, dtype=self.dtype) for config in self.controlnets]
+
+    def _control_images(self, inputs: Inputs) -> list[jax.Array]:
+        """Each ControlNet's control images as the model's batch holds them: both halves with guidance."""
+        images = [image.astype(self.dtype) for image in inputs.control_images or ()]
+        return [_interleave(image, image) for image in images] if self.guided else images
+
+    def control_residuals(self, params, invariants: dict, cond: dict, inputs: Inputs, x_in, t, step) -> dict:
+        """The UNet's extra inputs from the ControlNets at loop iteration `step`: their residuals, each
+        scaled by its image's scale where `step` lies between its start and end, and summed (as
+        diffusers' MultiControlNet). {} without ControlNets.
+
+        diffusers' keep mask: a ControlNet steers the i-th of the n model evaluations that run unless
+        i / n < start or (i + 1) / n > end (n counts to the schedule's end, past a `denoising_end`).
+        """
+        if not self.controlnets:
+            return {}
+        evaluations = SAMPLERS[self.sampler].evaluations
+        first = evaluations(inputs.first_step)
+        done, count = (step - first).astype(jnp.float32), (evaluations(inputs.num_steps) - first).astype(jnp.float32)
+        keep = ~((done / count < inputs.control_starts) | ((done + 1) / count > inputs.control_ends))  # [B, K]
+        scales = inputs.control_scales * keep
+        images = self._control_images(inputs)
+        cn_invariants = invariants.get("controlnets") or ({},) * len(self.controlnets)
+        x_control = x_in[..., : self.spec.vae.latent_channels]  # without an inpainting UNet's extra channels
+        down, mid = None, None
+        for k, model in enumerate(self._controlnets()):
+            scale = _interleave(scales[:, k], scales[:, k]) if self.guided else scales[:, k]
+            variables = {"params": params["controlnets"][k], **cn_invariants[k]}
+            residuals, middle = model.apply(
+                variables, x_control, t, controlnet_cond=images[k], conditioning_scale=scale, **_controlnet_cond(cond)
+            )
+            down = residuals if down is None else [a + b for a, b in zip(down, residuals)]
+            mid = middle if mid is None else mid + middle
+        return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
 
     def denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop) -> tuple[Any, jax.Array]:
         """Sampler iterations start..stop-1 (one model evaluation each; `Sampler.evaluations` of the
@@ -342,7 +399,7 @@ class GenerateProgram:
     def _denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop, denoised=None) -> Any:
         """The denoising loop over iterations start..stop-1: the new carry (and given `denoised`, the
         last denoised prediction: `sampling.run_steps`)."""
-        model, variables = self._unet(), {"params": params["unet"], **invariants}
+        model, variables = self._unet(), {"params": params["unet"], **invariants.get("unet", {})}
         g = inputs.guidance_scale[:, None, None, None]
         known = state.known
         extra = None  # a 9-channel inpainting UNet's mask and masked-image latents, after the latents
@@ -350,15 +407,17 @@ class GenerateProgram:
             extra = jnp.concatenate([known.mask, known.masked_latents], axis=-1)
             extra = _interleave(extra, extra) if self.guided else extra
 
-        def denoiser(x, sigma, timestep):
+        def denoiser(x, sigma, timestep, step):
             batch = x.shape[0]
             x_in = x / jnp.sqrt(sigma**2 + 1)
             if self.guided:
                 x_in = _interleave(x_in, x_in)
             if extra is not None:
                 x_in = jnp.concatenate([x_in, extra], axis=-1)
+            x_in = x_in.astype(self.dtype)
             t = jnp.broadcast_to(timestep, (len(x_in),))
-            out = model.apply(variables, x_in.astype(self.dtype), t, **state.cond).astype(jnp.float32)
+            control = self.control_residuals(params, invariants, state.cond, inputs, x_in, t, step)
+            out = model.apply(variables, x_in, t, **state.cond, **control).astype(jnp.float32)
             if self.guided:
                 out = out.reshape(batch, 2, *out.shape[1:])
                 uncond, positive = out[:, 0], out[:, 1]
@@ -400,6 +459,11 @@ class GenerateProgram:
         evaluations = SAMPLERS[self.sampler].evaluations
         carry = self._denoise(params, {}, state, inputs, evaluations(inputs.first_step), evaluations(inputs.stop_step))
         return self.finish(params, state.replace(carry=carry))
+
+
+def _controlnet_cond(cond: dict) -> dict:
+    """What a ControlNet reads of the UNet's conditioning: all but an LCM UNet's guidance embedding."""
+    return {name: value for name, value in cond.items() if name != "timestep_cond"}
 
 
 def _blending_known(method: Sampler, known: Known, stop) -> Sampler:

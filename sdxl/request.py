@@ -12,6 +12,7 @@ values come from: Python callers, the command line, or a browser's JSON.
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,6 +37,8 @@ LORA_SCALE_RANGE = (-4.0, 4.0)
 AESTHETIC_SCORE_RANGE = (0.0, 10.0)
 DEFAULT_AESTHETIC_SCORES = (6.0, 2.5)
 DEFAULT_REFINE_FROM = 0.8  # the base's share of the noise before a refiner takes over, as diffusers' docs use
+# A ControlNet's conditioning scale: A1111's ControlNet extension offers 0 to 2; beyond 4 images break up.
+CONTROL_SCALE_RANGE = (0.0, 4.0)
 
 
 def default_strength(spec, *, inpainting: bool) -> float:
@@ -44,6 +47,23 @@ def default_strength(spec, *, inpainting: bool) -> float:
     if inpainting:
         return 0.9999 if spec.is_sdxl else 1.0
     return 0.3 if spec.is_sdxl else 0.8
+
+
+def default_control_scale(spec, *, image: bool, inpainting: bool) -> float:
+    """The ControlNet scale diffusers' ControlNet pipelines default to: 1 from text, 0.8 for
+    image-to-image, for inpainting 1 with SDXL and 0.5 with SD 1.x/2.x."""
+    if inpainting:
+        return 1.0 if spec.is_sdxl else 0.5
+    return 0.8 if image else 1.0
+
+
+def split_scale(text: str) -> tuple[str, float | None]:
+    """A command line's "SOURCE[:SCALE]" as (source, scale), the scale None where not given (a colon
+    not followed by a number belongs to the source)."""
+    source, sep, scale = text.rpartition(":")
+    if sep and re.fullmatch(r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?", scale):
+        return source, float(scale)
+    return text, None
 
 
 def integer(value, label: str, low: int, high: int) -> int:
@@ -133,6 +153,15 @@ class Request:
     # The prompts as the encoders read them (`sdxl.prompts.Tokens`, made by `Pipeline.tokenized`);
     # None: made at render time.
     tokens: object = dataclasses.field(default=None, compare=False, repr=False)
+    # ControlNets (`Pipeline.controlnets`: all of them, or none): one [N, height, width, C] control
+    # image per ControlNet (uint8, or float in [0, 1]); and per image, one value per ControlNet: its
+    # conditioning scale, and the fractions of the steps between which it steers (diffusers'
+    # `controlnet_conditioning_scale`, `control_guidance_start` and `control_guidance_end`; by default
+    # 1, 0 and 1).
+    control_images: tuple[np.ndarray, ...] | None = dataclasses.field(default=None, compare=False, repr=False)
+    control_scales: tuple[tuple[float, ...], ...] | None = None
+    control_starts: tuple[tuple[float, ...], ...] | None = None
+    control_ends: tuple[tuple[float, ...], ...] | None = None
 
     @classmethod
     def from_prompt(
@@ -188,8 +217,13 @@ class Request:
         return (
             self.height, self.width, self.steps, self.sampler, self.loras, self.start_from, self.masks is not None,
             self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores, self.refine_from,
-            self.emphasis,
+            self.emphasis, self.controls,
         )
+
+    @property
+    def controls(self) -> int:
+        """How many ControlNets steer the images (0 or all of the pipeline's)."""
+        return 0 if self.control_images is None else len(self.control_images)
 
     @property
     def batch_key(self) -> tuple:
@@ -209,9 +243,13 @@ class Request:
         }
         tokens = [r.tokens for r in requests]
         arrays["tokens"] = None if any(t is None for t in tokens) else type(tokens[0]).merged(tokens)
+        if first.controls:
+            stacks = zip(*(r.control_images for r in requests))  # per ControlNet, every request's images
+            arrays["control_images"] = tuple(np.concatenate(images) for images in stacks)
+        per_image = [f for f in _PER_IMAGE + _PER_IMAGE_CONTROL if getattr(first, f) is not None]
         return dataclasses.replace(
             first,
-            **{f: tuple(v for r in requests for v in getattr(r, f)) for f in _PER_IMAGE},
+            **{f: tuple(v for r in requests for v in getattr(r, f)) for f in per_image},
             **arrays,
             noise=None,
             start_latents=None,
@@ -253,6 +291,7 @@ class Request:
         self._check_start(spec, sampler, steps, strength, sizes["height"], sizes["width"], latent_shape)
         return dataclasses.replace(
             self,
+            **self._checked_controls(sizes["height"], sizes["width"]),
             prompts=tuple(_text(p, "prompt") for p in self.prompts),
             negative_prompts=tuple(_text(p, "negative prompt") for p in self.negative_prompts),
             seeds=tuple(integer(s, "seed", 0, MAX_SEED) for s in self.seeds),
@@ -317,6 +356,38 @@ class Request:
             )
 
 
+    def _checked_controls(self, height: int, width: int) -> dict:
+        """The control images and their per-image settings, checked, with their defaults filled in."""
+        n, k = len(self), self.controls
+        if not k:
+            given = [f for f in _PER_IMAGE_CONTROL if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"{given[0].replace('_', ' ')} were given without control images")
+            return {}
+        for image in self.control_images:
+            shape = np.shape(image)
+            if len(shape) != 4 or shape[:3] != (n, height, width):
+                raise ValueError(
+                    f"each ControlNet needs {n} control image(s) of the request's size, [N, height, width, C] = "
+                    f"{[n, height, width, 'C']}, got shape {shape}"
+                )
+        settings = {}
+        for field, label, default, (low, high) in (
+            ("control_scales", "ControlNet scale", 1.0, CONTROL_SCALE_RANGE),
+            ("control_starts", "ControlNet start", 0.0, (0.0, 1.0)),
+            ("control_ends", "ControlNet end", 1.0, (0.0, 1.0)),
+        ):
+            values = getattr(self, field) or ((default,) * k,) * n
+            if len(values) != n or any(len(v) != k for v in values):
+                raise ValueError(f"{label}s: need {k} per image (one per ControlNet) for {n} image(s)")
+            settings[field] = tuple(tuple(number(x, label, low, high) for x in v) for v in values)
+        for starts, ends in zip(settings["control_starts"], settings["control_ends"]):
+            for start, end in zip(starts, ends):
+                if start >= end:
+                    raise ValueError(f"a ControlNet's start ({start:g}) must be below its end ({end:g})")
+        return {"control_images": tuple(_pixels(image) for image in self.control_images), **settings}
+
+
 def _choice(value, label: str, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{label} must be one of {', '.join(choices)}, got {value!r}")
@@ -342,3 +413,4 @@ def _active(loras) -> tuple[tuple[str, float], ...]:
 
 
 _PER_IMAGE = ("prompts", "negative_prompts", "seeds", "image_index", "guidance_scales")
+_PER_IMAGE_CONTROL = ("control_scales", "control_starts", "control_ends")  # None without control images

@@ -3,7 +3,9 @@
 The contract is k-diffusion's: `denoiser(x, sigma, timestep) -> denoised`, the float32 prediction of
 the clean latents from x = x0 + sigma * noise. Classifier-free guidance and the model's eps/v
 parametrisation live in the caller that builds the denoiser (see `denoised_from_model_output`), so
-the samplers know nothing of them.
+the samplers know nothing of them. `run_steps` takes the denoiser with one more argument, `step`,
+the loop's iteration (one model evaluation each), for conditioning that changes along the run (a
+ControlNet's start and end), and hands the samplers the denoiser of each iteration.
 
 A sampler is its loop's pieces: `init` turns the starting latents into the loop state, `step(i)`
 advances it by one step, `finish` reads the latents out (and `with_latents` puts them back).
@@ -17,6 +19,7 @@ noise times `schedule.init_noise_sigma`, from an image at `add_noise`'s level, a
 what diffusers hands to the VAE. All arithmetic is float32.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,6 +44,8 @@ from .schedulers import (
 )
 
 Denoiser = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# denoiser(x, sigma, timestep, step): what `run_steps` takes (see the module's docstring).
+SteppedDenoiser = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 Carry = Any  # a sampler's loop state: the latents, plus whatever else it keeps between steps
 
 
@@ -251,8 +256,8 @@ def add_noise(sampler: Sampler, latents: jax.Array, noise: jax.Array, sigma: jax
 
 
 def run_steps(
-    sampler: Sampler, denoiser: Denoiser, carry: Carry, schedule: Schedule, num_steps, start, stop, keys=None,
-    *, denoised: jax.Array | None = None,
+    sampler: Sampler, denoiser: SteppedDenoiser, carry: Carry, schedule: Schedule, num_steps, start, stop,
+    keys=None, *, denoised: jax.Array | None = None,
 ) -> Carry:
     """Runs steps start..stop-1 (each possibly traced) of a `num_steps`-step loop.
 
@@ -261,14 +266,15 @@ def run_steps(
     """
     if denoised is None:
         return jax.lax.fori_loop(
-            start, stop, lambda i, c: sampler.step(denoiser, schedule, num_steps, i, c, keys), carry
+            start, stop,
+            lambda i, c: sampler.step(functools.partial(denoiser, step=i), schedule, num_steps, i, c, keys), carry,
         )
 
     def step(i, state):
         seen = []  # what the step's denoiser returned, within this trace of the loop's body
 
         def recording(x, sigma, timestep):
-            seen.append(denoiser(x, sigma, timestep))
+            seen.append(denoiser(x, sigma, timestep, step=i))
             return seen[-1]
 
         carry = sampler.step(recording, schedule, num_steps, i, state[0], keys)

@@ -381,6 +381,74 @@ class UNetMidBlock2DCrossAttn(nn.Module):
         return resnet("resnets.1")(x, temb)
 
 
+def time_embedding(
+    config: UNetConfig, batch: int, timesteps, text_embeds, time_ids, timestep_cond, dtype
+) -> jax.Array:
+    """[B, time_embed_dim]: the timestep's embedding, plus SDXL's pooled text and size ids
+    (`add_embedding`) where the config has them. Called inside a module's `__call__`, whose children
+    `time_embedding` and `add_embedding` it makes: the UNet's, or a ControlNet's copy of them."""
+    timesteps = jnp.broadcast_to(jnp.asarray(timesteps, jnp.float32), (batch,))
+    t_emb = timestep_embedding(timesteps, config.block_out_channels[0], config.flip_sin_to_cos, config.freq_shift)
+    if (timestep_cond is None) != (config.time_cond_proj_dim is None):
+        raise ValueError(f"time_cond_proj_dim={config.time_cond_proj_dim}: timestep_cond is needed exactly then")
+    condition = None if timestep_cond is None else timestep_cond.astype(dtype)
+    temb = TimestepEmbedding(config.time_embed_dim, dtype, name="time_embedding")(t_emb.astype(dtype), condition)
+    if config.addition_embed_type != "text_time":
+        return temb
+    if text_embeds is None or time_ids is None:
+        raise ValueError("addition_embed_type 'text_time' needs text_embeds and time_ids")
+    width = text_embeds.shape[-1] + time_ids.shape[-1] * config.addition_time_embed_dim
+    if width != config.projection_class_embeddings_input_dim:
+        raise ValueError(
+            f"text_embeds {text_embeds.shape} and time_ids {time_ids.shape} give {width} features; "
+            f"projection_class_embeddings_input_dim is {config.projection_class_embeddings_input_dim}"
+        )
+    time_embeds = timestep_embedding(
+        time_ids.reshape(-1), config.addition_time_embed_dim, config.flip_sin_to_cos, config.freq_shift
+    ).reshape(batch, -1)  # [B, N * addition_time_embed_dim]
+    add_embeds = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds], axis=-1).astype(dtype)
+    return temb + TimestepEmbedding(config.time_embed_dim, dtype, name="add_embedding")(add_embeds)
+
+
+def _transformer_specs(config: UNetConfig) -> list[TransformerSpec]:
+    return [
+        TransformerSpec(heads, layers, config.use_linear_projection)
+        for heads, layers in zip(config.num_heads, config.transformer_layers)
+    ]
+
+
+def _norm(config: UNetConfig, dtype) -> dict:
+    return dict(norm_num_groups=config.norm_num_groups, norm_eps=config.norm_eps, dtype=dtype)
+
+
+def down_and_mid_blocks(config: UNetConfig, x, temb, context, dtype) -> tuple[list, jax.Array]:
+    """The encoder half, after `conv_in`: every down block, then the mid block.
+
+    Called inside a module's `__call__`, whose children `down_blocks.*` and `mid_block` it makes: the
+    UNet's, or a ControlNet's copy of them.
+
+    Returns:
+      The skips (`x` first, then every down block's) and the mid block's output.
+    """
+    specs, levels = _transformer_specs(config), len(config.block_out_channels)
+    skips = [x]
+    for level, block_type in enumerate(config.down_block_types):
+        x, block_skips = DownBlock(
+            config.block_out_channels[level],
+            config.layers_per_block,
+            specs[level] if block_type.startswith("CrossAttn") else None,
+            add_downsample=level < levels - 1,
+            downsample_padding=config.downsample_padding,
+            name=f"down_blocks.{level}",
+            **_norm(config, dtype),
+        )(x, temb, context)
+        skips += block_skips
+    mid = UNetMidBlock2DCrossAttn(
+        specs[-1], output_scale_factor=config.mid_block_scale_factor, name="mid_block", **_norm(config, dtype)
+    )(x, temb, context)
+    return skips, mid
+
+
 class UNet2DConditionModel(nn.Module):
     """Predicts the noise (or v) in a latent, given the timestep, the text tokens and, for SDXL, the
     pooled text embedding and the size/crop conditioning ("time ids")."""
@@ -391,7 +459,7 @@ class UNet2DConditionModel(nn.Module):
     @nn.compact
     def __call__(
         self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None, timestep_cond=None,
-        encoder_lengths=None,
+        encoder_lengths=None, down_block_additional_residuals=None, mid_block_additional_residual=None,
     ):
         """Runs the UNet.
 
@@ -406,68 +474,23 @@ class UNet2DConditionModel(nn.Module):
             required when the config has a time_cond_proj_dim (LCM UNets).
           encoder_lengths: [B] int32, how many of the text tokens each image attends to (diffusers'
             `encoder_attention_mask` as lengths): the rest is padding of a shorter prompt. None: all.
+          down_block_additional_residuals, mid_block_additional_residual: a ControlNet's output
+            (`sdxl.controlnet`), added to every skip and to the mid block's output, as diffusers adds them.
 
         Returns:
           [B, H, W, out_channels] in `dtype`.
         """
         cfg = self.config
         dtype = self.dtype
-        batch = sample.shape[0]
-        x = sample.astype(dtype)
         context = Context(encoder_hidden_states.astype(dtype), encoder_lengths)
+        temb = time_embedding(cfg, sample.shape[0], timesteps, text_embeds, time_ids, timestep_cond, dtype)
+        x = Conv3x3(cfg.block_out_channels[0], dtype=dtype, name="conv_in")(sample.astype(dtype))
+        skips, x = down_and_mid_blocks(cfg, x, temb, context, dtype)
+        if down_block_additional_residuals is not None:
+            skips = [skip + residual.astype(dtype) for skip, residual in zip(skips, down_block_additional_residuals)]
+            x = x + mid_block_additional_residual.astype(dtype)
 
-        timesteps = jnp.broadcast_to(jnp.asarray(timesteps, jnp.float32), (batch,))
-        t_emb = timestep_embedding(timesteps, cfg.block_out_channels[0], cfg.flip_sin_to_cos, cfg.freq_shift)
-        if (timestep_cond is None) != (cfg.time_cond_proj_dim is None):
-            raise ValueError(f"time_cond_proj_dim={cfg.time_cond_proj_dim}: timestep_cond is needed exactly then")
-        condition = None if timestep_cond is None else timestep_cond.astype(dtype)
-        temb = TimestepEmbedding(cfg.time_embed_dim, dtype, name="time_embedding")(t_emb.astype(dtype), condition)
-        if cfg.addition_embed_type == "text_time":
-            if text_embeds is None or time_ids is None:
-                raise ValueError("addition_embed_type 'text_time' needs text_embeds and time_ids")
-            width = text_embeds.shape[-1] + time_ids.shape[-1] * cfg.addition_time_embed_dim
-            if width != cfg.projection_class_embeddings_input_dim:
-                raise ValueError(
-                    f"text_embeds {text_embeds.shape} and time_ids {time_ids.shape} give {width} features; "
-                    f"projection_class_embeddings_input_dim is {cfg.projection_class_embeddings_input_dim}"
-                )
-            time_embeds = timestep_embedding(
-                time_ids.reshape(-1), cfg.addition_time_embed_dim, cfg.flip_sin_to_cos, cfg.freq_shift
-            ).reshape(batch, -1)  # [B, N * addition_time_embed_dim]
-            add_embeds = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds], axis=-1).astype(dtype)
-            temb = temb + TimestepEmbedding(cfg.time_embed_dim, dtype, name="add_embedding")(add_embeds)
-
-        specs = [
-            TransformerSpec(heads, layers, cfg.use_linear_projection)
-            for heads, layers in zip(cfg.num_heads, cfg.transformer_layers)
-        ]
-
-        def transformer(level, block_type):  # None for the blocks without attention
-            return specs[level] if block_type.startswith("CrossAttn") else None
-
-        norm = dict(norm_num_groups=cfg.norm_num_groups, norm_eps=cfg.norm_eps, dtype=dtype)
-        levels = len(cfg.block_out_channels)
-        x = Conv3x3(cfg.block_out_channels[0], dtype=dtype, name="conv_in")(x)
-        skips = [x]
-        for level, block_type in enumerate(cfg.down_block_types):
-            x, block_skips = DownBlock(
-                cfg.block_out_channels[level],
-                cfg.layers_per_block,
-                transformer(level, block_type),
-                add_downsample=level < levels - 1,
-                downsample_padding=cfg.downsample_padding,
-                name=f"down_blocks.{level}",
-                **norm,
-            )(x, temb, context)
-            skips += block_skips
-
-        x = UNetMidBlock2DCrossAttn(
-            specs[-1],
-            output_scale_factor=cfg.mid_block_scale_factor,
-            name="mid_block",
-            **norm,
-        )(x, temb, context)
-
+        specs, levels = _transformer_specs(cfg), len(cfg.block_out_channels)
         for i, block_type in enumerate(cfg.up_block_types):
             level = levels - 1 - i
             num_layers = cfg.layers_per_block + 1
@@ -476,10 +499,10 @@ class UNet2DConditionModel(nn.Module):
             # size was rounded up on the way down.
             x = UpBlock(
                 cfg.block_out_channels[level],
-                transformer(level, block_type),
+                specs[level] if block_type.startswith("CrossAttn") else None,
                 add_upsample=level > 0,
                 name=f"up_blocks.{i}",
-                **norm,
+                **_norm(cfg, dtype),
             )(x, block_skips, temb, context, skips[-1].shape[1:3] if skips else None)
 
         x = nn.silu(group_norm(cfg.norm_num_groups, cfg.norm_eps, dtype, "conv_norm_out")(x))

@@ -42,7 +42,7 @@ def toy_model(model_input, timestep, xp):
 def toy_denoiser(prediction_type: str):
     """Wraps the toy model as the pipeline wraps the UNet: input scaled by c_in, output parametrised."""
 
-    def denoiser(x, sigma, timestep):
+    def denoiser(x, sigma, timestep, step):  # the toy model's conditioning is the same at every step
         model_output = toy_model(x / jnp.sqrt(sigma**2 + 1), timestep, jnp)
         return denoised_from_model_output(x, model_output, sigma, prediction_type)
 
@@ -185,6 +185,19 @@ def test_running_the_loop_in_chunks_gives_the_same_latents(name):
     for start, stop in ((0, 3), (3, 4), (4, sampler.evaluations(7))):
         carry = sampling.run_steps(sampler, denoiser, carry, schedule, 7, start, stop, keys)
     np.testing.assert_allclose(sampler.finish(carry), whole, rtol=1e-6, atol=1e-6)
+
+
+def test_the_denoiser_hears_each_iteration_of_the_loop():
+    """A ControlNet's start and end are read from the step the denoiser is called at."""
+    sampler = SAMPLERS["euler"]
+    schedule = sampler.schedule(config_from_dict(SchedulerConfig, SDXL_SCHEDULER_CONFIG), 7, MAX_STEPS)
+    seen = jnp.full(SHAPE, -1.0)
+
+    def step_as_denoised(x, sigma, timestep, step):
+        return jnp.full_like(x, step.astype(jnp.float32))
+
+    _, last = sampling.run_steps(sampler, step_as_denoised, jnp.zeros(SHAPE), schedule, 7, 2, 5, denoised=seen)
+    np.testing.assert_array_equal(last, 4.0)  # the last of iterations 2..4
 
 
 def test_denoised_from_model_output():

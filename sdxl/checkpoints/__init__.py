@@ -125,7 +125,7 @@ def _single_file(path: Path, config, scheduler: dict | None) -> Checkpoint:
     config = config or single_file.DEFAULT_CONFIGS[family]
     folder = BUILTIN_CONFIGS / str(config) if (BUILTIN_CONFIGS / str(config)).is_dir() else Path(config).expanduser()
     if not folder.is_dir():
-        known = ", ".join(sorted(p.name for p in BUILTIN_CONFIGS.iterdir() if p.is_dir()))
+        known = ", ".join(sorted(p.parent.name for p in BUILTIN_CONFIGS.glob("*/model_index.json")))
         raise CheckpointError(f"config {config}: neither a built-in config ({known}) nor a diffusers folder")
     spec = ModelSpec.from_folder(folder, scheduler)
     if single_file.family_of(spec) != family:

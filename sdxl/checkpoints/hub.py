@@ -11,6 +11,7 @@ whether the Hub answers, so proxies and `HF_ENDPOINT` are honoured.
 """
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from ..weights import CheckpointError
@@ -57,6 +58,22 @@ def download(repo_id: str, dtype, scheduler: dict | None = None, without: tuple[
         names = [f.removeprefix(component + "/") for f in files if f.rpartition("/")[0] == component]
         weights += [f"{component}/{name}" for name in choose_weight_files(names, dtype, f"{repo_id}/{component}")]
     _snapshot(repo_id, weights, online, "weights are missing")
+    return folder
+
+
+def download_model(repo_id: str, dtype, check: Callable[[Path], None]) -> Path:
+    """The snapshot folder of a one-model repo (a ControlNet's: `config.json` beside its weights): the
+    config first, which `check(folder)` may refuse before any weights are fetched, then the one
+    weight set to load in `dtype` (`folder.choose_weight_files`).
+
+    Raises:
+      CheckpointError: as `download`, and whatever `check` raises.
+    """
+    online = _hub_answers(repo_id)
+    folder = _snapshot(repo_id, ["config.json"], online, "config is missing")
+    check(folder)
+    names = [f for f in _repo_files(repo_id, online, folder) if "/" not in f]
+    _snapshot(repo_id, choose_weight_files(names, dtype, repo_id), online, "weights are missing")
     return folder
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..clip import CLIPTextConfig
+from ..controlnet import ControlNetConfig
 from ..unet import UNetConfig
 from ..vae import VAEConfig
 from ..weights import (
@@ -231,6 +232,24 @@ def open_clip_original(key: str, config: CLIPTextConfig) -> Original:
     return Original(f"{block}.{_OPEN_CLIP_LAYER.get(name, name)}.{leaf}")
 
 
+def controlnet_original(key: str, config: ControlNetConfig) -> Original:
+    """A ControlNet in the original layout (the ControlNet project's `cldm`): its UNet encoder under
+    the UNet's names; the conditioning embedding is `input_hint_block` (every other entry a SiLU),
+    the zero convolutions `zero_convs.N.0`, the mid block's `middle_block_out.0`."""
+    module, _, leaf = key.rpartition(".")
+    if module.startswith("controlnet_cond_embedding."):
+        name = module.removeprefix("controlnet_cond_embedding.")
+        last = 4 * (len(config.conditioning_embedding_out_channels) - 1) + 2
+        index = {"conv_in": 0, "conv_out": last}.get(name)
+        index = 2 * int(name.removeprefix("blocks.")) + 2 if index is None else index
+        return Original(f"input_hint_block.{index}.{leaf}")
+    if module.startswith("controlnet_down_blocks."):
+        return Original(f"zero_convs.{module.removeprefix('controlnet_down_blocks.')}.0.{leaf}")
+    if module == "controlnet_mid_block":
+        return Original(f"middle_block_out.0.{leaf}")
+    return unet_original(key, config.unet_config)
+
+
 def key_map(family: str, spec: ModelSpec) -> dict[str, dict[str, Original]]:
     """{component: {our module key: Original}} for every parameter of `spec`'s model."""
     originals = {"unet": (unet_original, spec.unet), "vae": (vae_original, spec.vae)}
@@ -284,6 +303,26 @@ def load(path: Path, family: str, spec: ModelSpec, dtype, put: Callable) -> dict
             stored, abstract[component], dtype=dtype, put=put, where=f"{path} ({component})"
         )
     return params
+
+
+def load_controlnet(path: Path, prefix: str, config: ControlNetConfig, abstract: dict, dtype, put: Callable) -> dict:
+    """A ControlNet's parameters from one file in the original layout, its keys under `prefix`
+    ("control_model." or none), every key and shape checked both ways.
+
+    Raises:
+      CheckpointError: a parameter is missing or mis-shaped, or the file holds other tensors.
+    """
+    file = SafetensorsFile(path)
+    originals = {checkpoint_key(p): controlnet_original(checkpoint_key(p), config) for p in flatten(abstract)}
+    stored_keys = {prefix + original.key for original in originals.values()}
+    missing = sorted(k for k in stored_keys if k not in file.keys())
+    extra = sorted(k for k in file.keys() if k not in stored_keys)
+    for what, keys in (("missing", missing), ("that belong to no part of the ControlNet", extra)):
+        if keys:
+            shown = ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
+            raise CheckpointError(f"{path}: {len(keys)} tensors {what} ({shown})")
+    stored = {k: StoredTensor(file, prefix + original.key) for k, original in originals.items()}
+    return load_stored(stored, abstract, dtype=dtype, put=put, where=str(path))
 
 
 def _beyond_the_encoder(key: str, family: str, spec: ModelSpec) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from .. import clip, layers, unet, vae
+from .. import clip, controlnet, layers, unet, vae
 from ..config import cache_root, config_from_dict, read_json
 from ..sampling import sampler_for_scheduler
 from ..schedulers import SchedulerConfig
@@ -185,9 +185,11 @@ class ModelSpec:
 
     def abstract_params(self) -> dict:
         """The parameter tree's shapes, with nothing allocated."""
-        params = {"unet": _shapes(unet.abstract_params, self.unet), "vae": _shapes(vae.abstract_params, self.vae)}
+        params = {
+            "unet": cached_shapes(unet.abstract_params, self.unet), "vae": cached_shapes(vae.abstract_params, self.vae)
+        }
         for name, config in zip(self.text_encoder_names, self.text_encoders):
-            params[name] = _shapes(clip.abstract_params, config)
+            params[name] = cached_shapes(clip.abstract_params, config)
         return params
 
 
@@ -213,12 +215,12 @@ def _check_pipeline(folder: Path, index: dict) -> None:
 def _model_sources_digest() -> bytes:
     """The parameter shapes follow from a config and these files."""
     digest = hashlib.sha256()
-    for module in (layers, clip, unet, vae):
+    for module in (layers, clip, unet, vae, controlnet):
         digest.update(Path(module.__file__).read_bytes())
     return digest.digest()
 
 
-def _shapes(abstract_params: Callable, config) -> dict:
+def cached_shapes(abstract_params: Callable, config) -> dict:
     """`abstract_params(config)`, kept on disk keyed by the config and the model sources.
 
     Tracing the modules' `init` for SDXL's 2,641 parameter shapes takes 7-9 s on a CPU host, which
