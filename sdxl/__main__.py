@@ -8,11 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bench, images, launch, training
+from . import bench, control_maps, images, launch, training
 from .checkpoints import CheckpointError, random_models
 from .images import contact_sheet, image_count, save_png, to_pil
 from .pipeline import NonFiniteImageError
-from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, Request, default_strength
+from .request import (
+    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, Request, default_control_scale, default_strength,
+    split_scale,
+)
 from .sampling import SAMPLERS
 
 
@@ -53,6 +56,8 @@ def generate_command(args: argparse.Namespace) -> None:
             request, images=np.repeat(picture[None], num_images, axis=0),
             masks=None if mask is None else np.repeat(mask[None], num_images, axis=0), strength=strength,
         )
+    if args.control_image:
+        request = dataclasses.replace(request, **_controls(args, pipe, request))
     request = pipe.validated(request)
     compile_seconds = pipe.compile(pipe.programs_for(request))
     print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
@@ -67,6 +72,25 @@ def generate_command(args: argparse.Namespace) -> None:
         print(save_png(image, out / f"{args.seed}-{i}.png", images.png_parameters(pipe, request, i, model.label)))
     contact_sheet(pictures).save(out / f"{args.seed}-grid.png")
     print(out / f"{args.seed}-grid.png")
+
+
+def _controls(args: argparse.Namespace, pipe, request: Request) -> dict:
+    """The request's control images and settings from --control-image FILE[:SCALE], --canny and
+    --control-start/--control-end: each image made a map and resized to the request's size."""
+    thresholds = None if args.canny is None else control_maps.parse_thresholds(args.canny)
+    default_scale = default_control_scale(pipe.spec, image=request.images is not None,
+                                          inpainting=request.masks is not None)
+    maps, scales = [], []
+    for option in args.control_image:
+        path, scale = split_scale(option)
+        picture = images.pixels(images.read_image(path))
+        preprocessed = control_maps.control_map(picture, "none" if thresholds is None else "canny",
+                                                thresholds or control_maps.DEFAULT_CANNY_THRESHOLDS)
+        maps.append(np.repeat(images.resized(preprocessed, request.height, request.width)[None], len(request), axis=0))
+        scales.append(default_scale if scale is None else scale)
+    n, k = len(request), len(maps)
+    return dict(control_images=tuple(maps), control_scales=(tuple(scales),) * n,
+                control_starts=((args.control_start,) * k,) * n, control_ends=((args.control_end,) * k,) * n)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +117,20 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "--refine-from", type=float, default=DEFAULT_REFINE_FROM,
         help="with --refiner: the fraction of the noise the base removes before the refiner takes over "
         "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--control-image", action="append", default=[], metavar="FILE[:SCALE]",
+        help="with --controlnet: the image that steers it, with its conditioning scale (default 1, 0.8 with --image); "
+        "one per --controlnet, in the same order",
+    )
+    parser.add_argument("--control-start", type=float, default=0.0,
+                        help="the fraction of the steps after which the ControlNets steer (default: %(default)s)")
+    parser.add_argument("--control-end", type=float, default=1.0,
+                        help="the fraction of the steps after which they stop (default: %(default)s)")
+    parser.add_argument(
+        "--canny", metavar="LOW,HIGH",
+        help="make each control image Canny's edges of it, with these thresholds (e.g. 100,200); "
+        "without it control images are used as given (edges, a depth map, a pose)",
     )
     parser.add_argument("--height", type=int, help="default: the image's size, else the model's native size")
     parser.add_argument("--width", type=int, help="default: the image's size, else the model's native size")

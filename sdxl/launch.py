@@ -50,6 +50,12 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] =
                         help="a LoRA, with its scale (default 1); repeatable. A .safetensors file (kohya/A1111 or "
                         "diffusers/PEFT), a Hub repo id, or owner/name/file.safetensors")
     parser.add_argument(
+        "--controlnet", action="append", default=[env["SDXL_CONTROLNET"]] if env.get("SDXL_CONTROLNET") else [],
+        metavar="SOURCE", help="a ControlNet that control images steer the model through; repeatable. A diffusers "
+        "folder, a Hub repo id (diffusers/controlnet-canny-sdxl-1.0, lllyasviel/control_v11p_sd15_canny), or a "
+        ".safetensors file (local, or owner/name/file on the Hub)",
+    )
+    parser.add_argument(
         "--refiner", default=env.get("SDXL_REFINER"), help="an SDXL refiner (e.g. stabilityai/stable-diffusion-xl-"
         "refiner-1.0) that finishes images from a fraction of the noise; it is held on every device beside the model",
     )
@@ -86,7 +92,8 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
     load = functools.partial(Pipeline.from_pretrained, dtype=options.dtype, max_steps=max_steps)
     try:
         scheduler = recommended(options.model, options.unet, loras=tuple(loras)).scheduler
-        pipe = load(options.model, config=options.config, scheduler=scheduler, unet=options.unet)
+        pipe = load(options.model, config=options.config, scheduler=scheduler, unet=options.unet,
+                    controlnet=options.controlnet)
         name, notice = options.model, None
     except HubUnavailableError as e:
         if not fallback:
@@ -97,7 +104,7 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
             f"reachable and without HF_HUB_OFFLINE=1: the files the pipeline loads (configs, tokenizers, "
             f"safetensors weights) are then downloaded into your Hugging Face cache, and later starts read them "
             f"from there, offline too."
-        )
+        ) + (" The ControlNets are not loaded: they steer the model asked for." if options.controlnet else "")
         log.warning(notice)
         pipe, name = load(FALLBACK_MODEL), FALLBACK_MODEL
     pipe.set_loras(loras)

@@ -109,3 +109,22 @@ def test_a_lightning_unet_brings_its_steps_guidance_and_trailing_spacing(tmp_pat
     parameters = Image.open(tmp_path / "out" / "0-0.png").text["parameters"]
     assert "Steps: 2, Sampler: Euler, CFG scale: 0," in parameters
     assert "Model: tiny + sdxl_lightning_2step_unet.safetensors" in parameters
+
+
+def test_a_controlnet_steers_with_a_canny_map_of_the_control_image(tmp_path):
+    """--controlnet with --control-image FILE:SCALE and --canny; a control image without a ControlNet
+    is one line and exit status 2."""
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(resolve("tiny").folder / "unet")
+    ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(4, 8, 8, 16)).save_pretrained(tmp_path / "cn")
+    picture = np.zeros((64, 96, 3), np.uint8)
+    picture[16:48, 24:72] = 255
+    Image.fromarray(picture).save(tmp_path / "in.png")
+    common = ["--prompt", "a box", "--steps", "2", "--num-images", "1", "--height", "64", "--width", "96"]
+    result = _cli(*common, "--controlnet", str(tmp_path / "cn"), "--control-image", f"{tmp_path / 'in.png'}:0.6",
+                  "--canny", "100,200", "--control-end", "0.5", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert Image.open(tmp_path / "out/0-0.png").size == (96, 64)
+    refused = _cli(*common, "--control-image", str(tmp_path / "in.png"))
+    assert refused.returncode == 2 and refused.stderr.startswith("error: no ControlNet is loaded")
