@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .layers import Context, Conv3x3, step_invariant
-from .unet import UNetConfig, down_and_mid_blocks, time_embedding
+from .unet import UNetConfig, abstract_inputs, down_and_mid_blocks, time_embedding
 
 # The conditioning channel orders diffusers reads; "bgr" images are flipped to RGB first.
 CHANNEL_ORDERS = ("rgb", "bgr")
@@ -181,20 +181,9 @@ class ControlNetModel(nn.Module):
 
 def abstract_params(config: ControlNetConfig) -> dict:
     """The ControlNet's parameter shapes and dtypes, without allocating them."""
-    size = 2 ** (len(config.block_out_channels) - 1)
-
-    def dummy(*shape):
-        return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-    inputs = dict(
-        sample=dummy(1, size, size, config.in_channels),
-        timesteps=dummy(1),
-        encoder_hidden_states=dummy(1, 1, config.cross_attention_dim),
-        controlnet_cond=dummy(1, size * config.downscale_factor, size * config.downscale_factor,
-                              config.conditioning_channels),
-        conditioning_scale=dummy(1),
-    )
-    if config.addition_embed_type == "text_time":
-        pooled_dim = config.projection_class_embeddings_input_dim - config.addition_time_embed_dim
-        inputs.update(text_embeds=dummy(1, pooled_dim), time_ids=dummy(1, 1))
+    inputs = abstract_inputs(config.unet_config)
+    _, height, width, _ = inputs["sample"].shape
+    f = config.downscale_factor
+    image = jax.ShapeDtypeStruct((1, height * f, width * f, config.conditioning_channels), jnp.float32)
+    inputs.update(controlnet_cond=image, conditioning_scale=jax.ShapeDtypeStruct((1,), jnp.float32))
     return jax.eval_shape(ControlNetModel(config).init, jax.random.key(0), **inputs)["params"]

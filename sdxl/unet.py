@@ -509,8 +509,8 @@ class UNet2DConditionModel(nn.Module):
         return Conv3x3(cfg.out_channels, dtype=dtype, name="conv_out")(x)
 
 
-def abstract_params(config: UNetConfig) -> dict:
-    """The UNet's parameter shapes and dtypes, without allocating them."""
+def abstract_inputs(config: UNetConfig) -> dict:
+    """The smallest inputs a UNet of `config` (or a ControlNet, its encoder) runs on, as shapes."""
     size = 2 ** (len(config.block_out_channels) - 1)
 
     def dummy(*shape):
@@ -527,5 +527,9 @@ def abstract_params(config: UNetConfig) -> dict:
         inputs.update(text_embeds=dummy(1, pooled_dim), time_ids=dummy(1, 1))
     if config.time_cond_proj_dim is not None:
         inputs.update(timestep_cond=dummy(1, config.time_cond_proj_dim))
-    model = UNet2DConditionModel(config)
-    return jax.eval_shape(model.init, jax.random.key(0), **inputs)["params"]
+    return inputs
+
+
+def abstract_params(config: UNetConfig) -> dict:
+    """The UNet's parameter shapes and dtypes, without allocating them."""
+    return jax.eval_shape(UNet2DConditionModel(config).init, jax.random.key(0), **abstract_inputs(config))["params"]

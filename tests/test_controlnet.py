@@ -182,5 +182,6 @@ def test_the_published_controlnet_configs_fit_their_families_only():
         config = config_from_dict(controlnet_model.ControlNetConfig, values)
         controlnets.check_fits(config, specs[family], name)
         for other in sorted(set(specs) - {family}):
-            with pytest.raises(CheckpointError, match=f"{name} .*(ControlNet; it cannot steer|does not fit this model)"):
+            refused = f"{name} .*(ControlNet; it cannot steer|does not fit this model)"
+            with pytest.raises(CheckpointError, match=refused):
                 controlnets.check_fits(config, specs[other], name)
