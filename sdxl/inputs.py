@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from . import mesh as meshes
 from .program import PER_CALL_INPUTS, GenerateProgram, Inputs
 from .prompts import Tokens
-from .request import Request
+from .request import Request, control_defaults
 from .sampling import SAMPLERS
 from .schedulers import Schedule, SchedulerConfig
 
@@ -156,6 +156,10 @@ def placeholder(program: GenerateProgram) -> Request:
     request = Request(("",) * n, ("",) * n, (0,) * n, (0,) * n, (guidance,) * n, 1, program.height, program.width,
                       program.sampler, tokens=tokens)
     latents = zeros(n, *spec.latent_shape(program.height, program.width))
+    controls = {}
+    if program.controlnets:
+        images = tuple(zeros(n, program.height, program.width, c.conditioning_channels) for c in program.controlnets)
+        controls = {"control_images": images, **control_defaults(n, len(images))}
     return dataclasses.replace(
         request,
         noise=latents if program.given_noise else None,
@@ -163,9 +167,5 @@ def placeholder(program: GenerateProgram) -> Request:
         masks=zeros(n, program.height, program.width) if program.inpaint else None,
         start_latents=latents if program.start_from == "latents" else None,
         denoising_start=0.5 if program.start_from == "latents" else None,
-        control_images=tuple(zeros(n, program.height, program.width, c.conditioning_channels)
-                             for c in program.controlnets) or None,
-        control_scales=((1.0,) * len(program.controlnets),) * n if program.controlnets else None,
-        control_starts=((0.0,) * len(program.controlnets),) * n if program.controlnets else None,
-        control_ends=((1.0,) * len(program.controlnets),) * n if program.controlnets else None,
+        **controls,
     )

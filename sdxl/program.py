@@ -27,6 +27,7 @@ inputs, so that changing them never recompiles.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -358,34 +359,41 @@ class GenerateProgram:
         images = [image.astype(self.dtype) for image in inputs.control_images or ()]
         return [_interleave(image, image) for image in images] if self.guided else images
 
-    def control_residuals(self, params, invariants: dict, cond: dict, inputs: Inputs, x_in, t, step) -> dict:
-        """The UNet's extra inputs from the ControlNets at loop iteration `step`: their residuals, each
-        scaled by its image's scale where `step` lies between its start and end, and summed (as
-        diffusers' MultiControlNet). {} without ControlNets.
+    def _control(self, params, invariants: dict, cond: dict, inputs: Inputs) -> Callable[..., dict]:
+        """`control(x_in, t, step)`: the UNet's extra inputs from the ControlNets at loop iteration
+        `step`: their residuals, each scaled by its image's scale where `step` lies between its start
+        and end, and summed (as diffusers' MultiControlNet). {} without ControlNets.
 
         diffusers' keep mask: a ControlNet steers the i-th of the n model evaluations that run unless
         i / n < start or (i + 1) / n > end (n counts to the schedule's end, past a `denoising_end`).
         """
         if not self.controlnets:
-            return {}
+            return lambda x_in, t, step: {}
         evaluations = SAMPLERS[self.sampler].evaluations
         first = evaluations(inputs.first_step)
-        done, count = (step - first).astype(jnp.float32), (evaluations(inputs.num_steps) - first).astype(jnp.float32)
-        keep = ~((done / count < inputs.control_starts) | ((done + 1) / count > inputs.control_ends))  # [B, K]
-        scales = inputs.control_scales * keep
+        count = (evaluations(inputs.num_steps) - first).astype(jnp.float32)
         images = self._control_images(inputs)
-        cn_invariants = invariants.get("controlnets") or ({},) * len(self.controlnets)
-        x_control = x_in[..., : self.spec.vae.latent_channels]  # without an inpainting UNet's extra channels
-        down, mid = None, None
-        for k, model in enumerate(self._controlnets()):
-            scale = _interleave(scales[:, k], scales[:, k]) if self.guided else scales[:, k]
-            variables = {"params": params["controlnets"][k], **cn_invariants[k]}
-            residuals, middle = model.apply(
-                variables, x_control, t, controlnet_cond=images[k], conditioning_scale=scale, **_controlnet_cond(cond)
-            )
-            down = residuals if down is None else [a + b for a, b in zip(down, residuals)]
-            mid = middle if mid is None else mid + middle
-        return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+        models = self._controlnets()
+        step_invariants = invariants.get("controlnets") or ({},) * len(models)  # none in `whole`: XLA hoists them
+        variables = [{"params": p, **i} for p, i in zip(params["controlnets"], step_invariants)]
+        controlnet_cond = _controlnet_cond(cond)
+
+        def control(x_in, t, step) -> dict:
+            done = (step - first).astype(jnp.float32)
+            keep = ~((done / count < inputs.control_starts) | ((done + 1) / count > inputs.control_ends))  # [B, K]
+            scales = inputs.control_scales * keep
+            x_control = x_in[..., : self.spec.vae.latent_channels]  # without an inpainting UNet's extra channels
+            down, mid = None, None
+            for k, model in enumerate(models):
+                scale = _interleave(scales[:, k], scales[:, k]) if self.guided else scales[:, k]
+                residuals, middle = model.apply(
+                    variables[k], x_control, t, controlnet_cond=images[k], conditioning_scale=scale, **controlnet_cond
+                )
+                down = residuals if down is None else [a + b for a, b in zip(down, residuals)]
+                mid = middle if mid is None else mid + middle
+            return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+
+        return control
 
     def denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop) -> tuple[Any, jax.Array]:
         """Sampler iterations start..stop-1 (one model evaluation each; `Sampler.evaluations` of the
@@ -400,6 +408,7 @@ class GenerateProgram:
         """The denoising loop over iterations start..stop-1: the new carry (and given `denoised`, the
         last denoised prediction: `sampling.run_steps`)."""
         model, variables = self._unet(), {"params": params["unet"], **invariants.get("unet", {})}
+        control = self._control(params, invariants, state.cond, inputs)
         g = inputs.guidance_scale[:, None, None, None]
         known = state.known
         extra = None  # a 9-channel inpainting UNet's mask and masked-image latents, after the latents
@@ -416,8 +425,7 @@ class GenerateProgram:
                 x_in = jnp.concatenate([x_in, extra], axis=-1)
             x_in = x_in.astype(self.dtype)
             t = jnp.broadcast_to(timestep, (len(x_in),))
-            control = self.control_residuals(params, invariants, state.cond, inputs, x_in, t, step)
-            out = model.apply(variables, x_in, t, **state.cond, **control).astype(jnp.float32)
+            out = model.apply(variables, x_in, t, **state.cond, **control(x_in, t, step)).astype(jnp.float32)
             if self.guided:
                 out = out.reshape(batch, 2, *out.shape[1:])
                 uncond, positive = out[:, 0], out[:, 1]

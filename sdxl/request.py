@@ -246,7 +246,7 @@ class Request:
         if first.controls:
             stacks = zip(*(r.control_images for r in requests))  # per ControlNet, every request's images
             arrays["control_images"] = tuple(np.concatenate(images) for images in stacks)
-        per_image = [f for f in _PER_IMAGE + _PER_IMAGE_CONTROL if getattr(first, f) is not None]
+        per_image = [f for f in (*_PER_IMAGE, *_CONTROL_SETTINGS) if getattr(first, f) is not None]
         return dataclasses.replace(
             first,
             **{f: tuple(v for r in requests for v in getattr(r, f)) for f in per_image},
@@ -360,7 +360,7 @@ class Request:
         """The control images and their per-image settings, checked, with their defaults filled in."""
         n, k = len(self), self.controls
         if not k:
-            given = [f for f in _PER_IMAGE_CONTROL if getattr(self, f) is not None]
+            given = [f for f in _CONTROL_SETTINGS if getattr(self, f) is not None]
             if given:
                 raise ValueError(f"{given[0].replace('_', ' ')} were given without control images")
             return {}
@@ -371,13 +371,9 @@ class Request:
                     f"each ControlNet needs {n} control image(s) of the request's size, [N, height, width, C] = "
                     f"{[n, height, width, 'C']}, got shape {shape}"
                 )
-        settings = {}
-        for field, label, default, (low, high) in (
-            ("control_scales", "ControlNet scale", 1.0, CONTROL_SCALE_RANGE),
-            ("control_starts", "ControlNet start", 0.0, (0.0, 1.0)),
-            ("control_ends", "ControlNet end", 1.0, (0.0, 1.0)),
-        ):
-            values = getattr(self, field) or ((default,) * k,) * n
+        settings, defaults = {}, control_defaults(n, k)
+        for field, (label, _, (low, high)) in _CONTROL_SETTINGS.items():
+            values = getattr(self, field) or defaults[field]
             if len(values) != n or any(len(v) != k for v in values):
                 raise ValueError(f"{label}s: need {k} per image (one per ControlNet) for {n} image(s)")
             settings[field] = tuple(tuple(number(x, label, low, high) for x in v) for v in values)
@@ -413,4 +409,14 @@ def _active(loras) -> tuple[tuple[str, float], ...]:
 
 
 _PER_IMAGE = ("prompts", "negative_prompts", "seeds", "image_index", "guidance_scales")
-_PER_IMAGE_CONTROL = ("control_scales", "control_starts", "control_ends")  # None without control images
+# The per-image ControlNet settings (None without control images): their labels, defaults and ranges.
+_CONTROL_SETTINGS = {
+    "control_scales": ("ControlNet scale", 1.0, CONTROL_SCALE_RANGE),
+    "control_starts": ("ControlNet start", 0.0, (0.0, 1.0)),
+    "control_ends": ("ControlNet end", 1.0, (0.0, 1.0)),
+}
+
+
+def control_defaults(n: int, k: int) -> dict:
+    """`Request`'s per-image ControlNet settings for n images and k ControlNets, each at its default."""
+    return {field: ((default,) * k,) * n for field, (_, default, _) in _CONTROL_SETTINGS.items()}

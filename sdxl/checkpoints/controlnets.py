@@ -81,8 +81,7 @@ def resolve(source: str, spec: ModelSpec, *, dtype) -> ControlNetCheckpoint:
             return _single_file(text, path, _header(path), spec, path.parent)
         raise CheckpointError(f"{text}: no such file")
     if hub_name and text.count("/") == 1 and not path.exists():
-        folder = hub.download_model(text, dtype, lambda folder: _config(folder / "config.json", spec, text))
-        config = _config(folder / "config.json", spec, text)
+        folder, config = hub.download_model(text, dtype, lambda folder: _config(folder / "config.json", spec, text))
         return ControlNetCheckpoint(text, config, tuple(weight_files(folder, dtype)))
     raise CheckpointError(f"{text}: not a ControlNet folder, a .safetensors file, or a Hub repo id (owner/name)")
 

@@ -13,12 +13,14 @@ whether the Hub answers, so proxies and `HF_ENDPOINT` are honoured.
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ..weights import CheckpointError
 from .folder import WEIGHT_COMPONENTS, choose_weight_files
 from .spec import ModelSpec
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Everything a pipeline reads besides its weights, and nothing else: not the configs of exports
 # (`vae_decoder/`, ...) that an earlier download, diffusers' say, had no reason to fetch.
@@ -61,20 +63,21 @@ def download(repo_id: str, dtype, scheduler: dict | None = None, without: tuple[
     return folder
 
 
-def download_model(repo_id: str, dtype, check: Callable[[Path], None]) -> Path:
-    """The snapshot folder of a one-model repo (a ControlNet's: `config.json` beside its weights): the
-    config first, which `check(folder)` may refuse before any weights are fetched, then the one
-    weight set to load in `dtype` (`folder.choose_weight_files`).
+def download_model(repo_id: str, dtype, read_config: Callable[[Path], T]) -> tuple[Path, T]:
+    """A one-model repo (a ControlNet's: `config.json` beside its weights): its snapshot folder, and
+    what `read_config(folder)` makes of the config, which comes first, so that `read_config` can
+    refuse the model before any weights are fetched; then the one weight set to load in `dtype`
+    (`folder.choose_weight_files`).
 
     Raises:
-      CheckpointError: as `download`, and whatever `check` raises.
+      CheckpointError: as `download`, and whatever `read_config` raises.
     """
     online = _hub_answers(repo_id)
     folder = _snapshot(repo_id, ["config.json"], online, "config is missing")
-    check(folder)
+    config = read_config(folder)
     names = [f for f in _repo_files(repo_id, online, folder) if "/" not in f]
     _snapshot(repo_id, choose_weight_files(names, dtype, repo_id), online, "weights are missing")
-    return folder
+    return folder, config
 
 
 def download_file(repo_id: str, filename: str) -> Path:

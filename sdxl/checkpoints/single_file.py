@@ -289,8 +289,7 @@ def load(path: Path, family: str, spec: ModelSpec, dtype, put: Callable) -> dict
     unused_layers = [k for k in extra if _beyond_the_encoder(k, family, spec)]
     extra = [k for k in extra if k not in unused_layers and not k.endswith("text_projection")]
     if extra:
-        shown = ", ".join(extra[:10]) + (f" and {len(extra) - 10} more" if len(extra) > 10 else "")
-        raise CheckpointError(f"{path}: keys that belong to no component of the model: {shown}")
+        raise CheckpointError(f"{path}: keys that belong to no component of the model: {_listed(extra)}")
     abstract, params = spec.abstract_params(), {}
     for component, originals in table.items():
         present = {k: o for k, o in originals.items() if o.key in file.keys()}
@@ -319,10 +318,14 @@ def load_controlnet(path: Path, prefix: str, config: ControlNetConfig, abstract:
     extra = sorted(k for k in file.keys() if k not in stored_keys)
     for what, keys in (("missing", missing), ("that belong to no part of the ControlNet", extra)):
         if keys:
-            shown = ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
-            raise CheckpointError(f"{path}: {len(keys)} tensors {what} ({shown})")
+            raise CheckpointError(f"{path}: {len(keys)} tensors {what} ({_listed(keys)})")
     stored = {k: StoredTensor(file, prefix + original.key) for k, original in originals.items()}
     return load_stored(stored, abstract, dtype=dtype, put=put, where=str(path))
+
+
+def _listed(keys: list[str]) -> str:
+    """The first ten keys, and how many more, for a message."""
+    return ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
 
 
 def _beyond_the_encoder(key: str, family: str, spec: ModelSpec) -> bool:
