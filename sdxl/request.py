@@ -162,6 +162,9 @@ class Request:
     control_scales: tuple[tuple[float, ...], ...] | None = None
     control_starts: tuple[tuple[float, ...], ...] | None = None
     control_ends: tuple[tuple[float, ...], ...] | None = None
+    # How each control image was made from a picture (`control_maps.Preprocessor`), for the PNG
+    # parameters; None: given as it is.
+    control_preprocessors: tuple | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_prompt(
