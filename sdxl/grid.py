@@ -8,6 +8,7 @@ LoRA scales never recompile).
 """
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -15,13 +16,15 @@ from typing import TypeVar
 
 from PIL import Image, ImageDraw, ImageFont
 
-from .request import LORA_SCALE_RANGE, MAX_SEED, Request, guidance_scale, integer, number
+from .request import CONTROL_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request, guidance_scale, integer, number
 from .sampling import SAMPLER_NAMES, SAMPLERS
 from .styles import STYLES
 
 MAX_CELLS = 64
 # The axes, by the request setting each varies; a LoRA's scale is "lora:<name>".
 AXES = ("prompt", "negative_prompt", "style", "seed", "guidance_scale", "steps", "sampler")
+# With ControlNets: every ControlNet's scale, or end (the fraction of the steps after which it stops).
+CONTROL_AXES = {"control_scale": CONTROL_SCALE_RANGE, "control_end": (0.0, 1.0)}
 LORA_AXIS = "lora:"
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 T = TypeVar("T")
@@ -100,6 +103,8 @@ def _value(name: str, text: str, max_steps: int, loras: Sequence[str]):
         if sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {text!r}; choose from: {', '.join(SAMPLERS)}")
         return sampler
+    if name in CONTROL_AXES:
+        return number(text, name.replace("_", " "), *CONTROL_AXES[name])
     if name.startswith(LORA_AXIS) and name[len(LORA_AXIS):] in loras:
         return number(text, f"scale of {name[len(LORA_AXIS):]}", *LORA_SCALE_RANGE)
     choices = ", ".join([*AXES, *(LORA_AXIS + lora for lora in loras)])
@@ -154,31 +159,53 @@ def calls(keys: Sequence, max_images: int) -> list[list[int]]:
     return [group[i:i + max_images] for group in groups.values() for i in range(0, len(group), max_images)]
 
 
+MAX_LABEL_LINES = 6  # of a column label; a longer one ends in "…"
+MIN_FONT_FRACTION = 0.8  # of the grid's font size, for an axis with a word wider than a column
+ELLIPSIS = "\u2026"
+
+
 def labelled(
     images: Sequence[Image.Image], x: Axis | None, y: Axis | None, parameters: Sequence[str]
 ) -> Image.Image:
     """The cells in a table with the x values above their columns and the y values beside their rows,
     each axis named. Its PNG text (`info`, which PIL's and Gradio's PNG writers keep) has the first
-    cell's `parameters` where A1111 readers look, and every cell's in "grid", a JSON list."""
+    cell's `parameters` where A1111 readers look, and every cell's in "grid", a JSON list.
+
+    Every label stays inside its own column (or row) as A1111's X/Y plot keeps it: wrapped at spaces,
+    the header as tall as the longest label; an axis whose longest word is wider than a column is
+    written smaller, down to `MIN_FONT_FRACTION` of the size, and a word wider still is broken with a
+    hyphen. A column label longer than `MAX_LABEL_LINES` lines, or a row label longer than its row is
+    tall, ends in an ellipsis.
+    """
     columns = 1 if x is None else len(x.labels)
     rows = len(images) // columns
     width, height = images[0].size
-    font = ImageFont.load_default(size=max(12, min(width, height) // 14))
-    line = font.size + 6
-    top = line * (1 + _lines(x, font, width)) if x is not None else 0
+    size = max(12, min(width, height) // 14)
+    pad = max(2, size // 4)
     left = max(width // 2, 120) if y is not None else 0
-    sheet = Image.new("RGB", (left + columns * width, top + rows * height), "white")
-    draw = ImageDraw.Draw(sheet)
+    line = _line_height(_font(size))
+    title_height = line + 2 * pad if x is not None or y is not None else 0
+    top = title_height
     if x is not None:
-        draw.text((left + 4, 2), _axis_title(x.name), fill="gray", font=font)
-        for c, label in enumerate(x.labels):
-            _wrapped(draw, label, (left + c * width + 4, line), width - 8, font)
+        x_font = _axis_font(x.labels, width - 2 * pad, size)
+        x_lines = [_wrap(label, width - 2 * pad, x_font, MAX_LABEL_LINES) for label in x.labels]
+        top += max(1, *map(len, x_lines)) * _line_height(x_font) + pad
     if y is not None:
-        draw.text((4, max(top - line, 0) + 2), _axis_title(y.name), fill="gray", font=font)
-        for r, label in enumerate(y.labels):
-            _wrapped(draw, label, (4, top + r * height + 4), left - 8, font)
+        y_font = _axis_font(y.labels, left - 2 * pad, size)
+        fitting = max(1, (height - 2 * pad) // _line_height(y_font))  # as many lines as its row holds
+        y_lines = [_wrap(label, left - 2 * pad, y_font, fitting) for label in y.labels]
+    sheet = Image.new("RGB", (left + columns * width, top + rows * height), "white")
     for i, image in enumerate(images):
         sheet.paste(image, (left + (i % columns) * width, top + (i // columns) * height))
+    draw = ImageDraw.Draw(sheet)
+    if x is not None:
+        _draw_title(draw, _axis_title(x.name), (left + pad, pad), columns * width - 2 * pad, size)
+        for c, lines in enumerate(x_lines):
+            _draw_lines(draw, lines, (left + c * width + pad, title_height), x_font)
+    if y is not None:
+        _draw_title(draw, _axis_title(y.name), (pad, top - line - pad), left - 2 * pad, size)
+        for r, lines in enumerate(y_lines):
+            _draw_lines(draw, lines, (pad, top + r * height + pad), y_font)
     sheet.info.update(parameters=parameters[0], grid=json.dumps(list(parameters)))
     return sheet
 
@@ -187,22 +214,75 @@ def _axis_title(name: str) -> str:
     return name.replace("_", " ").capitalize() if not name.startswith(LORA_AXIS) else f"LoRA {name[5:]} scale"
 
 
-def _lines(axis: Axis, font, width: int) -> int:
-    return max(len(_wrap(label, width - 8, font)) for label in axis.labels)
+@functools.lru_cache(maxsize=64)
+def _font(size: int) -> ImageFont.FreeTypeFont:
+    return ImageFont.load_default(size=size)
 
 
-def _wrap(text: str, width: int, font) -> list[str]:
-    lines, current = [], ""
+def _line_height(font) -> int:
+    ascent, descent = font.getmetrics()
+    return ascent + descent
+
+
+def _axis_font(labels: Sequence[str], width: int, size: int):
+    """The font of an axis's labels: one size for all, so that they compare at a glance, the largest
+    in which each of their words fits `width` (`_fitting_font`)."""
+    return _fitting_font({word for label in labels for word in str(label).split()}, width, size)
+
+
+def _fitting_font(texts, width: int, size: int):
+    """The largest font, from `size` down to `MIN_FONT_FRACTION` of it, in which each of `texts` fits
+    `width` on one line; texts too wide even at the smallest (which are broken or shortened) aside."""
+    smallest = max(1, round(size * MIN_FONT_FRACTION))
+    texts = [text for text in texts if _font(smallest).getlength(text) <= width]
+    for candidate in range(size, smallest, -1):
+        if all(_font(candidate).getlength(text) <= width for text in texts):
+            return _font(candidate)
+    return _font(smallest)
+
+
+def _wrap(text: str, width: int, font, max_lines: int) -> list[str]:
+    """`text` in lines no wider than `width`: broken at spaces, a longer word broken with a hyphen;
+    at most `max_lines`, the last ending in "…" where some of the text is left out."""
+    lines: list[str] = []
     for word in str(text).split():
-        trial = f"{current} {word}".strip()
-        if current and font.getlength(trial) > width:
-            lines.append(current)
-            current = word
-        else:
-            current = trial
-    return [*lines, current][:4] or [""]  # at most four lines a label
+        pieces = _broken(word, width, font)
+        if lines and font.getlength(f"{lines[-1]} {pieces[0]}") <= width:
+            lines[-1] = f"{lines[-1]} {pieces[0]}"
+            pieces = pieces[1:]
+        lines.extend(pieces)
+    if len(lines) > max_lines:
+        lines = [*lines[:max_lines - 1], _shortened(lines[max_lines - 1] + ELLIPSIS, width, font)]
+    return lines
 
 
-def _wrapped(draw: ImageDraw.ImageDraw, text: str, at: tuple[int, int], width: int, font) -> None:
-    for i, line in enumerate(_wrap(text, width, font)):
-        draw.text((at[0], at[1] + i * (font.size + 2)), line, fill="black", font=font)
+def _broken(word: str, width: int, font) -> list[str]:
+    """A word in pieces no wider than `width`, each but the last ending in a hyphen."""
+    pieces, current = [], ""
+    for i, character in enumerate(word):
+        if current and font.getlength(current + word[i:]) > width and font.getlength(current + character + "-") > width:
+            pieces.append(current + "-")
+            current = ""
+        current += character
+    return [*pieces, current]
+
+
+def _shortened(text: str, width: int, font) -> str:
+    """`text`, or as much of it as fits `width` followed by "…"."""
+    if font.getlength(text) <= width:
+        return text
+    text = text.removesuffix(ELLIPSIS)
+    while text and font.getlength(text.rstrip() + ELLIPSIS) > width:
+        text = text[:-1]
+    return text.rstrip() + ELLIPSIS
+
+
+def _draw_title(draw: ImageDraw.ImageDraw, text: str, at: tuple[int, int], width: int, size: int) -> None:
+    """An axis's name on one line within `width`: smaller if need be, then shortened."""
+    font = _fitting_font([text], width, size)
+    draw.text(at, _shortened(text, width, font), fill="gray", font=font)
+
+
+def _draw_lines(draw: ImageDraw.ImageDraw, lines: Sequence[str], at: tuple[int, int], font) -> None:
+    for i, line in enumerate(lines):
+        draw.text((at[0], at[1] + i * _line_height(font)), line, fill="black", font=font)

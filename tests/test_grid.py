@@ -83,3 +83,54 @@ def test_the_grid_image_has_its_cells_in_order_under_their_labels(tmp_path):
     sheet.save(tmp_path / "grid.png", pnginfo=info)
     saved = Image.open(tmp_path / "grid.png")
     assert saved.text["parameters"] == "cell 0" and json.loads(saved.text["grid"])[5] == "cell 5"
+
+
+LONG_LABELS = (
+    "a red circle on a white background",
+    "a large yellow triangle at the top on a purple background",
+    "supercalifragilisticexpialidocious " * 4,
+)
+
+
+@pytest.mark.parametrize("size", [64, 1024])
+def test_every_label_stays_inside_its_own_column_or_row(size):
+    """Long labels (the `shapes` model's prompts at 64x64, a word wider than a column) are drawn each
+    inside its own column's header or its own row's label box, never over a neighbour or a cell;
+    drawn one at a time, the others empty, so that each label's pixels are its own."""
+    colour = (40, 90, 200)
+    columns, rows = len(LONG_LABELS), 2
+    cells = [Image.new("RGB", (size, size), colour)] * (columns * rows)
+
+    def sheet(x_labels, y_labels):
+        # Unnamed axes: no titles, only the labels draw.
+        x, y = grid.Axis("", tuple(range(columns)), x_labels), grid.Axis("", tuple(range(rows)), y_labels)
+        pixels = np.asarray(grid.labelled(cells, x, y, ["p"] * len(cells)))
+        left, top = pixels.shape[1] - columns * size, pixels.shape[0] - rows * size
+        assert (pixels[top:, left:] == colour).all(), "no label is drawn over the cells"
+        ink = (pixels < 200).any(axis=2)
+        ink[top:, left:] = False
+        return ink, left, top
+
+    for c in range(columns):
+        ink, left, top = sheet(tuple(label if i == c else "" for i, label in enumerate(LONG_LABELS)), ("", ""))
+        inside = np.zeros_like(ink)
+        inside[:top, left + c * size:left + (c + 1) * size] = True
+        assert ink[inside].any() and not ink[~inside].any(), f"column {c}'s label leaves its column"
+    for r in range(rows):
+        ink, left, top = sheet(("",) * columns, tuple(LONG_LABELS[2 * r] if i == r else "" for i in range(rows)))
+        inside = np.zeros_like(ink)
+        inside[top + r * size:top + (r + 1) * size, :left] = True
+        assert ink[inside].any() and not ink[~inside].any(), f"row {r}'s label leaves its row"
+
+
+def test_long_words_are_broken_and_long_labels_end_in_an_ellipsis():
+    """At 64x64 (58 pixels inside a column) "background" needs a smaller font than the grid's 12 px:
+    the axis takes one, down to 10 px; a word too long even then is broken with hyphens."""
+    label = "a red circle on a white background"
+    font = grid._axis_font([label, "supercalifragilisticexpialidocious"], 58, 12)
+    assert font.size == 10 and grid._wrap(label, 58, font, 6)[-1] == "background"
+    broken = grid._wrap("supercalifragilisticexpialidocious", 58, font, 6)
+    assert len(broken) > 1 and all(line.endswith("-") for line in broken[:-1])
+    assert "".join(line.removesuffix("-") for line in broken) == "supercalifragilisticexpialidocious"
+    cut = grid._wrap("word " * 40, 58, font, 3)
+    assert len(cut) == 3 and cut[-1].endswith("\u2026") and all(font.getlength(line) <= 58 for line in cut)
