@@ -1,4 +1,5 @@
-"""ControlNets against diffusers: the model alone, and whole generations steered by one or two."""
+"""ControlNets against diffusers: the model alone, and whole generations steered by one or two, from
+text, an image or a masked image, with or without a LoRA."""
 
 import json
 import shutil
@@ -8,16 +9,24 @@ import pytest
 import torch
 from diffusers import (
     ControlNetModel,
+    EulerDiscreteScheduler,
+    StableDiffusionControlNetInpaintPipeline,
     StableDiffusionControlNetPipeline,
     StableDiffusionXLControlNetImg2ImgPipeline,
+    StableDiffusionXLControlNetInpaintPipeline,
     StableDiffusionXLControlNetPipeline,
 )
-from diffusers.pipelines.controlnet import pipeline_controlnet_sd_xl_img2img
+from diffusers.pipelines.controlnet import (
+    pipeline_controlnet_inpaint,
+    pipeline_controlnet_inpaint_sd_xl,
+    pipeline_controlnet_sd_xl_img2img,
+)
 from PIL import Image
 
 from safetensors.torch import save_file
 
 from reference import diffusers_images, randomize_, sd_pipeline, sdxl_pipeline
+from test_lora import kohya_file
 from sdxl import controlnet as controlnet_model
 from sdxl.checkpoints import BUILTIN_CONFIGS, CheckpointError, ModelSpec, controlnets, single_file
 from sdxl.config import config_from_dict
@@ -48,6 +57,30 @@ def sdxl(tmp_path_factory):
     return folder, ref, controlnets
 
 
+@pytest.fixture(scope="module")
+def steered(sdxl):
+    """Ours with the first ControlNet: one pipeline, so that the tests share its compiled programs."""
+    folder, _, _ = sdxl
+    return Pipeline.from_pretrained(folder, dtype="float32", max_steps=STEPS, controlnet=str(folder / "controlnet-0"))
+
+
+@pytest.fixture(scope="module")
+def sd1(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sd1")
+    ref = sd_pipeline(folder)
+    return folder, ref, _controlnet(ref, folder / "controlnet", seed=30)
+
+
+@pytest.fixture
+def diffusers_encodes_the_posterior_mean(monkeypatch):
+    """Ours encodes an image to its posterior's mean; diffusers samples it with the call's generator."""
+    def mean(encoder_output, generator=None, sample_mode="sample"):
+        return encoder_output.latent_dist.mode()
+
+    for module in (pipeline_controlnet_sd_xl_img2img, pipeline_controlnet_inpaint_sd_xl, pipeline_controlnet_inpaint):
+        monkeypatch.setattr(module, "retrieve_latents", mean)
+
+
 def _control_image(seed: int) -> Image.Image:
     """Edges-like: thin bright lines on black."""
     pixels = np.zeros((HEIGHT, WIDTH, 3), np.uint8)
@@ -58,6 +91,22 @@ def _control_image(seed: int) -> Image.Image:
         else:
             pixels[:, rng.integers(WIDTH)] = 255
     return Image.fromarray(pixels)
+
+
+def _picture(seed: int) -> Image.Image:
+    """An image to start from: a gradient with noise and a bright block."""
+    y, x = np.mgrid[:HEIGHT, :WIDTH] / np.array([HEIGHT, WIDTH])[:, None, None]
+    speckle = np.random.default_rng(seed).integers(0, 56, (HEIGHT, WIDTH, 3))
+    pixels = np.stack([x, y, (x + y) / 2], axis=-1) * 200 + speckle
+    pixels[16:40, 24:60] = (250, 40, 30)
+    return Image.fromarray(pixels.astype(np.uint8))
+
+
+def _mask() -> Image.Image:
+    """White where the image is repainted: a block that overlaps the picture's bright one."""
+    mask = np.zeros((HEIGHT, WIDTH), np.uint8)
+    mask[8:40, 40:88] = 255
+    return Image.fromarray(mask)
 
 
 def _noise(n: int = 2, seed: int = 3) -> np.ndarray:
@@ -71,29 +120,29 @@ def _compare(label: str, got: np.ndarray, expected: np.ndarray, tolerance: float
     return diff
 
 
-def _both(ref_pipe, pipe, label, control_image, **kwargs):
-    """The same call to diffusers' ControlNet pipeline and to ours; ours returned."""
+def _both(ref_pipe, pipe, label, control_image, scheduler=None, sampler=None, **kwargs):
+    """The same call to diffusers' ControlNet pipeline and to ours (with `scheduler` and `sampler`:
+    the same sampler in both); ours returned."""
     latents = _noise()
-    if "image" in kwargs:  # image-to-image: diffusers draws the same noise first from this generator
+    if "image" in kwargs:  # image-to-image, inpainting: diffusers draws the same noise first from this generator
         control_kwarg, noise = "control_image", {"generator": torch.Generator().manual_seed(3)}
     else:  # diffusers names the text-to-image pipeline's control image `image`
         control_kwarg, noise = "image", {"latents": torch.from_numpy(latents)}
-    ours = {k: v for k, v in kwargs.items() if k != "image"}
     expected = diffusers_images(
-        ref_pipe, prompt=PROMPTS, negative_prompt=NEGATIVES, num_inference_steps=STEPS, guidance_scale=5.0,
+        ref_pipe, scheduler, prompt=PROMPTS, negative_prompt=NEGATIVES, num_inference_steps=STEPS, guidance_scale=5.0,
         height=HEIGHT, width=WIDTH, **noise, **{control_kwarg: control_image}, **kwargs,
     )
     got = pipe.generate(
         PROMPTS, NEGATIVES, steps=STEPS, guidance_scale=5.0, height=HEIGHT, width=WIDTH, latents=latents,
-        output_type="np", control_image=control_image, image=kwargs.get("image"), **ours,
+        output_type="np", control_image=control_image, sampler=sampler, **kwargs,
     )
     _compare(label, got, expected)
     return got
 
 
-def test_sdxl_text_to_image_with_a_controlnet_matches_diffusers(sdxl):
-    folder, ref, controlnets = sdxl
-    pipe = Pipeline.from_pretrained(folder, dtype="float32", max_steps=STEPS, controlnet=str(folder / "controlnet-0"))
+def test_sdxl_text_to_image_with_a_controlnet_matches_diffusers(sdxl, steered):
+    _, ref, controlnets = sdxl
+    pipe = steered
     ref_pipe = StableDiffusionXLControlNetPipeline(**ref.components, controlnet=controlnets[0])
     image = _control_image(0)
     steered = _both(ref_pipe, pipe, "SDXL ControlNet", image, controlnet_conditioning_scale=0.7,
@@ -115,11 +164,7 @@ def test_two_controlnets_with_their_own_settings_match_diffusers(sdxl):
           control_guidance_end=[0.8, 1.0])
 
 
-def test_sdxl_image_to_image_with_a_controlnet_matches_diffusers(sdxl, monkeypatch):
-    def mean(encoder_output, generator=None, sample_mode="sample"):  # ours encodes the posterior's mean
-        return encoder_output.latent_dist.mode()
-
-    monkeypatch.setattr(pipeline_controlnet_sd_xl_img2img, "retrieve_latents", mean)
+def test_sdxl_image_to_image_with_a_controlnet_matches_diffusers(sdxl, diffusers_encodes_the_posterior_mean):
     folder, ref, controlnets = sdxl
     pipe = Pipeline.from_pretrained(folder, dtype="float32", max_steps=STEPS, controlnet=str(folder / "controlnet-1"))
     ref_pipe = StableDiffusionXLControlNetImg2ImgPipeline(**ref.components, controlnet=controlnets[1])
@@ -128,18 +173,69 @@ def test_sdxl_image_to_image_with_a_controlnet_matches_diffusers(sdxl, monkeypat
           control_guidance_end=0.5)
 
 
-def test_sd1_text_to_image_with_a_controlnet_matches_diffusers(tmp_path):
-    ref = sd_pipeline(tmp_path)
-    controlnet = _controlnet(ref, tmp_path / "controlnet", seed=30)
-    pipe = Pipeline.from_pretrained(tmp_path, dtype="float32", max_steps=STEPS, controlnet=str(tmp_path / "controlnet"))
+def test_sdxl_inpainting_with_a_controlnet_matches_diffusers(sdxl, steered, diffusers_encodes_the_posterior_mean):
+    """A 4-channel UNet keeps the unmasked region after every step; the ControlNet sees the latents only.
+    The scale is left to the defaults (1 for SDXL inpainting), and so is the strength (0.9999) once."""
+    _, ref, controlnets = sdxl
+    pipe = steered
+    ref_pipe = StableDiffusionXLControlNetInpaintPipeline(**ref.components, controlnet=controlnets[0],
+                                                          add_watermarker=False)
+    image, mask, control = _picture(1), _mask(), _control_image(4)
+    steered = _both(ref_pipe, pipe, "SDXL ControlNet inpaint strength 0.7", control, image=image, mask_image=mask,
+                    strength=0.7, control_guidance_end=0.8)
+    _both(ref_pipe, pipe, "SDXL ControlNet inpaint default strength", control, image=image, mask_image=mask,
+          controlnet_conditioning_scale=0.6, control_guidance_start=0.2)
+    unsteered = pipe.generate(PROMPTS, NEGATIVES, steps=STEPS, guidance_scale=5.0, latents=_noise(), image=image,
+                              mask_image=mask, strength=0.7, output_type="np", control_image=control,
+                              controlnet_conditioning_scale=0.0)
+    assert np.abs(steered - unsteered).max() > 1e-2  # it steers
+
+
+def test_sd1_text_to_image_with_a_controlnet_matches_diffusers(sd1):
+    folder, ref, controlnet = sd1
+    pipe = Pipeline.from_pretrained(folder, dtype="float32", max_steps=STEPS, controlnet=str(folder / "controlnet"))
     ref_pipe = StableDiffusionControlNetPipeline(**ref.components, controlnet=controlnet)
     _both(ref_pipe, pipe, "SD 1.x ControlNet", _control_image(3), controlnet_conditioning_scale=0.8)
 
 
-def test_a_controlnet_of_another_family_is_refused_before_its_weights(sdxl, tmp_path):
+def test_sd1_inpainting_with_a_controlnet_matches_diffusers(sd1, diffusers_encodes_the_posterior_mean):
+    """The scale left to the default (0.5 for SD 1.x inpainting); strength 1 (the default) starts from
+    noise alone, 0.6 from the noised image, with the Euler sampler."""
+    folder, ref, controlnet = sd1
+    pipe = Pipeline.from_pretrained(folder, dtype="float32", max_steps=STEPS, controlnet=str(folder / "controlnet"))
+    ref_pipe = StableDiffusionControlNetInpaintPipeline(**ref.components, controlnet=controlnet)
+    euler = EulerDiscreteScheduler.from_config(ref.scheduler.config)
+    image, mask, control = _picture(2), _mask(), _control_image(5)
+    _both(ref_pipe, pipe, "SD 1.x ControlNet inpaint strength 1", control, euler, "euler", image=image,
+          mask_image=mask)
+    _both(ref_pipe, pipe, "SD 1.x ControlNet inpaint strength 0.6", control, euler, "euler", image=image,
+          mask_image=mask, strength=0.6, control_guidance_end=0.7)
+
+
+def test_sdxl_with_a_lora_and_a_controlnet_matches_diffusers(sdxl, steered, tmp_path):
+    """A kohya LoRA over every UNet and text encoder layer, loaded by diffusers' `load_lora_weights`
+    into its ControlNet pipeline (the ControlNet keeps its weights in both)."""
+    _, ref, controlnets = sdxl
+    pipe = steered
+    path = kohya_file(tmp_path / "style.safetensors", ref, sgm=True, seed=12)
+    ref_pipe = StableDiffusionXLControlNetPipeline(**ref.components, controlnet=controlnets[0])
+    image = _control_image(6)
+    ref_pipe.load_lora_weights(str(path), adapter_name="style")
+    try:
+        ref_pipe.set_adapters(["style"], adapter_weights=[0.8])
+        pipe.set_loras({str(path): 0.8})
+        styled = _both(ref_pipe, pipe, "SDXL ControlNet with a LoRA", image, controlnet_conditioning_scale=0.9)
+    finally:
+        ref_pipe.unload_lora_weights()  # the UNet and text encoders are the fixture's, and ours the module's
+        pipe.set_loras({})
+    plain = pipe.generate(PROMPTS, NEGATIVES, steps=STEPS, guidance_scale=5.0, height=HEIGHT, width=WIDTH,
+                          latents=_noise(), output_type="np", control_image=image, controlnet_conditioning_scale=0.9)
+    assert np.abs(styled - plain).mean() > 1e-2  # the LoRA matters
+
+
+def test_a_controlnet_of_another_family_is_refused_before_its_weights(sdxl, sd1, tmp_path):
     folder, _, _ = sdxl
-    sd1 = sd_pipeline(tmp_path / "sd1")
-    _controlnet(sd1, tmp_path / "sd1-controlnet", seed=1)
+    _controlnet(sd1[1], tmp_path / "sd1-controlnet", seed=1)
     (tmp_path / "sd1-controlnet" / "diffusion_pytorch_model.safetensors").unlink()  # never read
     with pytest.raises(CheckpointError, match="ControlNet; it cannot steer this SDXL model"):
         Pipeline.from_pretrained(folder, dtype="float32", controlnet=str(tmp_path / "sd1-controlnet"))
