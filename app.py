@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import random
 import re
@@ -19,13 +20,14 @@ import numpy as np
 from PIL import Image
 from starlette.middleware import Middleware
 
-from sdxl import CheckpointError, grid, images, launch, lora
-from sdxl.demo import DemoService
+from sdxl import CheckpointError, control_maps, grid, images, launch, lora
+from sdxl.demo import Control, DemoService
 from sdxl.grid import GridPlan
 from sdxl.http_errors import HttpErrors
 from sdxl.images import image_count
 from sdxl.request import (
-    DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request, default_strength,
+    DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request, default_control_scale,
+    default_strength,
 )
 from sdxl.prompt_syntax import A1111_EMPHASIS_NAMES, EMPHASIS_MODES
 from sdxl.sampling import SAMPLER_NAMES
@@ -93,7 +95,7 @@ class Handlers:
         """A comparison grid: its labelled image, the cells in the gallery, and a status with the
         number of device calls it took."""
         try:
-            plan = self.service.grid(self.service.settings(form), x_axis or None, x_values, y_axis or None, y_values)
+            plan = self.service.grid(self._settings(form), x_axis or None, x_values, y_axis or None, y_values)
         except ValueError as e:
             raise _user_error(str(e)) from e
         yield from _routed(request, self._grid(plan, _owner(request), progress))
@@ -120,10 +122,26 @@ class Handlers:
     def prompt_length(self, text, emphasis, negative: bool = False) -> str:
         return self.service.prompt_length(text, emphasis, negative=negative)
 
+    def control_map(self, picture, preprocessor, canny_low, canny_high, width, height):
+        """The map a ControlNet panel's picture gives at the chosen size, as the request will make it."""
+        if picture is None:
+            return None
+        try:
+            control = Control(_control_picture(picture), preprocessor, canny_low, canny_high)
+            return Image.fromarray(control.control_map(int(width), int(height)))
+        except (TypeError, ValueError) as e:
+            raise _user_error(str(e)) from e
+
+    def _settings(self, form):
+        """The form's settings (`DemoService.settings`), its control images read from their uploads."""
+        pictures = {names["picture"] for names in self.service.control_parameters}
+        form = {k: _control_picture(v) if k in pictures and v is not None else v for k, v in form.items()}
+        return self.service.settings(form)
+
     def _answer(self, request: gr.Request, progress, make, form):
         """Renders the request `make(settings)` builds, with a note for the status (or None)."""
         try:
-            built, note = make(self.service.settings(form))
+            built, note = make(self._settings(form))
         except ValueError as e:
             raise _user_error(str(e)) from e
         yield from _routed(request, self._render(built, _owner(request), progress, note))
@@ -279,6 +297,16 @@ def _path_of(file) -> str:
     return file if isinstance(file, str) else (file["path"] if isinstance(file, dict) else file.path)
 
 
+def _control_picture(upload) -> Image.Image:
+    """A control image's upload, read. Raises ValueError naming it."""
+    try:
+        return images.read_image(_path_of(upload))
+    except (TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"the control image must be an uploaded image file, got {upload!r:.80}") from e
+    except ValueError as e:
+        raise ValueError(f"the control image: {e}") from e
+
+
 def _size_label(width: int, height: int) -> str:
     return f"{width}×{height}"
 
@@ -351,6 +379,57 @@ def _mask_of(editor) -> tuple[Image.Image | None, Image.Image | None]:
     return background, Image.fromarray(np.any(painted, axis=0).astype(np.uint8) * 255)
 
 
+def _optional(handler, names: list[str]):
+    """`handler` (a generator) with keyword parameters `names` that default to None: Gradio's API
+    makes a parameter optional only where the handler's signature gives it a default, and a control
+    image, which has no initial value, must be optional (a request without one is not steered)."""
+    @functools.wraps(handler)
+    def with_defaults(*args, **kwargs):
+        yield from handler(*args, **kwargs)
+
+    signature = inspect.signature(handler)
+    *named, form = signature.parameters.values()
+    optional = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in names]
+    with_defaults.__signature__ = signature.replace(parameters=[*named, *optional, form])
+    return with_defaults
+
+
+def _control_panel(service: DemoService) -> list[dict]:
+    """The ControlNet panel: for each launched ControlNet, its picture, preprocessor and the map they
+    make, and its scale, start and end. Returns each one's components by `Control` field (and "map")."""
+    pipe = service.pipe
+    panels = []
+    with gr.Accordion("ControlNet", open=False, elem_id="controlnet"):
+        gr.Markdown("Steer every tab's images with edges, a depth map or a pose: upload a picture or send one "
+                    "from the gallery. Canny draws its edges; a depth map or an OpenPose skeleton is given as it "
+                    "is. It steers from Start to End, fractions of the steps, with Scale's strength. Clear the "
+                    "picture to generate without it.", elem_classes="prompt-length")
+        for k, controlnet in enumerate(pipe.controlnets):
+            name = images.controlnet_label(controlnet.name)
+            suffix = f"-{k}" if k else ""
+            with gr.Group():
+                with gr.Row():
+                    picture = gr.Image(label=f"Control image · {name}", type="filepath", format="png", height=220,
+                                       sources=["upload", "clipboard"], elem_id=f"control-image{suffix}")
+                    shown = gr.Image(label="Control map", format="png", height=220,
+                                     interactive=False, elem_id=f"control-map{suffix}")
+                canny = control_maps.default_preprocessor(name) == "canny"
+                preprocessor = gr.Radio([("Canny edges", "canny"), ("None: the picture is the map", "none")],
+                                        value="canny" if canny else "none", label="Preprocessor")
+                with gr.Row():
+                    low, high = (gr.Slider(1, 255, value=value, step=1, label=f"Canny {which} threshold",
+                                           visible=canny)
+                                 for value, which in zip(control_maps.DEFAULT_CANNY_THRESHOLDS, ("low", "high")))
+                with gr.Row():
+                    scale = gr.Slider(0, 2, value=default_control_scale(pipe.spec, image=False, inpainting=False),
+                                      step=0.05, label="Scale")
+                    start = gr.Slider(0, 1, value=0, step=0.05, label="Start")
+                    end = gr.Slider(0, 1, value=1, step=0.05, label="End")
+            panels.append({"picture": picture, "map": shown, "preprocessor": preprocessor, "canny_low": low,
+                           "canny_high": high, "scale": scale, "start": start, "end": end})
+    return panels
+
+
 def create_demo(handlers: Handlers) -> gr.Blocks:
     service = handlers.service
     pipe = service.pipe
@@ -404,8 +483,11 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                         grid_prompt = gr.Textbox("", label="Prompt", lines=2, elem_id="grid-prompt")
                         grid_prompt_length = _length_line("grid-prompt-length")
                         lora_axes = [grid.LORA_AXIS + lora.display_name(source) for source in service.loras]
+                        control_axes = [(name.replace("control", "ControlNet").replace("_", " "), name)
+                                        for name in grid.CONTROL_AXES] if pipe.controlnets else []
                         axes = [("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
-                                *((f"LoRA {name[len(grid.LORA_AXIS):]} scale", name) for name in lora_axes)]
+                                *((f"LoRA {name[len(grid.LORA_AXIS):]} scale", name) for name in lora_axes),
+                                *control_axes]
                         with gr.Row():
                             x_axis = gr.Dropdown(axes, value="seed", label="X axis")
                             x_values = gr.Textbox("1-4", label="X values", info="comma-separated or one per "
@@ -415,6 +497,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                             y_values = gr.Textbox("3, 7", label="Y values", info="a prompt axis whose first "
                                                   "value is in the prompt replaces it (Prompt S/R)")
                         grid_run = gr.Button("Make grid", variant="primary", elem_id="grid-run")
+                controls = _control_panel(service) if pipe.controlnets else []
                 with gr.Accordion("Advanced", open=False):
                     with gr.Row():
                         # precision=None: Gradio would round a fractional seed (1.5 -> 2) before our check sees it.
@@ -456,6 +539,8 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                 status = gr.Markdown(elem_id="status")
                 with gr.Row():
                     send = gr.Button("Send the selected image to image-to-image", size="sm", elem_id="send")
+                    send_control = gr.Button("Send it to ControlNet", size="sm", elem_id="send-control",
+                                             visible=bool(controls))
                     reuse_run = gr.Button("Reuse its settings", size="sm", elem_id="reuse")
                 grid_image = gr.Image(label="Grid", type="pil", format="png", visible=False, elem_id="grid-image")
                 reuse_file = gr.File(label="Drop a PNG made here (or by A1111) to reuse its settings",
@@ -471,11 +556,22 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
         selected = gr.State(None)  # the gallery image last selected, for "send" and "reuse"
         history_selected = gr.State(None)
         past = gr.State([])  # this browser session's results, newest first
+        control_form = {name: fields[field] for names, fields in zip(service.control_parameters, controls)
+                        for field, name in names.items()}
         for field in (prompt, negative, compare_prompts, compare_negative, num_seeds, seed, guidance, steps, per_core,
                       width, height, *lora_sliders, style, compare_style, mode, sampler, emphasis, image_prompt,
-                      strength, refine,
-                      refine_from, image_in, mask_in, grid_prompt, x_axis, x_values, y_axis, y_values):
+                      strength, refine, refine_from, image_in, mask_in, grid_prompt, x_axis, x_values, y_axis,
+                      y_values, *control_form.values()):
             _checked_by_the_service(field)
+        for fields in controls:
+            map_inputs = [fields[name] for name in ("picture", "preprocessor", "canny_low", "canny_high")]
+            gr.on([fields["picture"].change, fields["preprocessor"].change, fields["canny_low"].release,
+                   fields["canny_high"].release, width.change, height.change],
+                  handlers.control_map, [*map_inputs, width, height], fields["map"], api_name=False, queue=False,
+                  show_progress="hidden")
+            fields["preprocessor"].change(lambda name: [gr.update(visible=name == "canny")] * 2,
+                                          fields["preprocessor"], [fields["canny_low"], fields["canny_high"]],
+                                          api_name=False, queue=False, show_progress="hidden")
 
         size.change(lambda label: [int(v) for v in label.split("×")], size, [width, height], api_name=False)
         for box, line, negative_prompt in ((prompt, prompt_length, False), (negative, negative_length, True),
@@ -494,38 +590,44 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
             return past, past
 
         limit = service.queue.max_queued
+        pictures = [names["picture"] for names in service.control_parameters]
+        generate, image_to_image, compare, make_grid = (
+            _optional(handler, pictures) for handler in (handlers.generate, handlers.image_to_image,
+                                                          handlers.compare, handlers.grid))
         loras = dict(zip(service.lora_parameters, lora_sliders))
         refining = {"refine": refine, "refine_from": refine_from}
         common = {"seed": seed, "guidance_scale": guidance, "steps": steps}
         dimensions = {"width": width, "height": height}
         generate_form = {"prompt": prompt, "negative_prompt": negative, "style": style, **common, **dimensions,
-                         "images_per_core": per_core, "sampler": sampler, "emphasis": emphasis, **refining, **loras}
+                         "images_per_core": per_core, "sampler": sampler, "emphasis": emphasis, **refining, **loras,
+                         **control_form}
         for trigger, api_name in ((run.click, "generate"), (prompt.submit, False)):
             trigger(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
-                handlers.generate, inputs_kwargs=generate_form, outputs=[gallery, status], api_name=api_name,
+                generate, inputs_kwargs=generate_form, outputs=[gallery, status], api_name=api_name,
                 concurrency_limit=limit,
             ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
         image_form = {"prompt": image_prompt, "negative_prompt": negative, "style": style, **common,
                       "image": image_in, "mask": mask_in, "strength": strength, "images_per_core": per_core,
-                      "sampler": sampler, "emphasis": emphasis, **refining, **loras}
+                      "sampler": sampler, "emphasis": emphasis, **refining, **loras, **control_form}
         image_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
             _mask_of, editor, [image_in, mask_in], api_name=False, queue=False,
         ).then(
-            handlers.image_to_image, inputs_kwargs=image_form, outputs=[gallery, status], api_name="image_to_image",
+            image_to_image, inputs_kwargs=image_form, outputs=[gallery, status], api_name="image_to_image",
             concurrency_limit=limit,
         ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
         compare_form = {"mode": mode, "prompts": compare_prompts, "negative_prompt": compare_negative,
                         "style": compare_style, "seed": seed, "num_seeds": num_seeds, "guidance_scale": guidance,
-                        "steps": steps, **dimensions, "sampler": sampler, "emphasis": emphasis, **loras}
+                        "steps": steps, **dimensions, "sampler": sampler, "emphasis": emphasis, **loras,
+                        **control_form}
         compare_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
-            handlers.compare, inputs_kwargs=compare_form, outputs=[gallery, status], api_name="compare",
+            compare, inputs_kwargs=compare_form, outputs=[gallery, status], api_name="compare",
             concurrency_limit=limit,
         ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
         grid_form = {"prompt": grid_prompt, "negative_prompt": negative, "style": style, **common, **dimensions,
                      "sampler": sampler, "emphasis": emphasis, "x_axis": x_axis, "x_values": x_values,
-                     "y_axis": y_axis, "y_values": y_values, **loras}
+                     "y_axis": y_axis, "y_values": y_values, **loras, **control_form}
         grid_run.click(
-            handlers.grid, inputs_kwargs=grid_form, outputs=[grid_image, gallery, status], api_name="grid",
+            make_grid, inputs_kwargs=grid_form, outputs=[grid_image, gallery, status], api_name="grid",
             concurrency_limit=limit,
         ).success(lambda: gr.update(visible=True), None, grid_image, api_name=False, queue=False)
         for button in (run, image_run, compare_run):
@@ -538,6 +640,8 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
         history.select(select, None, history_selected, api_name=False, queue=False)
         send.click(lambda path: path, selected, editor, api_name=False, queue=False).then(
             lambda: gr.Tabs(selected="image-tab"), None, tabs, api_name=False, queue=False)
+        if controls:
+            send_control.click(lambda path: path, selected, controls[0]["picture"], api_name=False, queue=False)
         reused = [prompt, negative, seed, randomize, guidance, steps, sampler, emphasis, size]
         reuse_run.click(handlers.reuse, selected, reused, api_name=False, queue=False)
         history_reuse.click(handlers.reuse, history_selected, reused, api_name=False, queue=False)

@@ -10,12 +10,40 @@ Maps that need a model of their own (depth estimators, pose detectors) are made 
 "ControlNet"), then given with "none".
 """
 
+import dataclasses
+
 import numpy as np
 
 from .request import integer
 
 PREPROCESSORS = ("canny", "none")
 DEFAULT_CANNY_THRESHOLDS = (100, 200)  # low, high: A1111's ControlNet extension's defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessor:
+    """How a picture becomes a control map: one of `PREPROCESSORS`, with Canny's thresholds. A request
+    carries it so that its PNG parameters say how its maps were made (`infotext`)."""
+
+    name: str = "none"
+    canny_thresholds: tuple[int, int] = DEFAULT_CANNY_THRESHOLDS
+
+    def __call__(self, picture: np.ndarray) -> np.ndarray:
+        return control_map(picture, self.name, self.canny_thresholds)
+
+    def infotext(self) -> dict:
+        """Its fields as A1111's ControlNet extension writes them: "Module", and for Canny its
+        thresholds as "Threshold A" and "Threshold B"."""
+        if self.name != "canny":
+            return {"Module": self.name}
+        low, high = self.canny_thresholds
+        return {"Module": "canny", "Threshold A": low, "Threshold B": high}
+
+
+def default_preprocessor(controlnet_name: str) -> str:
+    """The preprocessor a ControlNet most likely wants, from its name: "canny" for a canny one (they
+    are trained on exactly `canny`'s maps), else "none" (the picture is the map)."""
+    return "canny" if "canny" in controlnet_name.lower() else "none"
 
 
 def control_map(picture: np.ndarray, preprocessor: str, canny_thresholds=DEFAULT_CANNY_THRESHOLDS) -> np.ndarray:

@@ -14,15 +14,48 @@ from PIL import Image
 
 from . import grid, images, lora
 from .checkpoints.known import Recommended
+from .control_maps import DEFAULT_CANNY_THRESHOLDS, Preprocessor
 from .grid import GridPlan
 from .pipeline import Pipeline
 from .prompt_syntax import EMPHASIS_MODES
-from .request import DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, Request, integer, number
+from .request import (
+    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, integer, number,
+)
 from .serving import DeviceQueue
 from .styles import NO_STYLE, STYLES
 
 # SDXL's training buckets (width, height); other models get them scaled to their native size.
 SDXL_SIZES = ((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344))
+
+
+@dataclasses.dataclass(frozen=True)
+class Control:
+    """One ControlNet's part of the form: the picture that steers it, how it becomes the control map,
+    and how strongly and between which fractions of the steps it steers."""
+
+    picture: Image.Image | None = None  # None: no control image (then no ControlNet steers)
+    preprocessor: str = "none"  # one of `control_maps.PREPROCESSORS`
+    canny_low: int = DEFAULT_CANNY_THRESHOLDS[0]
+    canny_high: int = DEFAULT_CANNY_THRESHOLDS[1]
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
+
+    @property
+    def made_by(self) -> Preprocessor:
+        return Preprocessor(self.preprocessor, (self.canny_low, self.canny_high))
+
+    def control_map(self, width: int, height: int) -> np.ndarray:
+        """[height, width, 3] uint8: the picture cropped to the size's aspect ratio and resized, as
+        A1111's "Crop and Resize", then its map (edges drawn at the output's own resolution).
+
+        Raises:
+          ValueError: no picture, or a preprocessor or threshold out of range.
+        """
+        if self.picture is None:
+            raise ValueError("no control image was given")
+        picture, _ = fit_to_sizes(self.picture, [(width, height)])
+        return self.made_by(images.pixels(picture))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +76,19 @@ class Settings:
     refine: bool = False  # finish with the refiner, from `refine_from` of the noise
     refine_from: float = DEFAULT_REFINE_FROM
     lora_scales: tuple[float, ...] | None = None  # one per launched LoRA (`DemoService.loras`); None: their own
+    controls: tuple[Control, ...] = ()  # one per launched ControlNet (`Pipeline.controlnets`), or none
+
+
+# Each `Control` field's name in the form (and the API) for the first ControlNet; the others' add "_2", "_3", ...
+CONTROL_PARAMETERS = {"picture": "control_image", "preprocessor": "control_preprocessor", "canny_low": "canny_low",
+                      "canny_high": "canny_high", "scale": "control_scale", "start": "control_start",
+                      "end": "control_end"}
+
+
+def control_parameters(count: int) -> list[dict[str, str]]:
+    """For each of `count` ControlNets, its `Control` fields' names in the form: {field: name}."""
+    return [{field: name + (f"_{k + 1}" if k else "") for field, name in CONTROL_PARAMETERS.items()}
+            for k in range(count)]
 
 
 def lora_parameters(sources: Sequence[str]) -> list[str]:
@@ -91,6 +137,7 @@ class DemoService:
         self.recommended = recommended
         self.loras = dict(loras or {})
         self.lora_parameters = lora_parameters(list(self.loras))
+        self.control_parameters = control_parameters(len(pipe.controlnets))
         self.max_images_per_core = max_images_per_core
         self.sizes = list(recommended.sizes) if recommended.sizes else size_presets(pipe)
         self.queue = DeviceQueue(pipe, max_batch_images=self.max_images, max_queued=max_queued,
@@ -104,7 +151,10 @@ class DemoService:
         """The settings of a form's fields by name, LoRA scales by their `lora_parameters`."""
         fields = {f.name for f in dataclasses.fields(Settings)}
         scales = tuple(form[name] for name in self.lora_parameters if name in form)
-        return Settings(**{k: v for k, v in form.items() if k in fields}, lora_scales=scales or None)
+        controls = tuple(Control(**{field: form[name] for field, name in names.items() if name in form})
+                         for names in self.control_parameters)
+        return Settings(**{k: v for k, v in form.items() if k in fields}, lora_scales=scales or None,
+                        controls=controls)
 
     def images(self, settings: Settings) -> Request:
         """One prompt, `images_per_core` images on every core: images (seed, 0), (seed, 1), ..."""
@@ -171,12 +221,21 @@ class DemoService:
         x, y = axes
         if x is not None and y is not None and x.name == y.name:
             raise ValueError(f"the x and y axes are both {x.name}: choose two different settings")
+        steered = any(control.picture is not None for control in settings.controls)
+        for axis in axes:
+            if axis is not None and axis.name in grid.CONTROL_AXES and not steered:
+                raise ValueError(f"the {axis.name.replace('_', ' ')} axis needs a control image (ControlNet panel)"
+                                 if self.pipe.controlnets else "no ControlNet is loaded (start with --controlnet)")
 
         def with_value(cell: Settings, name: str, value) -> Settings:
             if name.startswith(grid.LORA_AXIS):
                 scales = list(self._lora_scales(cell))
                 scales[names.index(name[len(grid.LORA_AXIS):])] = value
                 return dataclasses.replace(cell, lora_scales=tuple(scales))
+            if name in grid.CONTROL_AXES:  # every ControlNet's
+                field = name.removeprefix("control_")
+                return dataclasses.replace(
+                    cell, controls=tuple(dataclasses.replace(c, **{field: value}) for c in cell.controls))
             return dataclasses.replace(cell, **{name: value})
 
         cells = [dataclasses.replace(cell, images_per_core=1, refine=False)
@@ -206,8 +265,28 @@ class DemoService:
             (styled[0],) * n, (styled[1],) * n, seeds, image_index, (settings.guidance_scale,) * n, settings.steps,
             height, width, settings.sampler, loras=tuple(zip(self.loras, self._lora_scales(settings))),
             refine_from=float(settings.refine_from) if settings.refine else None, emphasis=settings.emphasis,
+            **self._controls(settings.controls, n, width, height),
         )
         return self._checked(request)
+
+    def _controls(self, controls: Sequence[Control], n: int, width, height) -> dict:
+        """The request's control maps and settings: none without control images; with them, one image
+        for each launched ControlNet."""
+        given = [control.picture is not None for control in controls]
+        if not any(given):
+            return {}
+        if not all(given) or len(controls) != len(self.pipe.controlnets):
+            names = ", ".join(c.name for c in self.pipe.controlnets)
+            raise ValueError(f"{len(self.pipe.controlnets)} ControlNets are loaded ({names}): give a control image "
+                             f"for each, or none (got {sum(given)})")
+        width, height = (integer(v, label, 1, MAX_SIZE) for v, label in ((width, "width"), (height, "height")))
+        return dict(
+            control_images=tuple(np.repeat(c.control_map(width, height)[None], n, axis=0) for c in controls),
+            control_scales=(tuple(c.scale for c in controls),) * n,
+            control_starts=(tuple(c.start for c in controls),) * n,
+            control_ends=(tuple(c.end for c in controls),) * n,
+            control_preprocessors=tuple(c.made_by for c in controls),
+        )
 
     def _checked(self, request: Request) -> Request:
         """The request validated by the pipeline, at one of the demo's sizes."""

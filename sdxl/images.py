@@ -137,7 +137,11 @@ def parameters_text(prompt: str, negative_prompt: str, settings: dict[str, objec
 
 
 def _infotext_value(value) -> str:
-    return infotext_quote(f"{value:g}" if isinstance(value, float) else str(value))
+    return infotext_quote(_number(value))
+
+
+def _number(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def png_parameters(pipe, request, i: int, model: str) -> str:
@@ -159,7 +163,32 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
         "Lora hashes": lora_hashes_text(
             (lora.display_name(source), pipe.lora_files[source].short_hash) for source, _ in loras
         ) or None,
+        **controlnet_infotext(pipe, request, i),
     })
+
+
+def controlnet_infotext(pipe, request, i: int) -> dict[str, str]:
+    """Image `i`'s ControlNets as A1111's ControlNet extension records them: "ControlNet 0" (and 1,
+    2, ...) with "Module: canny, Model: ..., Weight: 0.7, Threshold A: 100, Threshold B: 200, Guidance
+    Start: 0, Guidance End: 0.8" as its value. The module is how the control image was made from a
+    picture ("none": given as the map)."""
+    made_by = request.control_preprocessors or (None,) * request.controls
+    entries = {}
+    for k, (controlnet, preprocessor) in enumerate(zip(pipe.controlnets[: request.controls], made_by)):
+        fields = {**(preprocessor.infotext() if preprocessor else {"Module": "none"}),
+                  "Model": controlnet_label(controlnet.name), "Weight": request.control_scales[i][k],
+                  "Guidance Start": request.control_starts[i][k], "Guidance End": request.control_ends[i][k]}
+        order = ("Module", "Model", "Weight", "Threshold A", "Threshold B", "Guidance Start", "Guidance End")
+        entries[f"ControlNet {k}"] = ", ".join(f"{key}: {_number(fields[key])}" for key in order if key in fields)
+    return entries
+
+
+def controlnet_label(source: str) -> str:
+    """How results and the demo name a ControlNet: a Hub repo id as it is, a file or folder by its name."""
+    path = Path(source)
+    if source.endswith(".safetensors"):
+        return path.stem
+    return path.name if path.is_dir() else source
 
 
 def lora_hashes_text(loras: Iterable[tuple[str, str]]) -> str:

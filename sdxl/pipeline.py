@@ -345,13 +345,15 @@ class Pipeline:
         program = self.program_for(request, output_type=output_type)
         first, stop = inputs.steps_run(program, request)
         arrays = inputs.placed(inputs.host_inputs(program, request, (first, stop)), self.mesh)
+        # The ControlNets' weights are the program's only when control images steer this request.
+        params = self.params if program.controlnets else {k: v for k, v in self.params.items() if k != "controlnets"}
         if on_step is None and on_preview is None:
-            images, finite = self.executables.compiled(program, "whole")(self.params, arrays)
+            images, finite = self.executables.compiled(program, "whole")(params, arrays)
         else:
             evaluations = SAMPLERS[program.sampler].evaluations
             report = ProgressReports(on_step, on_preview, stop - first, evaluations(first), n)
             stage = lambda name: self.executables.compiled(program, name)  # noqa: E731
-            rendered = run_in_stages(stage, self.params, arrays, evaluations(first), evaluations(stop), report,
+            rendered = run_in_stages(stage, params, arrays, evaluations(first), evaluations(stop), report,
                                      steps_per_report)
             if rendered is None:
                 return None

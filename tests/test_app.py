@@ -33,7 +33,7 @@ from safetensors.numpy import load_file, save_file
 from sdxl import lora
 from sdxl.bench.soak import free_port, running_app
 from sdxl.checkpoints import resolve
-from sdxl.checkpoints.random_models import write_checkpoint
+from sdxl.checkpoints.random_models import write_checkpoint, write_controlnet
 
 # gradio_client reads these in this process: no telemetry calls to the Hub from the tests.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -92,10 +92,14 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cache_dir):
     """The demo with the random tiny model (fast, and its sizes are many), one LoRA for it, off
-    (scale 0) unless a request turns it up, and the tiny refiner."""
+    (scale 0) unless a request turns it up, the tiny refiner, and a random ControlNet that steers
+    the requests that give a control image."""
     tmp = tmp_path_factory.mktemp("app")
-    style = lora.write_random(tmp / "style.safetensors", resolve("tiny").spec)
-    with serve(tmp, cache_dir, "--model", "tiny", "--lora", f"{style}:0", "--refiner", "tiny-refiner") as running:
+    spec = resolve("tiny").spec
+    style = lora.write_random(tmp / "style.safetensors", spec)
+    controlnet = write_controlnet(tmp / "tiny-canny", spec)
+    with serve(tmp, cache_dir, "--model", "tiny", "--lora", f"{style}:0", "--refiner", "tiny-refiner",
+               "--controlnet", str(controlnet)) as running:
         yield running
 
 
@@ -280,6 +284,43 @@ def test_bad_uploads_are_named_and_the_server_keeps_serving(client, tmp_path):
     _assert_serving(client)
 
 
+def _control_picture(path: Path) -> str:
+    """A red square with a white one inside, on black: Canny finds both squares' edges."""
+    pixels = np.zeros((128, 128, 3), np.uint8)
+    pixels[24:104, 24:104] = (200, 60, 60)
+    pixels[48:80, 48:80] = 255
+    Image.fromarray(pixels).save(path)
+    return str(path)
+
+
+def test_a_control_image_steers_over_http_and_a_grid_over_its_scale_is_one_call(client, tmp_path):
+    """/generate with a control image: its PNGs record the ControlNet as A1111's extension does; a grid
+    over the scale is one device call whose scale-0 cell is the unsteered image; a file that is no
+    image is refused with a sentence."""
+    from gradio_client import handle_file
+
+    control = handle_file(_control_picture(tmp_path / "control.png"))
+    plain, _ = _generate(client, seed=5)
+    steered, status = _generate(client, seed=5, control_image=control, control_scale=0.7, control_end=0.8)
+    assert len(steered) == 4 and status.startswith("4 images in "), status
+    parameters = Image.open(steered[0]["image"]).info["parameters"]
+    assert ('ControlNet 0: "Module: canny, Model: tiny-canny, Weight: 0.7, Threshold A: 100, Threshold B: 200, '
+            'Guidance Start: 0, Guidance End: 0.8"') in parameters, parameters
+    assert np.abs(_pixels(steered)[0].astype(int) - _pixels(plain)[0]).mean() > 2, "the control image must steer"
+    _, cells, status = client.submit(**FAST, seed=5, control_image=control, x_axis="control_scale",
+                                     x_values="0, 0.7", y_axis="", y_values="", control_end=0.8,
+                                     api_name="/grid").result(timeout=CALL_TIMEOUT)
+    assert "2 images" in status and "1 device call" in status, status
+    off, on = _pixels(cells)
+    assert np.abs(off.astype(int) - _pixels(plain)[0]).max() <= 2, "scale 0 steers nothing"
+    assert np.abs(on.astype(int) - _pixels(steered)[0]).max() <= 2, "a cell is image 0 of /generate"
+    (tmp_path / "not-an-image.png").write_text("hello")
+    with pytest.raises(AppError, match="the control image: cannot read the image"):
+        _generate(client, control_image=handle_file(str(tmp_path / "not-an-image.png")))
+    with pytest.raises(AppError, match="preprocessor must be one of canny, none, got 'sobel'"):
+        _generate(client, control_image=control, control_preprocessor="sobel")
+
+
 def test_previews_stream_to_a_client_that_asks_and_predict_gets_the_result(client):
     job = client.submit(prompt="a lighthouse", steps=40, seed=4, api_name="/generate")
     gallery, status = job.result(timeout=CALL_TIMEOUT)
@@ -392,11 +433,12 @@ def _post(server: Server, route: str, payload: dict) -> tuple[int, dict, dict]:
 
 
 def _generate_values(**kwargs) -> list:
-    """/generate's 14 values in order, for raw HTTP (the server has one LoRA, whose scale is last)."""
+    """/generate's 21 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
+    settings come last)."""
     values = dict(prompt="a lighthouse", negative_prompt="", style="No style", seed=0, guidance_scale=5, steps=3,
                   width=128, height=128, images_per_core=1, sampler="euler", emphasis="original", refine=False,
-                  refine_from=0.8,
-                  lora_style=0)
+                  refine_from=0.8, lora_style=0, control_image=None, control_preprocessor="canny", canny_low=100,
+                  canny_high=200, control_scale=1, control_start=0, control_end=1)
     return list((values | kwargs).values())
 
 
@@ -408,8 +450,10 @@ def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
     """Issue 21, hole 5: too few values, an unknown endpoint and a bad value on /run/ each get a
     sentence and a 4xx status, and one log line, not a traceback; /run/ answers with the final images."""
     logged = len(server.output())
-    takes = ("/generate takes 14 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
-             "steps, width, height, images_per_core, sampler, emphasis, refine, refine_from, lora_style; got 1")
+    takes = ("/generate takes 21 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
+             "steps, width, height, images_per_core, sampler, emphasis, refine, refine_from, lora_style, "
+             "control_image, control_preprocessor, canny_low, canny_high, control_scale, control_start, control_end; "
+             "got 1")
     assert _post(server, "run/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "call/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "run/nope", {"data": []})[:2] == (404, {
@@ -634,18 +678,16 @@ def test_a_few_step_model_gets_its_own_defaults(tmp_path, cache_dir, downloads):
     assert "SDXL-Lightning 2-step UNet" in page
 
 
-def test_browser_generate(shapes_server, tmp_path):
-    """A first visit, offline: the shapes model draws what the prompt typed into the page says."""
+@contextlib.contextmanager
+def _browser(tmp_path: Path):
+    """Headless Chromium at 1280x800 with a fresh profile; yields it (pages from `new_page`)."""
     if not CHROMIUM.exists():
         reason = f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium) for the browser test"
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)
-    from playwright.sync_api import expect, sync_playwright
-    from test_shapes import score
+    from playwright.sync_api import sync_playwright
 
-    artifacts = REPO / "artifacts"
-    artifacts.mkdir(exist_ok=True)
     with sync_playwright() as p:
         # Playwright takes the fresh profile folder (--user-data-dir) as launch_persistent_context's argument.
         browser = p.chromium.launch_persistent_context(
@@ -656,43 +698,86 @@ def test_browser_generate(shapes_server, tmp_path):
             viewport={"width": 1280, "height": 800},
         )
         try:
-            page = browser.new_page()
-            # Not "networkidle": the page keeps a heartbeat connection open for its session's state.
-            page.goto(shapes_server.url, wait_until="load")
-            expect(page.locator("#generate")).to_be_visible(timeout=30_000)
-            # On a 1280x800 window the prompt, the button and the top of the gallery need no scrolling.
-            for element in ("#prompt textarea", "#generate", "#gallery"):
-                box = page.locator(element).bounding_box()
-                assert box and 0 <= box["y"] and box["y"] + min(box["height"], 40) <= 800, (element, box)
-            expect(page.locator("#model-notice")).to_contain_text("Showing the built-in shapes model instead",
-                                                                  timeout=30_000)
-            page.locator("#prompt textarea").fill("a red circle on a blue background")
-            expect(page.locator("#prompt-length")).to_contain_text("tokens, 1 chunk", timeout=30_000)
-            page.get_by_text("Advanced").click()
-            page.get_by_label("Randomize seed").uncheck()
-            page.get_by_label("Seed", exact=True).fill("0")
-            page.locator("#prompt textarea").press("Control+Enter")  # the keyboard shortcut generates
-            expect(page.locator("#gallery img")).to_have_count(4, timeout=CALL_TIMEOUT * 1000)
-            expect(page.locator("#status")).to_contain_text("4 images", timeout=30_000)
-            page.screenshot(path=str(artifacts / "app.png"), full_page=True)
-            sources = [img.get_attribute("src") for img in page.locator("#gallery img").all()]
-            # The session's history holds the four; a PNG dropped on the page brings its settings back.
-            page.get_by_text("History (this session)").click()
-            expect(page.locator("#history img")).to_have_count(4, timeout=30_000)
-            png = tmp_path / "made-here.png"
-            with urllib.request.urlopen(urllib.parse.urljoin(shapes_server.url, sources[2]), timeout=30) as response:
-                png.write_bytes(response.read())
-            page.locator("#prompt textarea").fill("")
-            page.get_by_label("Seed", exact=True).fill("77")
-            page.locator("#reuse-png input[type=file]").set_input_files(str(png))
-            expect(page.locator("#prompt textarea")).to_have_value("a red circle on a blue background",
-                                                                    timeout=30_000)
-            expect(page.get_by_label("Seed", exact=True)).to_have_value("0")
-            page.get_by_role("tab", name="Image to image").click()
-            expect(page.locator("#image-editor")).to_be_visible()
-            page.screenshot(path=str(artifacts / "app-image-tab.png"), full_page=True)
+            yield browser
         finally:
             browser.close()
+
+
+def _artifacts() -> Path:
+    artifacts = REPO / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    return artifacts
+
+
+def test_browser_controlnet(server, tmp_path):
+    """The ControlNet panel: an uploaded picture shows its Canny map, and Generate steers with it."""
+    from playwright.sync_api import expect
+
+    picture = _control_picture(tmp_path / "control.png")
+    with _browser(tmp_path) as browser:
+        page = browser.new_page()
+        page.goto(server.url, wait_until="load")
+        expect(page.locator("#generate")).to_be_visible(timeout=30_000)
+        page.get_by_text("ControlNet", exact=True).click()
+        page.locator("#control-image input[type=file]").set_input_files(picture)
+        expect(page.locator("#control-map img")).to_have_count(1, timeout=30_000)
+        page.locator("#prompt textarea").fill("a lighthouse")
+        page.locator("#generate").click()
+        expect(page.locator("#gallery img")).to_have_count(4, timeout=CALL_TIMEOUT * 1000)
+        expect(page.locator("#status")).to_contain_text("4 images", timeout=30_000)
+        page.screenshot(path=str(_artifacts() / "app-controlnet.png"), full_page=True)
+        source = page.locator("#control-map img").get_attribute("src")
+        first = page.locator("#gallery img").first.get_attribute("src")
+    with urllib.request.urlopen(urllib.parse.urljoin(server.url, source), timeout=30) as response:
+        edges = np.asarray(Image.open(io.BytesIO(response.read())).convert("L"))
+    assert set(np.unique(edges)) == {0, 255} and (edges == 255).mean() < 0.2, "a map of thin edges"
+    with urllib.request.urlopen(urllib.parse.urljoin(server.url, first), timeout=30) as response:
+        parameters = Image.open(io.BytesIO(response.read())).info["parameters"]
+    assert 'ControlNet 0: "Module: canny, Model: tiny-canny, Weight: 1' in parameters, parameters
+
+
+def test_browser_generate(shapes_server, tmp_path):
+    """A first visit, offline: the shapes model draws what the prompt typed into the page says."""
+    from playwright.sync_api import expect
+    from test_shapes import score
+
+    artifacts = _artifacts()
+    with _browser(tmp_path) as browser:
+        page = browser.new_page()
+        # Not "networkidle": the page keeps a heartbeat connection open for its session's state.
+        page.goto(shapes_server.url, wait_until="load")
+        expect(page.locator("#generate")).to_be_visible(timeout=30_000)
+        # On a 1280x800 window the prompt, the button and the top of the gallery need no scrolling.
+        for element in ("#prompt textarea", "#generate", "#gallery"):
+            box = page.locator(element).bounding_box()
+            assert box and 0 <= box["y"] and box["y"] + min(box["height"], 40) <= 800, (element, box)
+        expect(page.locator("#model-notice")).to_contain_text("Showing the built-in shapes model instead",
+                                                              timeout=30_000)
+        page.locator("#prompt textarea").fill("a red circle on a blue background")
+        expect(page.locator("#prompt-length")).to_contain_text("tokens, 1 chunk", timeout=30_000)
+        page.get_by_text("Advanced").click()
+        page.get_by_label("Randomize seed").uncheck()
+        page.get_by_label("Seed", exact=True).fill("0")
+        page.locator("#prompt textarea").press("Control+Enter")  # the keyboard shortcut generates
+        expect(page.locator("#gallery img")).to_have_count(4, timeout=CALL_TIMEOUT * 1000)
+        expect(page.locator("#status")).to_contain_text("4 images", timeout=30_000)
+        page.screenshot(path=str(artifacts / "app.png"), full_page=True)
+        sources = [img.get_attribute("src") for img in page.locator("#gallery img").all()]
+        # The session's history holds the four; a PNG dropped on the page brings its settings back.
+        page.get_by_text("History (this session)").click()
+        expect(page.locator("#history img")).to_have_count(4, timeout=30_000)
+        png = tmp_path / "made-here.png"
+        with urllib.request.urlopen(urllib.parse.urljoin(shapes_server.url, sources[2]), timeout=30) as response:
+            png.write_bytes(response.read())
+        page.locator("#prompt textarea").fill("")
+        page.get_by_label("Seed", exact=True).fill("77")
+        page.locator("#reuse-png input[type=file]").set_input_files(str(png))
+        expect(page.locator("#prompt textarea")).to_have_value("a red circle on a blue background",
+                                                                timeout=30_000)
+        expect(page.get_by_label("Seed", exact=True)).to_have_value("0")
+        page.get_by_role("tab", name="Image to image").click()
+        expect(page.locator("#image-editor")).to_be_visible()
+        page.screenshot(path=str(artifacts / "app-image-tab.png"), full_page=True)
     assert Image.open(artifacts / "app.png").size[0] == 1280  # artifacts/app.png: look at it
     scores = []
     for source in sources:

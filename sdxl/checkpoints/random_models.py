@@ -23,6 +23,7 @@ end with no download. Their images are noise-like patterns: the weights are rand
 The tiny models are 128 pixels native and share the tiny VAE.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -34,7 +35,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import cache_root, read_json
+from ..config import cache_root, config_from_dict, read_json
 from ..tokenizer import write_byte_level_tokenizer
 from ..weights import checkpoint_key, flatten, torch_axes, write_params
 from . import single_file
@@ -348,6 +349,30 @@ def write_single_file(path: Path, configs: dict, *, dtype="float16", seed: int =
         return value.transpose(torch_axes(path, value.ndim))
 
     return single_file.write_single_file(path, family, spec, tensor, dtype)
+
+
+def write_controlnet(folder: Path, spec: ModelSpec, *, dtype="float32", seed: int = 0) -> Path:
+    """Writes a random ControlNet for `spec`'s UNet in the diffusers layout, its config as diffusers'
+    `ControlNetModel.from_unet` makes it. Its zero convolutions are random too, so it steers.
+
+    Returns:
+      `folder`.
+    """
+    from ..controlnet import ControlNetConfig, abstract_params  # the model imports the checkpoints
+
+    fields = {f.name for f in dataclasses.fields(ControlNetConfig)}
+    values = {k: v for k, v in dataclasses.asdict(spec.unet).items() if k in fields}
+    # The control image's embedding: one stride-2 convolution per halving of the VAE's.
+    halvings = spec.vae.downscale_factor.bit_length() - 1
+    values.update(in_channels=spec.vae.latent_channels,
+                  conditioning_embedding_out_channels=(16, 32, 96, 256, 256)[: halvings + 1])
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"_class_name": "ControlNetModel", **values}, indent=2))
+    config = config_from_dict(ControlNetConfig, read_json(folder / "config.json"))
+    draw = functools.partial(random_tensor, np.random.default_rng([seed, 99]))
+    write_params(folder / "diffusion_pytorch_model.safetensors", abstract_params(config), jnp.dtype(dtype), draw)
+    return folder
 
 
 def ensure_checkpoint(name: str = "tiny") -> Path:

@@ -1,0 +1,115 @@
+"""The demo's ControlNet panel as requests (`sdxl.demo.Control`), without a server: maps made at the
+output's size, settings per image, grids over the scale in one call, PNG parameters as A1111's
+ControlNet extension writes them, and bad input refused with a sentence."""
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sdxl import grid, images
+from sdxl.checkpoints.random_models import write_controlnet
+from sdxl.control_maps import canny
+from sdxl.demo import Control, DemoService, Settings, control_parameters
+from sdxl.pipeline import Pipeline
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("controlnets")
+    spec = Pipeline.from_pretrained("tiny", dtype="float32").spec
+    sources = [str(write_controlnet(folder / name, spec, seed=i)) for i, name in enumerate(("canny-cn", "depth-cn"))]
+    return Pipeline.from_pretrained("tiny", dtype="float32", controlnet=sources)
+
+
+@pytest.fixture(scope="module")
+def service(pipe):
+    return DemoService(pipe, model_label="tiny", max_images_per_core=2)
+
+
+def _picture(width=200, height=100) -> Image.Image:
+    """A white square on black, off centre, wider than tall."""
+    pixels = np.zeros((height, width, 3), np.uint8)
+    pixels[20:70, 120:170] = 255
+    return Image.fromarray(pixels)
+
+
+def test_panel_fields_arrive_by_their_parameter_names(service):
+    assert control_parameters(2)[1]["scale"] == "control_scale_2" and control_parameters(1)[0]["picture"] == \
+        "control_image"
+    picture = _picture()
+    settings = service.settings({"prompt": "a fox", "control_image": picture, "control_preprocessor": "canny",
+                                 "control_scale": 0.5, "control_end_2": 0.8, "canny_low_2": 30})
+    first, second = settings.controls
+    assert (first.picture, first.preprocessor, first.scale) == (picture, "canny", 0.5)
+    assert (second.picture, second.end, second.canny_low, second.scale) == (None, 0.8, 30, 1.0)
+
+
+def test_control_maps_are_cropped_to_the_output_and_made_there(service):
+    width, height = service.sizes[0]
+    pictures = (_picture(), _picture())
+    settings = Settings(prompt="a fox", controls=(Control(pictures[0], "canny", scale=0.6, end=0.7),
+                                                   Control(pictures[1], "none", start=0.2)))
+    request = service.images(settings)
+    n = len(request)
+    edges, given = request.control_images
+    assert edges.shape == given.shape == (n, height, width, 3)
+    cropped = images.pixels(pictures[0].resize((width, height), Image.Resampling.LANCZOS,
+                                                box=(50, 0, 150, 100)))  # the centre square of 200x100
+    np.testing.assert_array_equal(given[0], cropped)
+    np.testing.assert_array_equal(edges[0], canny(cropped, 100, 200))
+    assert edges[0].any() and set(np.unique(edges[0])) <= {0, 255}
+    assert request.control_scales == ((0.6, 1.0),) * n and request.control_starts == ((0.0, 0.2),) * n
+    assert request.control_ends == ((0.7, 1.0),) * n
+    assert [p.name for p in request.control_preprocessors] == ["canny", "none"]
+    assert service.images(Settings(prompt="a fox")).control_images is None, "no pictures: no ControlNet"
+
+
+def test_png_parameters_record_each_controlnet_as_the_a1111_extension(service):
+    settings = Settings(prompt="a fox", controls=(Control(_picture(), "canny", canny_low=50, scale=0.7, end=0.8),
+                                                   Control(_picture(), "none")))
+    request = service.images(settings)
+    text = service.png_parameters(request, 0)
+    assert ('ControlNet 0: "Module: canny, Model: canny-cn, Weight: 0.7, Threshold A: 50, Threshold B: 200, '
+            'Guidance Start: 0, Guidance End: 0.8"') in text
+    assert 'ControlNet 1: "Module: none, Model: depth-cn, Weight: 1, Guidance Start: 0, Guidance End: 1"' in text
+    assert images.read_parameters(text)["prompt"] == "a fox", "the quoted entries leave the rest readable"
+
+
+def test_a_grid_over_the_controlnet_scale_is_one_device_call(service):
+    settings = Settings(prompt="a fox", seed=3, controls=(Control(_picture(), "canny"), Control(_picture())))
+    plan = service.grid(settings, "control_scale", "0, 0.5, 1", "seed", "1-2")
+    assert len(plan.requests) == 1, "scales are per-image inputs: the cells share a call"
+    (call,) = plan.requests
+    assert [scales[0] for scales in call.control_scales] == [0.0, 0.5, 1.0] * 2
+    assert all(scales[0] == scales[1] for scales in call.control_scales), "the axis sets every ControlNet's scale"
+
+
+@pytest.mark.parametrize("settings, message", [
+    (Settings(prompt="a fox", controls=(Control(_picture()), Control())),
+     "2 ControlNets are loaded (.*): give a control image for each, or none"),
+    (Settings(prompt="a fox", controls=(Control(_picture(), "sobel"), Control(_picture()))),
+     "preprocessor must be one of canny, none"),
+    (Settings(prompt="a fox", controls=(Control(_picture(), "canny", canny_low=0), Control(_picture()))),
+     "Canny's low threshold must be an integer from 1 to 255"),
+    (Settings(prompt="a fox", controls=(Control(_picture(), scale=9), Control(_picture()))),
+     "ControlNet scale must be a number from 0 to 4, got 9"),
+    (Settings(prompt="a fox", controls=(Control(_picture(), start=0.5, end=0.5), Control(_picture()))),
+     r"a ControlNet's start \(0.5\) must be below its end \(0.5\)"),
+])
+def test_bad_panel_input_is_refused_with_a_sentence(service, settings, message):
+    with pytest.raises(ValueError, match=message):
+        service.images(settings)
+
+
+def test_a_controlnet_axis_needs_a_control_image(service):
+    with pytest.raises(ValueError, match="the control scale axis needs a control image"):
+        service.grid(Settings(prompt="a fox"), "control_scale", "0, 1", None, "")
+    assert "control_end" in grid.CONTROL_AXES
+
+
+def test_one_pipeline_renders_with_and_without_its_controlnets(service):
+    plain = service.images(Settings(prompt="a fox", steps=2))
+    steered = service.images(Settings(prompt="a fox", steps=2, controls=(Control(_picture(), "canny"),
+                                                                          Control(_picture()))))
+    without, with_control = (service.pipe.render(r).images for r in (plain, steered))
+    assert np.abs(without.astype(float) - with_control).mean() > 1, "the control images steer"
