@@ -13,37 +13,34 @@ from .checkpoints import CheckpointError, random_models
 from .images import contact_sheet, image_count, save_png, to_pil
 from .pipeline import NonFiniteImageError
 from .request import (
-    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, Request, default_control_scale, default_strength,
-    split_scale,
+    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, default_control_scale,
+    default_strength, guidance_scale, integer, number, split_scale,
 )
 from .sampling import SAMPLERS
 
 
 def generate_command(args: argparse.Namespace) -> None:
+    _check_before_loading(args)
+    picture = None if args.image is None else images.pixels(images.read_image(args.image))
+    mask = None if args.mask is None else images.mask(images.read_image(args.mask))
     start = time.perf_counter()
-    model = launch.load(args, max_steps=max(100, args.steps or 0))
+    model = launch.load(args, max_steps=_max_steps(args))
     pipe = model.pipe
     print(f"loaded {model.label} in {time.perf_counter() - start:.1f} s ({pipe.dtype.name}, {pipe.device_description})")
     settings = model.settings
     steps = settings.steps if args.steps is None else args.steps
-    guidance_scale = settings.guidance_scale if args.guidance_scale is None else args.guidance_scale
+    guidance = settings.guidance_scale if args.guidance_scale is None else args.guidance_scale
     if settings.note:
-        print(f"{settings.note}: {steps} step(s), guidance {guidance_scale:g} unless given")
+        print(f"{settings.note}: {steps} step(s), guidance {guidance:g} unless given")
     if pipe.refiner is not None:
         print(f"loaded the refiner {args.refiner}; it takes over at {args.refine_from:g} of the noise")
     if model.loras:
         print(f"applied {len(model.loras)} LoRA(s)")
 
     num_images = pipe.num_devices if args.num_images is None else args.num_images
-    if num_images < 1:
-        raise ValueError(f"--num-images must be at least 1, got {num_images}")
-    picture = None if args.image is None else images.pixels(images.read_image(args.image))
-    mask = None if args.mask is None else images.mask(images.read_image(args.mask))
-    if mask is not None and picture is None:
-        raise ValueError("--mask needs --image, the image to inpaint")
     size = (pipe.spec.native_size,) * 2 if picture is None else picture.shape[:2]
     request = Request.from_prompt(
-        args.prompt, args.negative_prompt, num_images=num_images, seed=args.seed, guidance_scale=guidance_scale,
+        args.prompt, args.negative_prompt, num_images=num_images, seed=args.seed, guidance_scale=guidance,
         steps=steps, height=args.height or size[0], width=args.width or size[1], sampler=args.sampler,
     )
     request = dataclasses.replace(
@@ -74,6 +71,42 @@ def generate_command(args: argparse.Namespace) -> None:
     print(out / f"{args.seed}-grid.png")
 
 
+def _max_steps(args: argparse.Namespace) -> int:
+    """The longest schedule the pipeline pads to: 100 steps, or more where --steps asks for more."""
+    return max(100, args.steps or 0)
+
+
+def _check_before_loading(args: argparse.Namespace) -> None:
+    """Refuses the values that can be checked without the model before it loads (seconds, not
+    minutes), with `Request.validated`'s sentences; the rest (sizes against the model's latent
+    factor, images against the request) are checked once it has.
+
+    Raises:
+      ValueError: the first bad value, in one sentence.
+    """
+    launch.required_prompt(args.prompt)
+    if args.steps is not None:
+        integer(args.steps, "steps", 1, _max_steps(args))
+    integer(args.seed, "seed", 0, MAX_SEED)
+    if args.guidance_scale is not None:
+        guidance_scale(args.guidance_scale)
+    for label in ("height", "width"):
+        if getattr(args, label) is not None:
+            integer(getattr(args, label), label, 1, MAX_SIZE)
+    if args.num_images is not None and args.num_images < 1:
+        raise ValueError(f"--num-images must be at least 1, got {args.num_images}")
+    if args.strength is not None:
+        number(args.strength, "strength", 0.0, 1.0)
+    if args.refiner and not 0 < args.refine_from < 1:
+        raise ValueError(f"--refine-from must be a fraction above 0 and below 1, got {args.refine_from:g}")
+    number(args.control_start, "--control-start", 0.0, 1.0)
+    number(args.control_end, "--control-end", 0.0, 1.0)
+    if args.canny is not None:
+        control_maps.parse_thresholds(args.canny)
+    if args.mask is not None and args.image is None:
+        raise ValueError("--mask needs --image, the image to inpaint")
+
+
 def _controls(args: argparse.Namespace, pipe, request: Request) -> dict:
     """The request's control images and settings from --control-image FILE[:SCALE], --canny and
     --control-start/--control-end: each image made a map and resized to the request's size."""
@@ -98,10 +131,14 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--negative-prompt", default="")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, help=f"default: the model's few-step count if known, else {DEFAULT_STEPS}")
+    parser.add_argument(
+        "--steps", type=int, help="default: the model's recommended count (e.g. 4 for an SDXL-Lightning 4-step "
+        f"UNet, 1 for SDXL-Turbo), else {DEFAULT_STEPS}",
+    )
     parser.add_argument(
         "--guidance-scale", "--guidance", type=float,
-        help=f"default: 0 for few-step models known to need none, else {DEFAULT_GUIDANCE_SCALE:g}",
+        help="default: the model's recommended value (2.5 for shapes, 0 for SDXL-Turbo and SDXL-Lightning), else "
+        f"{DEFAULT_GUIDANCE_SCALE:g} (SDXL's)",
     )
     parser.add_argument("--sampler", choices=list(SAMPLERS), help="default: the one of the checkpoint's scheduler")
     parser.add_argument(

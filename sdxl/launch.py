@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from . import shapes
 from .checkpoints import HubUnavailableError
 from .checkpoints.known import Recommended, recommended
 from .compilation import enable_compilation_cache
@@ -29,43 +30,80 @@ log = logging.getLogger(__name__)
 FALLBACK_MODEL = "shapes"  # trained here, shipped in assets/: it draws what it is told, offline
 
 
-def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] = {}) -> None:
-    """The options the demo and the CLI share, defaulting to `env`'s SDXL_* variables where given: the
-    model and what loads with it, and how prompts' weights apply."""
+def required_prompt(prompt: str) -> str:
+    """`prompt`, which must have words: the demo refuses an empty one too (`DemoService._styled`).
+
+    Raises:
+      ValueError: it is empty or blank, in one sentence.
+    """
+    if not prompt.strip():
+        raise ValueError("please enter a prompt (an empty prompt would give unguided, random images)")
+    return prompt
+
+
+def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    """The options the demo and the CLI share: the model and what loads with it, and how prompts'
+    weights apply. With `env` (the demo's environment), each defaults to its SDXL_* variable there
+    and its help names it; without (the CLI), no variable is read."""
+    variable = _Variables(env)
     parser.add_argument(
-        "--model", default=env.get("SDXL_MODEL", DEFAULT_MODEL),
+        "--model", default=variable.get("SDXL_MODEL", DEFAULT_MODEL),
         help="a Hub repo id, a diffusers folder, a single .safetensors file (local, or owner/name/file on the Hub), "
-        "'shapes' (built in), or 'tiny' / 'tiny-sd1' (random weights, for tests) (default: %(default)s)",
+        f"'{FALLBACK_MODEL}' (built in: coloured shapes at 64x64, no download), or 'tiny' / 'tiny-sd1' (random "
+        "weights, for tests) (default: %(default)s)" + variable.named("SDXL_MODEL"),
     )
     parser.add_argument(
-        "--config", default=env.get("SDXL_CONFIG"),
+        "--config", default=variable.get("SDXL_CONFIG"),
         help="for a single file: sdxl-base-1.0, sd-1.5, sd-2.1, sd-2.1-base or a diffusers folder "
-        "(default: the published one of the family its keys show)",
+        "(default: the published one of the family its keys show)" + variable.named("SDXL_CONFIG"),
     )
     parser.add_argument(
-        "--unet", default=env.get("SDXL_UNET"), help="a UNet weights file (diffusers keys) replacing the model's, "
-        "e.g. ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors (local, or owner/name/file on the Hub)",
+        "--unet", default=variable.get("SDXL_UNET"), help="a UNet weights file (diffusers keys) replacing the "
+        "model's, e.g. ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors (local, or owner/name/file on "
+        "the Hub)" + variable.named("SDXL_UNET"),
     )
     parser.add_argument("--lora", action="append", type=parse_lora_option, default=[], metavar="FILE[:SCALE]",
                         help="a LoRA, with its scale (default 1); repeatable. A .safetensors file (kohya/A1111 or "
                         "diffusers/PEFT), a Hub repo id, or owner/name/file.safetensors")
+    controlnet = variable.get("SDXL_CONTROLNET")
     parser.add_argument(
-        "--controlnet", action="append", default=[env["SDXL_CONTROLNET"]] if env.get("SDXL_CONTROLNET") else [],
+        "--controlnet", action="append", default=[controlnet] if controlnet else [],
         metavar="SOURCE", help="a ControlNet that control images steer the model through; repeatable. A diffusers "
         "folder, a Hub repo id (diffusers/controlnet-canny-sdxl-1.0, lllyasviel/control_v11p_sd15_canny), or a "
-        ".safetensors file (local, or owner/name/file on the Hub)",
+        ".safetensors file (local, or owner/name/file on the Hub)" + variable.named("SDXL_CONTROLNET", "for one"),
     )
     parser.add_argument(
-        "--refiner", default=env.get("SDXL_REFINER"), help="an SDXL refiner (e.g. stabilityai/stable-diffusion-xl-"
-        "refiner-1.0) that finishes images from a fraction of the noise; it is held on every device beside the model",
+        "--refiner", default=variable.get("SDXL_REFINER"), help="an SDXL refiner (e.g. stabilityai/stable-diffusion-"
+        "xl-refiner-1.0) that finishes images from a fraction of the noise; it is held on every device beside the "
+        "model" + variable.named("SDXL_REFINER"),
     )
-    parser.add_argument("--dtype", default=env.get("SDXL_DTYPE"), choices=["float32", "bfloat16"],
-                        help="default: bfloat16 on accelerators, float32 on CPU")
-    parser.add_argument("--emphasis", default=env.get("SDXL_EMPHASIS", "original"), choices=EMPHASIS_MODES,
+    # String defaults go through `type` (choices do not check them), so a bad environment variable gets
+    # argparse's message.
+    dtypes = ("float32", "bfloat16")
+    parser.add_argument("--dtype", default=variable.get("SDXL_DTYPE"), type=_one_of(dtypes), choices=dtypes,
+                        help="default: bfloat16 on accelerators, float32 on CPU" + variable.named("SDXL_DTYPE"))
+    parser.add_argument("--emphasis", default=variable.get("SDXL_EMPHASIS", "original"), type=_one_of(EMPHASIS_MODES),
+                        choices=EMPHASIS_MODES,
                         help="how (word:1.2) weights apply, as webui's Emphasis setting: original (its default, each "
-                        "chunk keeps its mean), no-norm, or none (brackets read as text) (default: %(default)s)")
-    parser.add_argument("--cache-dir", default=env.get("SDXL_CACHE_DIR"),
-                        help="the persistent compilation cache (default: ~/.cache/sdxl-jax/xla)")
+                        "chunk keeps its mean), no-norm, or none (brackets read as text) (default: %(default)s)"
+                        + variable.named("SDXL_EMPHASIS"))
+    parser.add_argument("--cache-dir", default=variable.get("SDXL_CACHE_DIR"),
+                        help="the persistent compilation cache (default: ~/.cache/sdxl-jax/xla)"
+                        + variable.named("SDXL_CACHE_DIR"))
+
+
+class _Variables:
+    """Options' defaults from environment variables: with no `env` (the CLI's case), none is read or named."""
+
+    def __init__(self, env: Mapping[str, str] | None):
+        self.env = env
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        return default if self.env is None else self.env.get(name, default)
+
+    def named(self, name: str, note: str = "") -> str:
+        """The help's mention of an option's variable, e.g. " [env: SDXL_MODEL]"."""
+        return "" if self.env is None else f" [env: {name}{' ' + note if note else ''}]"
 
 
 @dataclasses.dataclass
@@ -96,11 +134,15 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
                     controlnet=options.controlnet)
         name, notice = options.model, None
     except HubUnavailableError as e:
-        if not fallback:
-            raise
+        if not fallback:  # the CLI: a script gets the model it asked for, or a reason and what to do
+            raise HubUnavailableError(
+                f"{e}; to draw without the Hub, run the built-in model instead: --model {FALLBACK_MODEL}"
+            ) from e
         notice = (
             f"{e}. Showing the built-in {FALLBACK_MODEL} model instead: it draws coloured circles, squares and "
-            f"triangles on coloured backgrounds (try the examples). For real images, start once where the Hub is "
+            f"triangles on coloured backgrounds (try the examples). It knows only the English words of its "
+            f"captions ({shapes.vocabulary()}): other words, and other languages, give blobs unrelated to the prompt. "
+            f"For real images, start once where the Hub is "
             f"reachable and without HF_HUB_OFFLINE=1: the files the pipeline loads (configs, tokenizers, "
             f"safetensors weights) are then downloaded into your Hugging Face cache, and later starts read them "
             f"from there, offline too."
@@ -116,21 +158,39 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
 
 
 def add_demo_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """The demo's own options: where it listens and how much it takes."""
-    parser.add_argument("--host", default=env.get("SDXL_HOST"), help="default: 127.0.0.1 (Gradio's own default)")
-    parser.add_argument("--port", type=_integer_from(1, 65535), default=env.get("SDXL_PORT", "7860"))
-    parser.add_argument("--share", action="store_true", default=env.get("SDXL_SHARE") == "1")
+    """The demo's own options: where it listens and how much it takes, each defaulting to its SDXL_*
+    variable in `env`."""
+    variable = _Variables(env)
+    parser.add_argument("--host", default=variable.get("SDXL_HOST"),
+                        help="the address to listen on (default: 127.0.0.1, Gradio's own; 0.0.0.0 for every "
+                        "interface)" + variable.named("SDXL_HOST"))
     # String defaults go through `type` too, so a bad environment variable gets argparse's message.
+    parser.add_argument("--port", type=_integer_from(1, 65535), default=variable.get("SDXL_PORT", "7860"),
+                        help="the port to listen on (default: %(default)s)" + variable.named("SDXL_PORT"))
+    parser.add_argument("--share", action="store_true", default=variable.get("SDXL_SHARE") == "1",
+                        help="also serve the demo at a temporary public gradio.live address"
+                        + variable.named("SDXL_SHARE=1"))
     parser.add_argument("--max-images-per-core", type=_integer_from(1),
-                        default=env.get("SDXL_MAX_IMAGES_PER_CORE", "4"))
-    parser.add_argument("--max-queue", type=_integer_from(1), default=env.get("SDXL_MAX_QUEUE", "32"))
-    parser.add_argument("--max-per-user", type=_integer_from(1), default=env.get("SDXL_MAX_PER_USER", "4"),
-                        help="requests one browser session or API client may have waiting (default: %(default)s)")
+                        default=variable.get("SDXL_MAX_IMAGES_PER_CORE", "4"),
+                        help="the most images a request may ask of each accelerator core, which is also the "
+                        "largest batch the queue merges requests into (default: %(default)s)"
+                        + variable.named("SDXL_MAX_IMAGES_PER_CORE"))
+    parser.add_argument("--max-queue", type=_integer_from(1), default=variable.get("SDXL_MAX_QUEUE", "32"),
+                        help="the most requests waiting, from all users together; more are refused with \"the queue "
+                        "is full\" (default: %(default)s)" + variable.named("SDXL_MAX_QUEUE"))
+    parser.add_argument("--max-per-user", type=_integer_from(1), default=variable.get("SDXL_MAX_PER_USER", "4"),
+                        help="requests one browser session or API client may have waiting (default: %(default)s)"
+                        + variable.named("SDXL_MAX_PER_USER"))
 
 
 def demo_parser(description: str) -> argparse.ArgumentParser:
     """`python app.py`'s options; each also reads an environment variable (SDXL_MODEL, ...), for Spaces."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(
+        description=description,
+        epilog="An option's [env: SDXL_...] variable, where set, is its default (for Spaces, which take no "
+        f"options). Without the Hub (offline, or HF_HUB_OFFLINE=1) and no cached copy of the model, the built-in "
+        f"{FALLBACK_MODEL} model stands in, and the page says so.",
+    )
     add_shared_options(parser, os.environ)
     add_demo_options(parser, os.environ)
     return parser
@@ -192,6 +252,17 @@ def _report_background_compile(label: str, compiling) -> None:
     error = compiling.exception()
     outcome = f"failed: {error}" if error else f"{compiling.result():.1f} s"
     print(f"background compile of {label}: {outcome}", flush=True)
+
+
+def _one_of(choices):
+    """An argparse type: one of `choices` (which `choices=` does not check of a string default)."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return parse
 
 
 def _integer_from(low: int, high: int | None = None):

@@ -56,6 +56,13 @@ WORDS = sorted(
 )
 
 
+
+def vocabulary() -> str:
+    """The words the model draws by, for people: its colours, shapes, sizes, places and "background"."""
+    places = [phrase.split()[-1] for phrase in POSITIONS]
+    return ", ".join([*COLORS, *SHAPES, *SIZES, *places, "background"])
+
+
 @dataclasses.dataclass(frozen=True)
 class Scene:
     """What a caption says (None: not said), and how the image realises it."""

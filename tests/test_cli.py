@@ -13,10 +13,11 @@ from sdxl.checkpoints import random_models, resolve
 ROOT = Path(__file__).parents[1]
 
 
-def _cli(*args, model="tiny"):
+def _cli(*args, model="tiny", env=None):
+    """`python -m sdxl generate --model MODEL ARGS` (no --model where `model` is None)."""
     return subprocess.run(
-        [sys.executable, "-m", "sdxl", "generate", "--model", model, *args],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [sys.executable, "-m", "sdxl", "generate", *(["--model", model] if model else []), *args],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
     )
 
 
@@ -36,18 +37,65 @@ def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
 @pytest.mark.parametrize(
     "args, reason",
     [
-        (["--steps", "0"], "error: steps must be an integer from 1 to"),
+        (["--steps", "0"], "error: steps must be an integer from 1 to 100, got 0"),
+        (["--seed", "-1"], "error: seed must be an integer from 0 to 4294967295, got -1"),
+        (["--guidance-scale", "-1"], "error: guidance scale must be a number from 0 to 20, got -1.0"),
+        (["--height", "0"], "error: height must be an integer from 1 to 4096, got 0"),
+        (["--strength", "2"], "error: strength must be a number from 0 to 1, got 2.0"),
         (["--num-images", "-3"], "error: --num-images must be at least 1, got -3"),
+        (["--mask", "mask.png"], "error: --mask needs --image, the image to inpaint"),
+        (["--canny", "100"], "error: --canny takes LOW,HIGH"),
         (["--image", "missing.png"], "error: cannot read the image"),
         (["--image", str(ROOT / "assets/shapes/README.md")], "error: cannot read the image"),
-        (["--refiner", "tiny-sd1"], "error: the refiner tiny-sd1 cannot continue tiny's latents: its latent scaling"),
+        (["--prompt", " "], "error: please enter a prompt (an empty prompt would give unguided, random images)"),
     ],
 )
-def test_bad_input_exits_nonzero_with_one_line_reason(args, reason):
+def test_bad_input_exits_before_loading_the_model_with_one_line_reason(args, reason):
+    """A typo fails in seconds: the values that need no model are checked before it loads."""
     result = _cli("--prompt", "a lighthouse", *args)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
-    assert result.stderr.startswith(reason)
+    assert result.stderr.startswith(reason), result.stderr
+    assert "loaded" not in result.stdout
+
+
+def test_a_refiner_that_cannot_continue_the_model_exits_nonzero_with_one_line_reason():
+    result = _cli("--prompt", "a lighthouse", "--refiner", "tiny-sd1")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith("error: the refiner tiny-sd1 cannot continue tiny's latents: its latent scaling")
+
+
+def test_an_empty_prompt_is_refused_with_the_demos_sentence():
+    from sdxl.demo import DemoService, Settings
+
+    with pytest.raises(ValueError) as refused:
+        DemoService._styled(Settings(prompt=""))
+    result = _cli("--prompt", "")
+    assert result.returncode == 2 and result.stderr.strip() == f"error: {refused.value}"
+
+
+def test_offline_without_a_cached_model_the_error_says_to_try_the_shapes_model(tmp_path):
+    """No --model: SDXL base, not in an empty cache, and the Hub switched off. The CLI does not switch
+    models by itself (a script gets what it asked for), but its one line says how to draw offline."""
+    result = _cli("--prompt", "a red circle", model=None,
+                  env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf")})
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert result.stderr.startswith("error: stabilityai/stable-diffusion-xl-base-1.0: not in the local Hugging Face")
+    assert result.stderr.strip().endswith("run the built-in model instead: --model shapes"), result.stderr
+
+
+def test_the_guidance_scale_defaults_to_the_models_recommended_one(tmp_path, capsys):
+    """shapes recommends 2.5 (SDXL 5), and --help says the default is the model's."""
+    from sdxl.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "default: the model's recommended value" in " ".join(capsys.readouterr().out.split())
+    result = _cli("--prompt", "a red circle on a blue background", "--steps", "2", "--num-images", "1",
+                  "--out", str(tmp_path), model="shapes")
+    assert result.returncode == 0, result.stderr
+    assert "guidance 2.5 unless given" in result.stdout
+    assert "CFG scale: 2.5," in Image.open(tmp_path / "0-0.png").text["parameters"]
 
 
 def test_an_image_is_edited_inpainted_and_refined(tmp_path):

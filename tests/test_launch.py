@@ -1,0 +1,46 @@
+import argparse
+import re
+
+import pytest
+
+from sdxl import launch, shapes
+from tests.fake_hub import hub_at
+
+
+def test_the_demos_help_names_each_options_environment_variable(monkeypatch):
+    for name in ("SDXL_MODEL", "SDXL_DTYPE", "SDXL_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    parser = launch.demo_parser("SDXL on JAX")
+    for action in parser._actions:
+        if action.dest not in ("help", "lora"):  # a LoRA has no variable
+            assert re.search(r"\[env: SDXL_[A-Z_]+", action.help or ""), action.option_strings
+    text = " ".join(parser.format_help().split())
+    assert "--dtype {float32,bfloat16}" in text and "None" not in text
+    assert "'shapes' (built in" in text and "[env: SDXL_MAX_IMAGES_PER_CORE]" in text
+    # The CLI reads no variable, and its help names none.
+    cli = argparse.ArgumentParser()
+    launch.add_shared_options(cli)
+    assert "env:" not in cli.format_help()
+
+
+def test_a_bad_environment_variable_gets_argparses_message(monkeypatch, capsys):
+    monkeypatch.setenv("SDXL_DTYPE", "fp16")
+    with pytest.raises(SystemExit) as exit:
+        launch.demo_parser("SDXL on JAX").parse_args([])
+    assert exit.value.code == 2
+    assert "argument --dtype: must be one of float32, bfloat16, got 'fp16'" in capsys.readouterr().err
+
+
+def test_the_shapes_models_notice_says_it_knows_only_its_english_words(tmp_path, monkeypatch):
+    """Offline, the demo serves the built-in model in place of the one asked for, and says that other
+    words (another language) give blobs unrelated to the prompt, listing the words it knows."""
+    parser = argparse.ArgumentParser()
+    launch.add_shared_options(parser)
+    options = parser.parse_args(["--model", "nobody/no-model", "--cache-dir", str(tmp_path / "xla")])
+    with hub_at(None, tmp_path / "hf", monkeypatch):
+        model = launch.load(options, fallback=True)
+    assert model.label == "shapes"
+    assert "Showing the built-in shapes model instead" in model.notice
+    assert "It knows only the English words of its captions (red, green, blue" in model.notice
+    assert all(word in model.notice for word in (*shapes.COLORS, *shapes.SHAPES, "background"))
+    assert "other languages, give blobs unrelated to the prompt" in model.notice
