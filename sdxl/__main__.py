@@ -110,20 +110,20 @@ def _check_before_loading(args: argparse.Namespace) -> None:
 def _controls(args: argparse.Namespace, pipe, request: Request) -> dict:
     """The request's control images and settings from --control-image FILE[:SCALE], --canny and
     --control-start/--control-end: each image made a map and resized to the request's size."""
-    thresholds = None if args.canny is None else control_maps.parse_thresholds(args.canny)
+    made_by = control_maps.Preprocessor() if args.canny is None else control_maps.Preprocessor(
+        "canny", control_maps.parse_thresholds(args.canny))
     default_scale = default_control_scale(pipe.spec, image=request.images is not None,
                                           inpainting=request.masks is not None)
     maps, scales = [], []
     for option in args.control_image:
         path, scale = split_scale(option)
-        picture = images.pixels(images.read_image(path))
-        preprocessed = control_maps.control_map(picture, "none" if thresholds is None else "canny",
-                                                thresholds or control_maps.DEFAULT_CANNY_THRESHOLDS)
-        maps.append(np.repeat(images.resized(preprocessed, request.height, request.width)[None], len(request), axis=0))
+        control_map = made_by(images.pixels(images.read_image(path)))
+        maps.append(np.repeat(images.resized(control_map, request.height, request.width)[None], len(request), axis=0))
         scales.append(default_scale if scale is None else scale)
     n, k = len(request), len(maps)
     return dict(control_images=tuple(maps), control_scales=(tuple(scales),) * n,
-                control_starts=((args.control_start,) * k,) * n, control_ends=((args.control_end,) * k,) * n)
+                control_starts=((args.control_start,) * k,) * n, control_ends=((args.control_end,) * k,) * n,
+                control_preprocessors=(made_by,) * k)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -173,6 +173,9 @@ def test_a_controlnet_steers_with_a_canny_map_of_the_control_image(tmp_path):
     result = _cli(*common, "--controlnet", str(tmp_path / "cn"), "--control-image", f"{tmp_path / 'in.png'}:0.6",
                   "--canny", "100,200", "--control-end", "0.5", "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
-    assert Image.open(tmp_path / "out/0-0.png").size == (96, 64)
+    made = Image.open(tmp_path / "out/0-0.png")
+    assert made.size == (96, 64)
+    assert ('ControlNet 0: "Module: canny, Model: cn, Weight: 0.6, Threshold A: 100, Threshold B: 200, '
+            'Guidance Start: 0, Guidance End: 0.5"') in made.info["parameters"], made.info["parameters"]
     refused = _cli(*common, "--control-image", str(tmp_path / "in.png"))
     assert refused.returncode == 2 and refused.stderr.startswith("error: no ControlNet is loaded")
