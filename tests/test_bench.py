@@ -1,23 +1,26 @@
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from sdxl import unet
-from sdxl.bench import report, speed
-from sdxl.checkpoints import random_models
+from sdxl import controlnet, unet
+from sdxl.bench import controlnet as bench_controlnet, report, speed
+from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec, random_models
 from sdxl.config import config_from_dict
 from sdxl.pipeline import Pipeline
 
 
 def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
-    args = "--model tiny --height 32 --width 32 --steps 1 --batch 1 --devices 1 --runs 1 --compare diffusers".split()
+    args = "--model tiny --height 32 --width 32 --steps 4 --batch 1 --devices 1 --runs 3 --compare diffusers".split()
     r, stdout, markdown = bench(*args)
     required = """images_per_s s_per_image compile_s warm_compile_s recompiles tflops mfu device n_devices
         ref_images_per_s ratio load_s raw_read_s load_cold_s raw_read_cold_s load_over_raw_read_cold
         first_image_s first_image_warm_s load_peak_rss_bytes param_bytes_bf16 peak_rss_bytes
         peak_device_memory_bytes progress_overhead unguided_images_per_s unguided_speedup lora_first_s lora_scale_s
-        lora_clear_s lora_recompiles long_prompt_images_per_s long_prompt_cost""".split()
+        lora_clear_s lora_recompiles long_prompt_images_per_s long_prompt_cost controlnet_images_per_s controlnet_cost
+        controlnet_param_bytes_per_device controlnet_step_flops controlnet_step_flops_ratio""".split()
     assert not [key for key in required if key not in r]
     assert (r["model"], r["device"], r["n_devices"], r["batch"]) == ("tiny", "cpu", 1, 1)
     assert r["attention"] == "xla" and r["convolution"] == "xla"  # 4x4 latents: too small for Winograd
@@ -27,6 +30,12 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
     assert r["recompiles"] == 0 and r["sweep_runs"] >= 5 and r["lora_recompiles"] == 0
     assert r["lora_first_s"] > 0 and r["lora_scale_s"] > 0 and r["lora_clear_s"] < r["lora_scale_s"]
     assert 0 < r["warm_compile_s"] < r["compile_s"]
+    # A ControlNet is extra work: its encoder runs beside the UNet's at every step (no timing thresholds:
+    # the ratios of the FLOPs and of the parameters are the model's, the timed cost only has to be a cost).
+    assert r["controlnet_images_per_s"] > 0 and r["controlnet_cost"] > 1
+    assert np.isclose(r["controlnet_cost"], r["images_per_s"] / r["controlnet_images_per_s"])
+    assert 1.1 < r["controlnet_step_flops_ratio"] < 2 and r["controlnet_param_bytes_per_device"] > 0
+    assert "one ControlNet" in stdout
     assert r["load_s"] > 0 and r["raw_read_s"] > 0 and r["weight_bytes"] > r["param_bytes_bf16"]  # tiny is float32
     assert "ratio (ours / diffusers)" in stdout
     header, _, row = markdown.read_text().splitlines()[-3:]
@@ -149,6 +158,14 @@ def test_unet_flop_count_matches_an_independent_count(monkeypatch):
     # The cost analysis counts the work done: Winograd's multiply-adds are fewer.
     assert winograd < 0.95 * counted
     assert 1 <= bfloat16 / expected < 1.05
+
+
+def test_the_benchmark_controlnet_of_sdxl_base_is_the_published_sdxl_controlnet():
+    """The random ControlNet is derived from the UNet as diffusers' `ControlNetModel.from_unet` derives
+    one; at SDXL's size that is the published canny/depth ControlNets' config."""
+    spec = ModelSpec.from_folder(BUILTIN_CONFIGS / "sdxl-base-1.0")
+    published = json.loads((BUILTIN_CONFIGS / "controlnet-sdxl-1.0" / "config.json").read_text())
+    assert bench_controlnet.config_for(spec) == config_from_dict(controlnet.ControlNetConfig, published)
 
 
 def test_compile_counter_sees_a_new_size_or_chunk_count_but_not_new_prompts_weights_seeds_guidance_or_steps():

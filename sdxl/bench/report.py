@@ -71,6 +71,12 @@ def format_table(r: dict) -> str:
             f"a prompt of {r['long_prompt_chunks']} chunks",
             f"{_number(r['long_prompt_images_per_s'])} images/s, {r['long_prompt_cost']:.2f}x the time of one chunk",
         ),
+        (
+            "one ControlNet",
+            f"{_number(r['controlnet_images_per_s'])} images/s, {r['controlnet_cost']:.2f}x the time without; "
+            f"{r['controlnet_step_flops_ratio']:.2f}x a guided step's FLOPs; "
+            f"{_mib(r['controlnet_param_bytes_per_device'])} of parameters per device",
+        ),
         ("recompilations over the sweep", f"{r['recompiles']} in {r['sweep_runs']} calls"),
         (
             f"LoRA, rank 32 on {r['lora_layers']} layers",

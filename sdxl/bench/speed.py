@@ -16,6 +16,7 @@ from .. import attention, convolution, lora, unet
 from ..compilation import CompileCounter, enable_compilation_cache
 from ..prompts import TOKENS_PER_CHUNK
 from ..request import DEFAULT_GUIDANCE_SCALE, Request
+from . import controlnet as control
 from .loading import (
     bf16_bytes, default_dtype, in_fresh_process, load_on_devices, memory_status, process_start_time, scratch_dir,
     disk_and_fresh_memory_loads, load_ratios, machine_description, measure_load, resolve_model,
@@ -314,12 +315,15 @@ def run_benchmark(
         unguided = dataclasses.replace(request, guidance_scales=(0.0,) * len(request))
         long_prompt = prompt_of_chunks(pipe.prompts, LONG_PROMPT_CHUNKS)
         long = pipe.validated(batch_request(len(request), height, width, steps, prompt=long_prompt))
+        log("writing a random ControlNet of the model's UNet shape, and compiling the model steered by it")
+        steered, controlled, controlnet_first = _controlnet_first_run(pipe, scratch, request, dtype)
         calls = {
             "ours": lambda: pipe.render(request),
             # Progress as the demo shows it: a report and the images' previews after every step.
             "progress": lambda: pipe.render(request, on_step=lambda done: None, on_preview=lambda done, images: None),
             "unguided": lambda: pipe.render(unguided),  # the program without the negative prompts' pass
             "long_prompt": lambda: pipe.render(long),  # the program of 4 chunks
+            "controlnet": lambda: steered.render(controlled),  # the same batch steered by one ControlNet
         }
         reference = {}
         if compare:
@@ -349,6 +353,7 @@ def run_benchmark(
         **first,
         **fresh,  # load warm and cold, raw reads, RSS, warm compile, first image warm
         **_speed(pipe, request, timings, flops),
+        **controlnet_first,
         **lora_switches,
         param_bytes_bf16=bf16_bytes(pipe.spec),
     )
@@ -401,11 +406,36 @@ def _first_run(pipe, request: Request, log: Callable[[str], None], started: floa
     )
 
 
+def _controlnet_first_run(pipe, scratch: Path, request: Request, dtype: str) -> tuple:
+    """The model steered by a random ControlNet of its UNet's shape (`bench.controlnet`), the
+    benchmark's batch with a control image per image, and what the ControlNet adds: its compile
+    time, its parameters' bytes per device, and the FLOPs of one guided step with it over without
+    (from the lowered programs). Returns (pipeline, request, that)."""
+    steered = control.with_controlnet(pipe, control.write_random(scratch / "controlnet", pipe.spec, dtype=dtype))
+    controlled = steered.validated(control.steered_request(
+        batch_request(len(request), request.height, request.width, request.steps)))
+    compile_s = steered.compile(steered.programs_for(controlled))
+    steered.render(controlled)
+    rows = pipe.padded_batch(len(request)) * 2  # with guidance, each image is two rows of the model's batch
+    config = steered.controlnets[0].config
+    step = [control.step_flops(pipe.spec, c, rows, request.height, request.width, pipe.dtype) for c in (None, config)]
+    return steered, controlled, dict(
+        controlnet_compile_s=compile_s,
+        controlnet_param_bytes_per_device=control.param_bytes_per_device(steered),
+        controlnet_step_flops=step[1],
+        controlnet_step_flops_ratio=step[1] / step[0],
+    )
+
+
+# Untimed calls before the timed ones: ours ran once already (the first image), and so did the
+# ControlNet's; torch's CPU kernels take a few calls to settle.
+WARMUP_CALLS = {"ours": 0, "progress": 1, "unguided": 1, "long_prompt": 1, "controlnet": 1, "reference": 2}
+
+
 def _interleaved_timings(calls: dict[str, Callable[[], object]], runs: int) -> dict[str, list[tuple[float, float]]]:
     """`runs` (wall, CPU) timings of each call, taking turns so that drifting machine load hits all alike."""
-    # Warm-up: ours ran once already (the first image); torch's CPU kernels take a few calls to settle.
     for name, call in calls.items():
-        for _ in range({"ours": 0, "progress": 1, "unguided": 1, "long_prompt": 1, "reference": 2}[name]):
+        for _ in range(WARMUP_CALLS[name]):
             call()
     timings = {name: [] for name in calls}
     for _ in range(runs):
@@ -451,6 +481,9 @@ def _speed(pipe, request: Request, timings: dict, flops: float) -> dict:
         long_prompt_chunks=LONG_PROMPT_CHUNKS,
         long_prompt_images_per_s=batch / _median_s(timings["long_prompt"]),
         long_prompt_cost=_median_s(timings["long_prompt"]) / _median_s(ours),
+        controlnet_images_per_s=batch / _median_s(timings["controlnet"]),
+        controlnet_cost=_median_s(timings["controlnet"]) / _median_s(ours),
+        controlnet_run_s=[t[0] for t in timings["controlnet"]],
     )
 
 

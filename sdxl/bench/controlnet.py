@@ -1,0 +1,143 @@
+"""What a ControlNet costs: a random one with the model's UNet shape, its request, and its FLOPs.
+
+The benchmark times the model with one ControlNet against the same model without, in one process
+(`speed.run_benchmark`), and counts the FLOPs of one guided step with and without it here.
+"""
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import controlnet, unet
+from ..checkpoints import controlnets as controlnet_checkpoints, random_models
+from ..checkpoints.spec import ModelSpec
+from ..config import config_from_dict
+from ..layers import STEP_INVARIANTS
+from ..mesh import place, replicated
+from ..pipeline import Pipeline
+from ..request import Request
+from ..weights import flatten, write_params
+
+
+def config_for(spec: ModelSpec) -> controlnet.ControlNetConfig:
+    """A ControlNet config for `spec`'s UNet, as diffusers' `ControlNetModel.from_unet` makes one: the
+    UNet's encoder fields, and a conditioning embedding with one stride-2 convolution per halving of
+    the VAE's (diffusers' default (16, 32, 96, 256) for its 8x VAEs). For SDXL base 1.0 this is the
+    published SDXL ControlNet config (`sdxl/configs/controlnet-sdxl-1.0`)."""
+    fields = {f.name for f in dataclasses.fields(controlnet.ControlNetConfig)}
+    values = {k: v for k, v in dataclasses.asdict(spec.unet).items() if k in fields}
+    halvings = spec.vae.downscale_factor.bit_length() - 1
+    values.update(
+        in_channels=spec.vae.latent_channels,  # it reads the latents alone, also beside an inpainting UNet
+        conditioning_embedding_out_channels=(16, 32, 96, 256, 256, 256)[: halvings + 1],
+    )
+    return config_from_dict(controlnet.ControlNetConfig, values)
+
+
+def write_random(folder: Path, spec: ModelSpec, *, dtype: str = "float32", seed: int = 0) -> Path:
+    """A random ControlNet for `spec` (`config_for`) as a diffusers folder (config.json and
+    safetensors), written one tensor at a time. Its zero convolutions are random too, so it steers."""
+    config = config_for(spec)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+    (folder / "config.json").write_text(json.dumps({"_class_name": "ControlNetModel", **values}, indent=2))
+    draw = functools.partial(random_models.random_tensor, np.random.default_rng([seed, 27]))
+    write_params(folder / "diffusion_pytorch_model.safetensors", controlnet.abstract_params(config),
+                 jnp.dtype(dtype), draw)
+    return folder
+
+
+def with_controlnet(pipe: Pipeline, folder: Path) -> Pipeline:
+    """`pipe`'s model steered by the ControlNet in `folder`: a pipeline that holds `pipe`'s own
+    parameter arrays (the base model is not loaded twice) and the ControlNet's, loaded as
+    `Pipeline.from_pretrained(..., controlnet=folder)` loads it."""
+    checkpoint = controlnet_checkpoints.resolve(str(folder), pipe.spec, dtype=pipe.dtype)
+    params = checkpoint.load(pipe.dtype, lambda a: place(a, replicated(pipe.mesh)))
+    return Pipeline(
+        pipe.spec, {**pipe.base_params, "controlnets": (params,)}, pipe.prompts.tokenizers, mesh=pipe.mesh,
+        dtype=pipe.dtype, max_steps=pipe.max_steps, name=f"{pipe.name} + {folder.name}",
+        preview_factors=pipe.preview_factors, controlnets=[checkpoint],
+    )
+
+
+def param_bytes_per_device(pipe: Pipeline) -> int:
+    """Bytes of the ControlNets' parameters on one device (they are replicated: each holds them all)."""
+    return sum(a.addressable_shards[0].data.nbytes for a in flatten({"c": dict(enumerate(pipe.params["controlnets"]))})
+               .values())
+
+
+def edges(n: int, height: int, width: int) -> np.ndarray:
+    """[n, height, width, 3] uint8 control images like a canny map: thin white lines on black."""
+    images = np.zeros((n, height, width, 3), np.uint8)
+    images[:, :: max(1, height // 8)] = 255
+    images[:, :, :: max(1, width // 6)] = 255
+    return images
+
+
+def steered_request(request: Request) -> Request:
+    """`request` (not yet validated) with an edges control image per image, at the default scale (1)."""
+    return dataclasses.replace(request, control_images=(edges(len(request), request.height, request.width),))
+
+
+def step_flops(
+    spec: ModelSpec,
+    controlnet_config: controlnet.ControlNetConfig | None,
+    batch: int,
+    height: int,
+    width: int,
+    dtype=jnp.bfloat16,
+) -> float:
+    """XLA's FLOP count of one denoising step's model evaluation on `batch` rows (2 per image with
+    guidance): the UNet, steered by a ControlNet of `controlnet_config` when given, as the
+    program's loop body runs them (`GenerateProgram._control`).
+
+    The step invariants (the text's keys and values, the control image's embedding, Winograd
+    kernels) are inputs, as the staged program gives them: what is counted is the work every step
+    repeats. It is counted on the lowered program (no compile, so SDXL's size takes seconds), in
+    `dtype` (bfloat16, as accelerators run it, picks direct convolutions).
+    """
+    latent_h, latent_w, channels = spec.latent_shape(height, width)
+    config = spec.unet
+
+    def arg(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    cond = dict(timesteps=arg(batch), encoder_hidden_states=arg(batch, spec.max_tokens, config.cross_attention_dim))
+    if config.addition_embed_type == "text_time":
+        time_ids = len(spec.time_ids(height, width, 0.0))
+        pooled = config.projection_class_embeddings_input_dim - time_ids * config.addition_time_embed_dim
+        cond.update(text_embeds=arg(batch, pooled), time_ids=arg(batch, time_ids))
+    sample = arg(batch, latent_h, latent_w, config.in_channels)
+    model = unet.UNet2DConditionModel(config, dtype)
+    models = {"unet": (model, unet.abstract_params(config), dict(sample=sample, **cond))}
+    if controlnet_config is not None:
+        f = spec.vae.downscale_factor
+        image = arg(batch, latent_h * f, latent_w * f, controlnet_config.conditioning_channels)
+        inputs = dict(sample=arg(batch, latent_h, latent_w, channels), controlnet_cond=image,
+                      conditioning_scale=arg(batch), **cond)
+        models["controlnet"] = (controlnet.ControlNetModel(controlnet_config, dtype),
+                                controlnet.abstract_params(controlnet_config), inputs)
+    # Each model's step invariants, as shapes: what it stores when its collection is mutable.
+    invariants = {
+        name: jax.eval_shape(lambda p, x, m=m: m.apply({"params": p}, **x, mutable=[STEP_INVARIANTS])[1], p, x)
+        for name, (m, p, x) in models.items()
+    }
+
+    def step(params, invariants, inputs):
+        extra = {}
+        if "controlnet" in models:
+            net = models["controlnet"][0]
+            down, mid = net.apply({"params": params["controlnet"], **invariants["controlnet"]}, **inputs["controlnet"])
+            extra = dict(down_block_additional_residuals=down, mid_block_additional_residual=mid)
+        return model.apply({"params": params["unet"], **invariants["unet"]}, **inputs["unet"], **extra)
+
+    params = {name: p for name, (_, p, _) in models.items()}
+    lowered = jax.jit(step).lower(params, invariants, {name: x for name, (_, _, x) in models.items()})
+    analysis = lowered.cost_analysis()
+    return float((analysis[0] if isinstance(analysis, list) else analysis)["flops"])
