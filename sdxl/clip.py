@@ -12,17 +12,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .layers import Linear
+from .layers import Linear, quick_gelu
 
 ARCHITECTURES = ("CLIPTextModel", "CLIPTextModelWithProjection")
 
 # A buffer (always arange(max_position_embeddings)) that checkpoints from older transformers versions store.
 IGNORED_KEYS = ("text_model.embeddings.position_ids",)
-
-
-def quick_gelu(x: jax.Array) -> jax.Array:
-    """The sigmoid approximation of gelu that OpenAI CLIP was trained with."""
-    return x * jax.nn.sigmoid(1.702 * x)
 
 
 ACTIVATIONS = {

@@ -42,6 +42,11 @@ def step_invariant(module: nn.Module, name: str, compute: Callable[[], jax.Array
     return value
 
 
+def quick_gelu(x: jax.Array) -> jax.Array:
+    """The sigmoid approximation of gelu that OpenAI CLIP was trained with (and the blocks built like CLIP's)."""
+    return x * jax.nn.sigmoid(1.702 * x)
+
+
 class Linear(nn.Module):
     """torch.nn.Linear: y = x @ weight.T + bias, with `weight` [out, in] as the checkpoint stores it."""
 
