@@ -11,7 +11,8 @@ directly. The copy is the UNet's own encoder half (`sdxl.unet.time_embedding`, `
     controlnet_mid_block        a 1x1 conv on the mid block's output
 
 Its output, scaled, is what the UNet adds to its skips and mid block (`down_block_additional_residuals`,
-`mid_block_additional_residual`).
+`mid_block_additional_residual`). The ControlNet Union (`sdxl.controlnet_union`) is built of the same
+parts (`embedded_condition`, `steering_residuals`); a config makes its own module (`model`).
 """
 
 import dataclasses
@@ -112,6 +113,18 @@ class ControlNetConfig:
         """Control image pixels per latent pixel: the conditioning embedding's stride-2 convolutions."""
         return 2 ** (len(self.conditioning_embedding_out_channels) - 1)
 
+    def model(self, dtype=jnp.float32) -> nn.Module:
+        """The Flax module of this config (`ControlNetUnionConfig` makes a `ControlNetUnionModel`)."""
+        return ControlNetModel(self, dtype)
+
+    def abstract_inputs(self) -> dict:
+        """The smallest inputs the model runs on, as shapes: what initialising it needs."""
+        inputs = abstract_inputs(self.unet_config)
+        _, height, width, _ = inputs["sample"].shape
+        f = self.downscale_factor
+        image = jax.ShapeDtypeStruct((1, height * f, width * f, self.conditioning_channels), jnp.float32)
+        return {**inputs, "controlnet_cond": image, "conditioning_scale": jax.ShapeDtypeStruct((1,), jnp.float32)}
+
 
 class ControlNetConditioningEmbedding(nn.Module):
     """The control image to the latents' size: conv, then per level a conv and a stride-2 conv, SiLU
@@ -157,33 +170,42 @@ class ControlNetModel(nn.Module):
           mid_block_additional_residual: [B, h, w, C] for the mid block's output.
         """
         config, dtype = self.config, self.dtype
-        unet_config = config.unet_config
         context = Context(encoder_hidden_states.astype(dtype), encoder_lengths)
-        temb = time_embedding(unet_config, sample.shape[0], timesteps, text_embeds, time_ids, None, dtype)
-        if config.controlnet_conditioning_channel_order == "bgr":
-            controlnet_cond = controlnet_cond[..., ::-1]
-        # The control image is the same at every step: its embedding is a step invariant.
-        embedding = ControlNetConditioningEmbedding(
-            config.block_out_channels[0], config.conditioning_embedding_out_channels, dtype,
-            name="controlnet_cond_embedding",
-        )
-        cond = step_invariant(self, "controlnet_cond", lambda: embedding(controlnet_cond.astype(dtype)))
+        temb = time_embedding(config.unet_config, sample.shape[0], timesteps, text_embeds, time_ids, None, dtype)
+        cond = embedded_condition(self, config, controlnet_cond, dtype)
         x = Conv3x3(config.block_out_channels[0], dtype=dtype, name="conv_in")(sample.astype(dtype)) + cond
-        skips, mid = down_and_mid_blocks(unet_config, x, temb, context, dtype)
-        scale = conditioning_scale.astype(dtype)[:, None, None, None]
-        residuals = [
-            nn.Conv(skip.shape[-1], (1, 1), dtype=dtype, name=f"controlnet_down_blocks.{i}")(skip) * scale
-            for i, skip in enumerate(skips)
-        ]
-        mid = nn.Conv(mid.shape[-1], (1, 1), dtype=dtype, name="controlnet_mid_block")(mid) * scale
-        return residuals, mid
+        return steering_residuals(config, x, temb, context, conditioning_scale, dtype)
+
+
+def embedded_condition(module: nn.Module, config: ControlNetConfig, image: jax.Array, dtype) -> jax.Array:
+    """[B, h, w, C] the control image through `controlnet_cond_embedding`, a child of `module` (a
+    ControlNet's `__call__` calls this). The control image is the same at every step, so its embedding
+    is a step invariant."""
+    if config.controlnet_conditioning_channel_order == "bgr":
+        image = image[..., ::-1]
+    embedding = ControlNetConditioningEmbedding(
+        config.block_out_channels[0], config.conditioning_embedding_out_channels, dtype,
+        name="controlnet_cond_embedding",
+    )
+    return step_invariant(module, "controlnet_cond", lambda: embedding(image.astype(dtype)))
+
+
+def steering_residuals(
+    config: ControlNetConfig, x: jax.Array, temb: jax.Array, context: Context, conditioning_scale: jax.Array, dtype
+) -> tuple[list[jax.Array], jax.Array]:
+    """The encoder from `conv_in`'s output (the control image's embedding added): its down and mid
+    blocks, then the zero convolutions, each output times its image's `conditioning_scale` ([B]).
+    Called inside a ControlNet's `__call__`, whose children these layers are."""
+    skips, mid = down_and_mid_blocks(config.unet_config, x, temb, context, dtype)
+    scale = conditioning_scale.astype(dtype)[:, None, None, None]
+    residuals = [
+        nn.Conv(skip.shape[-1], (1, 1), dtype=dtype, name=f"controlnet_down_blocks.{i}")(skip) * scale
+        for i, skip in enumerate(skips)
+    ]
+    mid = nn.Conv(mid.shape[-1], (1, 1), dtype=dtype, name="controlnet_mid_block")(mid) * scale
+    return residuals, mid
 
 
 def abstract_params(config: ControlNetConfig) -> dict:
-    """The ControlNet's parameter shapes and dtypes, without allocating them."""
-    inputs = abstract_inputs(config.unet_config)
-    _, height, width, _ = inputs["sample"].shape
-    f = config.downscale_factor
-    image = jax.ShapeDtypeStruct((1, height * f, width * f, config.conditioning_channels), jnp.float32)
-    inputs.update(controlnet_cond=image, conditioning_scale=jax.ShapeDtypeStruct((1,), jnp.float32))
-    return jax.eval_shape(ControlNetModel(config).init, jax.random.key(0), **inputs)["params"]
+    """The ControlNet's parameter shapes and dtypes (a ControlNet Union's too), without allocating them."""
+    return jax.eval_shape(config.model().init, jax.random.key(0), **config.abstract_inputs())["params"]
