@@ -9,6 +9,12 @@ A source is what diffusers' `ControlNetModel.from_pretrained` and `from_single_f
   beside it or, without one, SDXL's published ControlNet config (as A1111 users hold
   `diffusers_xl_canny_full.safetensors`).
 
+Both of diffusers' kinds load: `ControlNetModel` and `ControlNetUnionModel` (`sdxl.controlnet_union`,
+SDXL only). xinsir's Union repo holds two: `diffusion_pytorch_model.safetensors` with `config.json`
+(6 modes), which its folder or repo id loads, and `diffusion_pytorch_model_promax.safetensors` with
+`config_promax.json` (8 modes), which loads when the file is named: a file `<name>_<suffix>.safetensors`
+takes `config_<suffix>.json` beside it where there is one.
+
 Its config is read, and checked against the model it is to steer, before any weights are fetched.
 Pickled files (`.pth`, `.bin`, `.ckpt`) are refused: unpickling can run arbitrary code.
 """
@@ -19,6 +25,7 @@ from pathlib import Path
 
 from ..config import config_from_dict, read_json
 from ..controlnet import ControlNetConfig, abstract_params
+from ..controlnet_union import ControlNetUnionConfig, rename_key
 from ..weights import CheckpointError, SafetensorsFile, load_params
 from . import hub, single_file
 from .folder import weight_files
@@ -32,6 +39,10 @@ PICKLED_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 _ORIGINAL_KEY = "input_hint_block.0.weight"
 _DIFFUSERS_KEY = "controlnet_cond_embedding.conv_in.weight"
 _ORIGINAL_PREFIX = "control_model."
+# diffusers' ControlNet kinds, by the `_class_name` of their config.json.
+CONFIG_CLASSES = {"ControlNetModel": ControlNetConfig, "ControlNetUnionModel": ControlNetUnionConfig}
+_UNION_KEY = "task_embedding"  # a ControlNet Union's [modes, C] tensor
+_WEIGHTS_STEM = "diffusion_pytorch_model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +58,8 @@ class ControlNetCheckpoint:
         """The parameter tree, every key and shape checked; `put` places each array."""
         abstract = cached_shapes(abstract_params, self.config)
         if self.original_prefix is None:
-            return load_params(list(self.files), abstract, dtype=dtype, put=put)
+            rename = rename_key if isinstance(self.config, ControlNetUnionConfig) else lambda key: key
+            return load_params(list(self.files), abstract, dtype=dtype, rename=rename, put=put)
         return single_file.load_controlnet(self.files[0], self.original_prefix, self.config, abstract, dtype, put)
 
 
@@ -76,9 +88,13 @@ def resolve(source: str, spec: ModelSpec, *, dtype) -> ControlNetCheckpoint:
             owner, repo, filename = text.split("/", 2)
             header = hub.file_header(f"{owner}/{repo}", filename)
             if header is not None:  # refuse before the download where the Hub answers
-                _single_file(text, None, header, spec, None)
+                configs = _hub_config_folder(f"{owner}/{repo}", filename) if _UNION_KEY in header else None
+                _single_file(text, None, header, spec, configs)
             path = hub.download_file(f"{owner}/{repo}", filename)
-            return _single_file(text, path, _header(path), spec, path.parent)
+            header = _header(path)
+            if _UNION_KEY in header:  # a Union's config beside it (`_config_names`), where not fetched yet
+                _hub_config_folder(f"{owner}/{repo}", filename)
+            return _single_file(text, path, header, spec, path.parent)
         raise CheckpointError(f"{text}: no such file")
     if hub_name and text.count("/") == 1 and not path.exists():
         folder, config = hub.download_model(text, dtype, lambda folder: _config(folder / "config.json", spec, text))
@@ -125,10 +141,10 @@ def _config(path: Path, spec: ModelSpec, where: str) -> ControlNetConfig:
     except ValueError as e:
         raise CheckpointError(str(e)) from e
     kind = values.get("_class_name", "ControlNetModel")
-    if kind != "ControlNetModel":
-        raise CheckpointError(f"{where}: a {kind}; only ControlNetModel ControlNets are supported")
+    if kind not in CONFIG_CLASSES:
+        raise CheckpointError(f"{where}: a {kind}; only {' and '.join(CONFIG_CLASSES)} ControlNets are supported")
     try:
-        config = config_from_dict(ControlNetConfig, values)
+        config = config_from_dict(CONFIG_CLASSES[kind], values)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: {e}") from e
     check_fits(config, spec, where)
@@ -152,16 +168,53 @@ def _single_file(
         raise CheckpointError(
             f"{where}: an SDXL ControlNet in the original layout is not supported; use its diffusers folder or repo"
         )
-    beside = None if folder is None else folder / "config.json"
-    if beside is not None and beside.is_file():
+    beside = _config_beside(folder, where)
+    if beside is not None:
         config = _config(beside, spec, where)
+    elif _UNION_KEY in header:
+        raise CheckpointError(
+            f"{where}: a ControlNet Union with no config beside it to say its modes; put its config.json "
+            "beside it (xinsir's diffusion_pytorch_model_promax.safetensors takes config_promax.json)"
+        )
     else:
         family = "sdxl" if any(k.startswith("add_embedding.") for k in header) else _context_family(header)
         if family not in DEFAULT_CONFIGS:
             what = "an SD 2.x ControlNet" if family == "sd2" else "a ControlNet of no known family"
             raise CheckpointError(f"{where}: {what}, with no config.json beside it to say its architecture")
         config = _config(BUILTIN_CONFIGS / DEFAULT_CONFIGS[family] / "config.json", spec, where)
+    modes = header[_UNION_KEY][0] if _UNION_KEY in header else None
+    if modes is not None and modes != getattr(config, "num_control_type", None):
+        raise CheckpointError(
+            f"{where}: a ControlNet Union of {modes} modes, but its config ({beside.name}) is not one of "
+            f"{modes}; put the config that came with this file beside it"
+        )
     return ControlNetCheckpoint(where, config, () if path is None else (path,), original)
+
+
+def _config_names(where: str) -> list[str]:
+    """The configs a weight file takes, first found first: `config_<suffix>.json` for
+    `diffusion_pytorch_model_<suffix>.safetensors` (xinsir's ProMax), then `config.json`."""
+    stem = where.rpartition("/")[2].removesuffix(".safetensors")
+    suffix = stem.removeprefix(_WEIGHTS_STEM).lstrip("._-") if stem.startswith(_WEIGHTS_STEM) else ""
+    return [f"config_{suffix}.json", "config.json"] if suffix else ["config.json"]
+
+
+def _config_beside(folder: Path | None, where: str) -> Path | None:
+    if folder is None:
+        return None
+    return next((folder / name for name in _config_names(where) if (folder / name).is_file()), None)
+
+
+def _hub_config_folder(repo_id: str, filename: str) -> Path | None:
+    """The local folder of the config the Hub holds beside `filename` (`_config_names`), fetched; None
+    when there is none."""
+    directory = filename.rpartition("/")[0]
+    for name in _config_names(filename):
+        try:
+            return hub.download_file(repo_id, f"{directory}/{name}" if directory else name).parent
+        except CheckpointError:
+            continue
+    return None
 
 
 def _context_family(header: dict[str, tuple[int, ...]]) -> str | None:

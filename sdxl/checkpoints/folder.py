@@ -20,6 +20,10 @@ from ..weights import CheckpointError, StoredTensor, load_params, stored_tensors
 # The components whose weights a pipeline loads (a safety checker, say, is never run).
 WEIGHT_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae")
 
+# The weight files diffusers and transformers read, by name (sharded or not, of any variant); another
+# set beside them (xinsir's `diffusion_pytorch_model_promax.safetensors`) is read only when named.
+STANDARD_WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
+
 # Per component: how a stored key maps to the module's name, and the stored buffers to skip.
 _KEY_RULES = {
     "unet": (lambda key: key, ()),
@@ -40,9 +44,14 @@ def weight_variant(filename: str) -> str | None:
     """The variant a safetensors file belongs to: "fp16" for `diffusion_pytorch_model.fp16.safetensors`,
     "non_ema" for `diffusion_pytorch_model.non_ema.safetensors`, None for the plain files (also when
     sharded: `model-00001-of-00002.safetensors`, `model.fp16-00001-of-00002.safetensors` is "fp16")."""
+    return _weight_set(filename)[1]
+
+
+def _weight_set(filename: str) -> tuple[str, str | None]:
+    """(name, variant) of the weight set a safetensors file is (one of the shards of)."""
     stem = re.sub(r"-\d{5}-of-\d{5}$", "", filename.removesuffix(".safetensors"))
-    _, _, variant = stem.partition(".")
-    return variant or None
+    name, _, variant = stem.partition(".")
+    return name, variant or None
 
 
 def preferred_variant(dtype) -> str | None:
@@ -53,10 +62,12 @@ def preferred_variant(dtype) -> str | None:
 def choose_weight_files(filenames: list[str], dtype, where: str) -> list[str]:
     """Exactly one set of weights of one component: the fp16 variant for a 16-bit `dtype` where the
     component has one, else the plain files; the fp16 files for float32 only when there are no plain
-    ones. Other variants (`ema`, `non_ema`, `bf16`, ...) are never read.
+    ones. Other variants (`ema`, `non_ema`, `bf16`, ...) are never read. Where a variant has several
+    sets under different names, the one named as diffusers names its weights (`STANDARD_WEIGHT_NAMES`).
 
     Raises:
-      CheckpointError: `where` (the component) has neither plain nor fp16 safetensors weights.
+      CheckpointError: `where` (the component) has neither plain nor fp16 safetensors weights, or
+        several sets of which none is named as diffusers names them.
     """
     weights = sorted(f for f in filenames if f.endswith(".safetensors"))
     by_variant = {}
@@ -65,7 +76,7 @@ def choose_weight_files(filenames: list[str], dtype, where: str) -> list[str]:
     preferred = preferred_variant(dtype)
     for variant in (preferred, None, "fp16"):
         if variant in by_variant:
-            return by_variant[variant]
+            return _one_set(by_variant[variant], where)
     pickled = sorted(f for f in filenames if Path(f).suffix in (".bin", ".ckpt", ".pt", ".pth"))
     if pickled:
         raise CheckpointError(
@@ -75,6 +86,17 @@ def choose_weight_files(filenames: list[str], dtype, where: str) -> list[str]:
     if weights:
         raise CheckpointError(f"{where}: no plain or fp16 safetensors weights, only {', '.join(weights)}")
     raise CheckpointError(f"{where}: no .safetensors weights")
+
+
+def _one_set(filenames: list[str], where: str) -> list[str]:
+    """The files of one weight set (a file, or its shards) among `filenames`, all of one variant."""
+    names = {_weight_set(f)[0] for f in filenames}
+    if len(names) == 1:
+        return filenames
+    standard = [name for name in STANDARD_WEIGHT_NAMES if name in names]
+    if not standard:
+        raise CheckpointError(f"{where}: several sets of weights ({', '.join(filenames)}); name the file to load")
+    return [f for f in filenames if _weight_set(f)[0] == standard[0]]
 
 
 def weight_files(folder: Path, dtype) -> list[Path]:
