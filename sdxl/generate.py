@@ -43,6 +43,7 @@ def generate(
     controlnet_conditioning_scale: float | Sequence[float] | None = None,
     control_guidance_start: float | Sequence[float] = 0.0,
     control_guidance_end: float | Sequence[float] = 1.0,
+    control_mode: int | str | Sequence | None = None,
     output_type: str = "pil",
 ):
     """Images (seed, 0), (seed, 1), ...: image i depends only on (seed, i), whatever the device count.
@@ -76,6 +77,10 @@ def generate(
       controlnet_conditioning_scale, control_guidance_start, control_guidance_end: as diffusers', a
         number for every ControlNet or a list with one per ControlNet. The scale defaults as diffusers'
         pipelines do: 1 from text, 0.8 for image-to-image, for inpainting 1 (SDXL) or 0.5 (SD 1.x/2.x).
+      control_mode: what a ControlNet Union's control image is (required for one; plain ControlNets
+        ignore it): a mode of `sdxl.controlnet_union.CONTROL_MODES`, its number or a name (3 or
+        "canny"), for every ControlNet, or a list with one per ControlNet (diffusers' `[3]` for one
+        Union). One mode per Union: several conditions to one Union at once are not supported.
       output_type: "pil", "np" (float32 [N, H, W, 3] in [0, 1]) or "latent" ([N, h, w, C] left on the devices).
 
     Raises:
@@ -102,6 +107,8 @@ def generate(
     size = _size_of(pipe.spec, image, start_latents) or _fitting(pipe.spec, controls) or (pipe.spec.native_size,) * 2
     height, width = size[0] if height is None else height, size[1] if width is None else width
     control_settings = {}
+    if control_mode is not None and not controls:
+        raise ValueError("control_mode says what a ControlNet Union's control image is: give control_image too")
     if controls:
         k = len(controls)
         if controlnet_conditioning_scale is None:
@@ -116,6 +123,7 @@ def generate(
             control_scales=(_numbers(controlnet_conditioning_scale, k, "controlnet_conditioning_scale"),) * num_images,
             control_starts=(_numbers(control_guidance_start, k, "control_guidance_start"),) * num_images,
             control_ends=(_numbers(control_guidance_end, k, "control_guidance_end"),) * num_images,
+            control_modes=None if control_mode is None else (_modes(control_mode, k),) * num_images,
         )
     if strength is None:
         strength = default_strength(pipe.spec, inpainting=mask_image is not None)
@@ -176,6 +184,20 @@ def _numbers(value, k: int, label: str) -> tuple[float, ...]:
     if len(values) != k:
         raise ValueError(f"{label}: give one number, or a list of one per ControlNet ({k}), got {len(values)}")
     return tuple(values)
+
+
+def _modes(value, k: int) -> tuple:
+    """A control mode for each of `k` ControlNets, from one mode or a list of `k` (each may be diffusers'
+    one-element list). Raises ValueError for several modes to one ControlNet."""
+    values = list(value) if isinstance(value, list | tuple) else [value] * k
+    if k == 1 and len(values) > 1 or any(isinstance(v, list | tuple) and len(v) != 1 for v in values):
+        raise ValueError(
+            "control_mode: one mode per ControlNet; several conditions to one ControlNet Union at once (a multi-hot "
+            "control type) are not supported, but the same Union loaded twice takes one condition each"
+        )
+    if len(values) != k:
+        raise ValueError(f"control_mode: give one mode, or a list of one per ControlNet ({k}), got {len(values)}")
+    return tuple(v[0] if isinstance(v, list | tuple) else v for v in values)
 
 
 def _fitting(spec, controls: list[np.ndarray]) -> tuple[int, int] | None:

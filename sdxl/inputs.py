@@ -93,6 +93,9 @@ def host_inputs(program: GenerateProgram, request: Request, steps: tuple[int, in
             **{name: per_image(getattr(request, name), np.float32)
                for name in ("control_scales", "control_starts", "control_ends")},
         }
+        if program.control_modes:  # a plain ControlNet's column is unread
+            modes = [[0 if m is None else m for m in per_controlnet] for per_controlnet in request.control_modes]
+            control["control_modes"] = per_image(modes, np.int32)
     first, stop = steps
     return Inputs(
         ids=per_image(tokens.ids, np.int32),

@@ -20,6 +20,7 @@ from . import checkpoints, inputs, lora, mesh as meshes, prompt_syntax
 from .checkpoints import ModelSpec, controlnets as controlnet_checkpoints
 from .checkpoints.controlnets import ControlNetCheckpoint
 from .compiled import Executables, ProgressReports, run_in_stages
+from .controlnet_union import describe_mode, describe_modes
 from .generate import generate
 from .previews import factors_for
 from .program import GenerateProgram
@@ -113,8 +114,8 @@ class Pipeline:
           unet: a UNet weights file in diffusers' keys replacing the checkpoint's, as SDXL-Lightning's
             are used (a local file or "owner/name/file.safetensors").
           controlnet: a ControlNet (a diffusers folder, a Hub repo id, or a .safetensors file: see
-            `sdxl.checkpoints.controlnets`) or a list of them (diffusers' MultiControlNet), checked
-            against the model before their weights are fetched.
+            `sdxl.checkpoints.controlnets`; a ControlNet Union too) or a list of them (diffusers'
+            MultiControlNet), checked against the model before their weights are fetched.
         """
         devices = list(devices or jax.devices())
         dtype = jnp.dtype(dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16"))
@@ -196,7 +197,7 @@ class Pipeline:
         request = request.validated(self.spec, max_steps=self.max_steps)
         tags = {tuple(prompt_syntax.lora_tags(prompt)[1]) for prompt in request.prompts}
         if tags == {()}:
-            return request
+            return self._checked_modes(request)
         if len(tags) > 1:
             raise ValueError("the prompts of one request name different LoRA tags; give each its own request")
         scales = {}  # a LoRA tagged twice applies twice, as in webui: the scales add
@@ -209,7 +210,8 @@ class Pipeline:
                 known = f"the loaded ones: {', '.join(sorted(loaded))}" if loaded else "no LoRA is loaded"
                 raise ValueError(f"the prompt names the LoRA {name!r}, which is not loaded; {known}")
             loras[loaded[name]] = scale
-        return dataclasses.replace(request, loras=tuple(loras.items())).validated(self.spec, max_steps=self.max_steps)
+        request = dataclasses.replace(request, loras=tuple(loras.items()))
+        return self._checked_modes(request.validated(self.spec, max_steps=self.max_steps))
 
     def _check_controls(self, request: Request) -> None:
         """Raises ValueError unless the request has a control image for each ControlNet, or none."""
@@ -229,6 +231,26 @@ class Pipeline:
                 raise ValueError(
                     f"{controlnet.name} takes {channels}-channel control images, got shape {np.shape(image)}"
                 )
+
+    def _checked_modes(self, request: Request) -> Request:
+        """The validated `request`, unless a ControlNet Union has no control mode for an image, or one
+        it was not trained on. Raises ValueError."""
+        for k, checkpoint in enumerate(self.controlnets if request.controls else ()):
+            count = getattr(checkpoint.config, "num_control_type", None)  # a Union's
+            modes = {per_image[k] for per_image in request.control_modes}
+            if count is None or not modes:
+                continue
+            if None in modes:
+                raise ValueError(
+                    f"{checkpoint.name} is a ControlNet Union: say what its control image is with a control mode "
+                    f"(control_mode=), one of {describe_modes(count)}"
+                )
+            if max(modes) >= count:
+                raise ValueError(
+                    f"{checkpoint.name} knows {count} control modes ({describe_modes(count)}), not mode "
+                    f"{describe_mode(max(modes))}"
+                )
+        return request
 
     def tokenized(self, request: Request) -> Request:
         return self.prompts.tokenized(request)
@@ -369,6 +391,7 @@ class Pipeline:
         refining = dataclasses.replace(
             request, refine_from=None, images=None, masks=None, denoising_start=request.refine_from, loras=None,
             tokens=None, control_images=None, control_scales=None, control_starts=None, control_ends=None,
+            control_modes=None,
         )
         return base, refining
 

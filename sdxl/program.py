@@ -23,7 +23,8 @@ Where the loop starts (`GenerateProgram.start_from`), as diffusers' SDXL pipelin
 
 ControlNets (`GenerateProgram.controlnets`) steer the UNet at every step with the residuals they
 compute from a control image, each image's scaled by its own scale between its own start and end:
-inputs, so that changing them never recompiles.
+inputs, so that changing them never recompiles. A ControlNet Union (`sdxl.controlnet_union`) also
+reads each image's control mode, an input too.
 """
 
 import dataclasses
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from . import clip, controlnet, previews, unet, vae
+from . import clip, controlnet, controlnet_union, previews, unet, vae
 from .checkpoints import ModelSpec
 from .layers import STEP_INVARIANTS
 from .mesh import BATCH_AXIS
@@ -87,6 +88,9 @@ class Inputs:
     control_scales: jax.Array | None = None
     control_starts: jax.Array | None = None
     control_ends: jax.Array | None = None
+    # [B, K] int32 each image's control mode per ControlNet, read by the ControlNet Unions only; None
+    # where none is a Union (`GenerateProgram.control_modes`).
+    control_modes: jax.Array | None = None
 
 
 # The inputs every device reads whole; the others are per image, split over the devices with the batch.
@@ -253,7 +257,13 @@ class GenerateProgram:
     chunks: int = 1  # the prompts' chunks of 77 tokens (`sdxl.prompts.CHUNK_COUNTS`)
     # `previews.project`'s (matrix, bias) for the previews `denoise` returns; None: the family's.
     preview_factors: tuple | None = None
-    controlnets: tuple[controlnet.ControlNetConfig, ...] = ()  # `Inputs.control_images` steer the UNet through these
+    # `Inputs.control_images` steer the UNet through these (a `ControlNetUnionConfig` is a Union's).
+    controlnets: tuple[controlnet.ControlNetConfig, ...] = ()
+
+    @property
+    def control_modes(self) -> bool:
+        """Whether a ControlNet is a Union, which reads `Inputs.control_modes`."""
+        return any(isinstance(config, controlnet_union.ControlNetUnionConfig) for config in self.controlnets)
 
     def initial_state(self, params, inputs: Inputs) -> State:
         """Text conditioning, the starting latents and the sampler's state."""
@@ -342,22 +352,29 @@ class GenerateProgram:
         )
         x_in = jnp.zeros((batch, h, w, self.spec.vae.latent_channels), self.dtype)
         controlnet_invariants = tuple(
-            model.apply({"params": p}, x_in, zeros, controlnet_cond=image, conditioning_scale=zeros,
+            model.apply({"params": p}, x_in, zeros, conditioning_scale=zeros, **steering,
                         **_controlnet_cond(state.cond), mutable=[STEP_INVARIANTS])[1]
-            for model, p, image in zip(self._controlnets(), params.get("controlnets", ()), self._control_images(inputs))
+            for model, p, steering in zip(self._controlnets(), params.get("controlnets", ()), self._steering(inputs))
         )
         return state, {"unet": unet_invariants, "controlnets": controlnet_invariants}
 
     def _unet(self) -> unet.UNet2DConditionModel:
         return unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
 
-    def _controlnets(self) -> list[controlnet.ControlNetModel]:
-        return [controlnet.ControlNetModel(config, dtype=self.dtype) for config in self.controlnets]
+    def _controlnets(self) -> list:
+        return [config.model(self.dtype) for config in self.controlnets]
 
-    def _control_images(self, inputs: Inputs) -> list[jax.Array]:
-        """Each ControlNet's control images as the model's batch holds them: both halves with guidance."""
-        images = [image.astype(self.dtype) for image in inputs.control_images or ()]
-        return [_interleave(image, image) for image in images] if self.guided else images
+    def _steering(self, inputs: Inputs) -> list[dict]:
+        """Each ControlNet's own inputs as the model's batch holds them (both halves with guidance):
+        its control images, and a Union's control modes (and how many rows each image has)."""
+        pair = (lambda x: _interleave(x, x)) if self.guided else (lambda x: x)  # noqa: E731
+        steering = []
+        for k, (config, image) in enumerate(zip(self.controlnets, inputs.control_images or ())):
+            steering.append({"controlnet_cond": pair(image.astype(self.dtype))})
+            if isinstance(config, controlnet_union.ControlNetUnionConfig):
+                rows = 2 if self.guided else 1
+                steering[-1].update(control_mode=pair(inputs.control_modes[:, k]), rows_per_image=rows)
+        return steering
 
     def _control(self, params, invariants: dict, cond: dict, inputs: Inputs) -> Callable[..., dict]:
         """`control(x_in, t, step)`: the UNet's extra inputs from the ControlNets at loop iteration
@@ -372,7 +389,7 @@ class GenerateProgram:
         evaluations = SAMPLERS[self.sampler].evaluations
         first = evaluations(inputs.first_step)
         count = (evaluations(inputs.num_steps) - first).astype(jnp.float32)
-        images = self._control_images(inputs)
+        steering = self._steering(inputs)
         models = self._controlnets()
         step_invariants = invariants.get("controlnets") or ({},) * len(models)  # none in `whole`: XLA hoists them
         variables = [{"params": p, **i} for p, i in zip(params["controlnets"], step_invariants)]
@@ -387,7 +404,7 @@ class GenerateProgram:
             for k, model in enumerate(models):
                 scale = _interleave(scales[:, k], scales[:, k]) if self.guided else scales[:, k]
                 residuals, middle = model.apply(
-                    variables[k], x_control, t, controlnet_cond=images[k], conditioning_scale=scale, **controlnet_cond
+                    variables[k], x_control, t, conditioning_scale=scale, **steering[k], **controlnet_cond
                 )
                 down = residuals if down is None else [a + b for a, b in zip(down, residuals)]
                 mid = middle if mid is None else mid + middle

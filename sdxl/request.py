@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .controlnet_union import control_mode
 from .prompt_syntax import EMPHASIS_MODES
 from .sampling import SAMPLERS, WHOLE_SCHEDULE_ONLY
 
@@ -162,6 +163,10 @@ class Request:
     control_scales: tuple[tuple[float, ...], ...] | None = None
     control_starts: tuple[tuple[float, ...], ...] | None = None
     control_ends: tuple[tuple[float, ...], ...] | None = None
+    # A ControlNet Union's control mode: per image, one per ControlNet, the kind of its control image
+    # (an index of `sdxl.controlnet_union.CONTROL_MODES` or one of its names; validated: the index),
+    # None for a plain ControlNet, which has none. None throughout where no ControlNet is a Union.
+    control_modes: tuple[tuple[int | str | None, ...], ...] | None = None
     # How each control image was made from a picture (`control_maps.Preprocessor`), for the PNG
     # parameters; None: given as it is.
     control_preprocessors: tuple | None = dataclasses.field(default=None, compare=False)
@@ -249,7 +254,7 @@ class Request:
         if first.controls:
             stacks = zip(*(r.control_images for r in requests))  # per ControlNet, every request's images
             arrays["control_images"] = tuple(np.concatenate(images) for images in stacks)
-        per_image = [f for f in (*_PER_IMAGE, *_CONTROL_SETTINGS) if getattr(first, f) is not None]
+        per_image = [f for f in (*_PER_IMAGE, *_CONTROL_SETTINGS, "control_modes") if getattr(first, f) is not None]
         return dataclasses.replace(
             first,
             **{f: tuple(v for r in requests for v in getattr(r, f)) for f in per_image},
@@ -363,7 +368,7 @@ class Request:
         """The control images and their per-image settings, checked, with their defaults filled in."""
         n, k = len(self), self.controls
         if not k:
-            given = [f for f in _CONTROL_SETTINGS if getattr(self, f) is not None]
+            given = [f for f in (*_CONTROL_SETTINGS, "control_modes") if getattr(self, f) is not None]
             if given:
                 raise ValueError(f"{given[0].replace('_', ' ')} were given without control images")
             return {}
@@ -384,6 +389,12 @@ class Request:
             for start, end in zip(starts, ends):
                 if start >= end:
                     raise ValueError(f"a ControlNet's start ({start:g}) must be below its end ({end:g})")
+        modes = self.control_modes or defaults["control_modes"]
+        if len(modes) != n or any(len(m) != k for m in modes):
+            raise ValueError(
+                f"control modes: need {k} per image (one per ControlNet, None for a plain one) for {n} image(s)"
+            )
+        settings["control_modes"] = tuple(tuple(None if m is None else control_mode(m) for m in v) for v in modes)
         return {"control_images": tuple(_pixels(image) for image in self.control_images), **settings}
 
 
@@ -421,5 +432,7 @@ _CONTROL_SETTINGS = {
 
 
 def control_defaults(n: int, k: int) -> dict:
-    """`Request`'s per-image ControlNet settings for n images and k ControlNets, each at its default."""
-    return {field: ((default,) * k,) * n for field, (_, default, _) in _CONTROL_SETTINGS.items()}
+    """`Request`'s per-image ControlNet settings for n images and k ControlNets, each at its default
+    (and no control mode)."""
+    defaults = {field: ((default,) * k,) * n for field, (_, default, _) in _CONTROL_SETTINGS.items()}
+    return {**defaults, "control_modes": ((None,) * k,) * n}
