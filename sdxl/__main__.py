@@ -10,6 +10,7 @@ import numpy as np
 
 from . import bench, control_maps, images, launch, training
 from .checkpoints import CheckpointError, random_models
+from .controlnet_union import control_mode, describe_modes
 from .images import contact_sheet, image_count, save_png, to_pil
 from .pipeline import NonFiniteImageError
 from .request import (
@@ -103,6 +104,8 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     number(args.control_end, "--control-end", 0.0, 1.0)
     if args.canny is not None:
         control_maps.parse_thresholds(args.canny)
+    for mode in args.control_mode:
+        control_mode(mode)
     if args.mask is not None and args.image is None:
         raise ValueError("--mask needs --image, the image to inpaint")
 
@@ -123,6 +126,7 @@ def _controls(args: argparse.Namespace, pipe, request: Request) -> dict:
     n, k = len(request), len(maps)
     return dict(control_images=tuple(maps), control_scales=(tuple(scales),) * n,
                 control_starts=((args.control_start,) * k,) * n, control_ends=((args.control_end,) * k,) * n,
+                control_modes=(tuple(args.control_mode),) * n if args.control_mode else None,
                 control_preprocessors=(made_by,) * k)
 
 
@@ -164,6 +168,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the fraction of the steps after which the ControlNets steer (default: %(default)s)")
     parser.add_argument("--control-end", type=float, default=1.0,
                         help="the fraction of the steps after which they stop (default: %(default)s)")
+    parser.add_argument(
+        "--control-mode", action="append", default=[], metavar="MODE",
+        help="with a ControlNet Union (xinsir/controlnet-union-sdxl-1.0): what the control images are, one per "
+        f"--controlnet in order (a plain ControlNet ignores its own): {describe_modes()} (a name or the number)",
+    )
     parser.add_argument(
         "--canny", metavar="LOW,HIGH",
         help="make each control image Canny's edges of it, with these thresholds (e.g. 100,200); "

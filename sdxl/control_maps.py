@@ -42,8 +42,9 @@ class Preprocessor:
 
 def default_preprocessor(controlnet_name: str) -> str:
     """The preprocessor a ControlNet most likely wants, from its name: "canny" for a canny one (they
-    are trained on exactly `canny`'s maps), else "none" (the picture is the map)."""
-    return "canny" if "canny" in controlnet_name.lower() else "none"
+    are trained on exactly `canny`'s maps) or a Union (its canny mode is the one map made here), else
+    "none" (the picture is the map)."""
+    return "canny" if "canny" in controlnet_name.lower() or "union" in controlnet_name.lower() else "none"
 
 
 def control_map(picture: np.ndarray, preprocessor: str, canny_thresholds=DEFAULT_CANNY_THRESHOLDS) -> np.ndarray:

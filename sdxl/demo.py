@@ -40,6 +40,7 @@ class Control:
     scale: float = 1.0
     start: float = 0.0
     end: float = 1.0
+    mode: str | int | None = None  # a ControlNet Union's control mode (`controlnet_union.CONTROL_MODES`)
 
     @property
     def made_by(self) -> Preprocessor:
@@ -82,7 +83,7 @@ class Settings:
 # Each `Control` field's name in the form (and the API) for the first ControlNet; the others' add "_2", "_3", ...
 CONTROL_PARAMETERS = {"picture": "control_image", "preprocessor": "control_preprocessor", "canny_low": "canny_low",
                       "canny_high": "canny_high", "scale": "control_scale", "start": "control_start",
-                      "end": "control_end"}
+                      "end": "control_end", "mode": "control_mode"}
 
 
 def control_parameters(count: int) -> list[dict[str, str]]:
@@ -285,6 +286,7 @@ class DemoService:
             control_scales=(tuple(c.scale for c in controls),) * n,
             control_starts=(tuple(c.start for c in controls),) * n,
             control_ends=(tuple(c.end for c in controls),) * n,
+            control_modes=(tuple(c.mode for c in controls),) * n,
             control_preprocessors=tuple(c.made_by for c in controls),
         )
 

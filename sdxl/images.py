@@ -16,6 +16,7 @@ import numpy as np
 from PIL import Image, PngImagePlugin
 
 from . import lora, prompt_syntax
+from .controlnet_union import CONTROL_MODES
 from .prompt_syntax import A1111_EMPHASIS_NAMES
 from .sampling import SAMPLER_NAMES
 
@@ -175,10 +176,13 @@ def controlnet_infotext(pipe, request, i: int) -> dict[str, str]:
     made_by = request.control_preprocessors or (None,) * request.controls
     entries = {}
     for k, (controlnet, preprocessor) in enumerate(zip(pipe.controlnets[: request.controls], made_by)):
+        mode = request.control_modes[i][k] if request.control_modes else None
         fields = {**(preprocessor.infotext() if preprocessor else {"Module": "none"}),
                   "Model": controlnet_label(controlnet.name), "Weight": request.control_scales[i][k],
-                  "Guidance Start": request.control_starts[i][k], "Guidance End": request.control_ends[i][k]}
-        order = ("Module", "Model", "Weight", "Threshold A", "Threshold B", "Guidance Start", "Guidance End")
+                  "Guidance Start": request.control_starts[i][k], "Guidance End": request.control_ends[i][k],
+                  **({} if mode is None else {"Union Control Type": CONTROL_MODES[mode][0]})}
+        order = ("Module", "Model", "Weight", "Threshold A", "Threshold B", "Guidance Start", "Guidance End",
+                 "Union Control Type")
         entries[f"ControlNet {k}"] = ", ".join(f"{key}: {_number(fields[key])}" for key in order if key in fields)
     return entries
 

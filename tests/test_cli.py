@@ -45,6 +45,7 @@ def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
         (["--num-images", "-3"], "error: --num-images must be at least 1, got -3"),
         (["--mask", "mask.png"], "error: --mask needs --image, the image to inpaint"),
         (["--canny", "100"], "error: --canny takes LOW,HIGH"),
+        (["--control-mode", "sobel"], "error: a control mode is one of 0 openpose, 1 depth"),
         (["--image", "missing.png"], "error: cannot read the image"),
         (["--image", str(ROOT / "assets/shapes/README.md")], "error: cannot read the image"),
         (["--prompt", " "], "error: please enter a prompt (an empty prompt would give unguided, random images)"),

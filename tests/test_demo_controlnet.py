@@ -2,11 +2,14 @@
 output's size, settings per image, grids over the scale in one call, PNG parameters as A1111's
 ControlNet extension writes them, and bad input refused with a sentence."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from PIL import Image
 
 from sdxl import grid, images
+from sdxl.checkpoints import resolve
 from sdxl.checkpoints.random_models import write_controlnet
 from sdxl.control_maps import canny
 from sdxl.demo import Control, DemoService, Settings, control_parameters
@@ -113,3 +116,43 @@ def test_one_pipeline_renders_with_and_without_its_controlnets(service):
                                                                           Control(_picture()))))
     without, with_control = (service.pipe.render(r).images for r in (plain, steered))
     assert np.abs(without.astype(float) - with_control).mean() > 1, "the control images steer"
+
+
+@pytest.fixture(scope="module")
+def union_service(tmp_path_factory):
+    """The demo with a random 6-mode ControlNet Union for the tiny model, written by diffusers."""
+    from diffusers import ControlNetUnionModel, UNet2DConditionModel
+
+    from reference import randomize_
+
+    folder = tmp_path_factory.mktemp("union") / "controlnet-union-tiny"
+    unet = UNet2DConditionModel.from_pretrained(resolve("tiny").folder / "unet")
+    width = unet.config.block_out_channels[0]
+    layout = ControlNetUnionModel.from_unet(unet, conditioning_embedding_out_channels=(4, 8, 8, 16),
+                                            load_weights_from_unet=False)
+    union = ControlNetUnionModel.from_config(layout.config, num_control_type=6, num_trans_channel=width,
+                                             num_proj_channel=width, num_trans_head=4)
+    randomize_(union, 7)
+    union.save_pretrained(folder, safe_serialization=True)
+    pipe = Pipeline.from_pretrained("tiny", dtype="float32", controlnet=str(folder))
+    return DemoService(pipe, model_label="tiny", max_images_per_core=1)
+
+
+def test_a_controlnet_union_takes_its_mode_from_the_panel(union_service):
+    service = union_service
+    assert service.control_parameters[0]["mode"] == "control_mode"
+    settings = service.settings({"prompt": "a fox", "steps": 2, "control_image": _picture(),
+                                 "control_preprocessor": "canny", "control_mode": "canny"})
+    request = service.images(settings)
+    assert request.control_modes == ((3,),) * len(request)
+    assert "Union Control Type: canny" in service.png_parameters(request, 0)
+    depth = service.images(dataclasses.replace(settings, controls=(dataclasses.replace(settings.controls[0],
+                                                                                        mode="depth"),)))
+    canny_images, depth_images = (service.pipe.render(r).images for r in (request, depth))
+    assert np.abs(canny_images.astype(float) - depth_images).mean() > 1, "the mode steers"
+    with pytest.raises(ValueError, match="is a ControlNet Union: say what its control image is"):
+        service.images(dataclasses.replace(settings, controls=(dataclasses.replace(settings.controls[0],
+                                                                                    mode=None),)))
+    with pytest.raises(ValueError, match="a control mode is one of 0 openpose"):
+        service.images(dataclasses.replace(settings, controls=(dataclasses.replace(settings.controls[0],
+                                                                                    mode="sobel"),)))
