@@ -21,6 +21,7 @@ from PIL import Image
 from starlette.middleware import Middleware
 
 from sdxl import CheckpointError, control_maps, grid, images, launch, lora
+from sdxl.controlnet_union import CONTROL_MODES, describe_mode
 from sdxl.demo import Control, DemoService
 from sdxl.grid import GridPlan
 from sdxl.http_errors import HttpErrors
@@ -57,6 +58,7 @@ CACHE_EXPIRY = (600, 3600)  # Gradio's delete_cache: (every, older than), second
 MAX_UPLOAD = "8mb"
 COMPARE_PROMPTS = "One prompt per line, same seed"
 COMPARE_SEEDS = "One prompt, consecutive seeds"
+AXIS_VALUES_HINT = "comma-separated or one per line; ranges like 1-4; a prompt value found in the prompt replaces it"
 
 
 class Handlers:
@@ -68,55 +70,74 @@ class Handlers:
         self.service = service
 
     def generate(self, request: gr.Request, progress=gr.Progress(), **form):
-        yield from self._answer(request, progress, lambda settings: (self.service.images(settings), None), form)
+        yield from self._answer(request, progress, self.images, form)
 
-    def image_to_image(self, image, mask, strength, request: gr.Request, progress=gr.Progress(), **form):
-        def make(settings):
-            picture, painted = (None if f is None else images.read_image(_path_of(f)) for f in (image, mask))
-            return self.service.image_edit(settings, picture, painted, strength)
+    def image_to_image(self, request: gr.Request, progress=gr.Progress(), **form):
+        yield from self._answer(request, progress, self.image_edit, form)
 
-        yield from self._answer(request, progress, make, form)
+    def compare(self, request: gr.Request, progress=gr.Progress(), **form):
+        yield from self._answer(request, progress, self.comparison, form)
 
-    def compare(self, mode, prompts, num_seeds, request: gr.Request, progress=gr.Progress(), **form):
-        if not isinstance(prompts, (str, type(None))):
-            raise _user_error(f"prompts must be text (one per line), got {type(prompts).__name__} {prompts!r:.80}")
-        if mode not in (COMPARE_PROMPTS, COMPARE_SEEDS):
-            raise _user_error(f"compare mode must be {COMPARE_PROMPTS!r} or {COMPARE_SEEDS!r}, got {mode!r}")
-
-        def make(settings):
-            if mode == COMPARE_PROMPTS:
-                return self.service.prompt_comparison(settings, (prompts or "").splitlines()), None
-            settings = dataclasses.replace(settings, prompt=(prompts or "").strip())
-            return self.service.seed_comparison(settings, num_seeds), None
-
-        yield from self._answer(request, progress, make, form)
-
-    def grid(self, x_axis, x_values, y_axis, y_values, request: gr.Request, progress=gr.Progress(), **form):
+    def grid(self, request: gr.Request, progress=gr.Progress(), **form):
         """A comparison grid: its labelled image, the cells in the gallery, and a status with the
         number of device calls it took."""
-        try:
-            plan = self.service.grid(self._settings(form), x_axis or None, x_values, y_axis or None, y_values)
-        except ValueError as e:
-            raise _user_error(str(e)) from e
+        plan = self._built(self.grid_plan, form)
         yield from _routed(request, self._grid(plan, _owner(request), progress))
 
+    def check(self, build, **form) -> None:
+        """What a tab's button submits, built and dropped: the page runs this first, unqueued and with
+        no outputs, so that a bad value is one message and the gallery and status keep what they show."""
+        self._built(build, form)
+
+    # What each tab submits, from the form's fields by name; each raises ValueError.
+
+    def images(self, form) -> tuple[Request, None]:
+        return self.service.images(self._settings(form)), None
+
+    def image_edit(self, form) -> tuple[Request, str | None]:
+        picture, painted = (None if form.get(f) is None else images.read_image(_path_of(form[f])) for f in
+                            ("image", "mask"))
+        return self.service.image_edit(self._settings(form), picture, painted, form.get("strength"))
+
+    def comparison(self, form) -> tuple[Request, None]:
+        mode, prompts = form.get("mode"), form.get("prompts")
+        if not isinstance(prompts, (str, type(None))):
+            raise ValueError(f"prompts must be text (one per line), got {type(prompts).__name__} {prompts!r:.80}")
+        if mode not in (COMPARE_PROMPTS, COMPARE_SEEDS):
+            raise ValueError(f"compare mode must be {COMPARE_PROMPTS!r} or {COMPARE_SEEDS!r}, got {mode!r}")
+        settings = self._settings(form)
+        if mode == COMPARE_PROMPTS:
+            return self.service.prompt_comparison(settings, (prompts or "").splitlines()), None
+        settings = dataclasses.replace(settings, prompt=(prompts or "").strip())
+        return self.service.seed_comparison(settings, form.get("num_seeds")), None
+
+    def grid_plan(self, form) -> GridPlan:
+        return self.service.grid(self._settings(form), form.get("x_axis") or None, form.get("x_values"),
+                                 form.get("y_axis") or None, form.get("y_values"))
+
     def reuse(self, png):
-        """The settings a PNG made by this demo (or A1111) records, for the form's fields; fields it
-        does not name are left as they are."""
+        """The settings a PNG made by this demo (or A1111) records, for the form's fields, and Advanced
+        opened to show them; fields it does not name are left as they are. A message says what was
+        filled in."""
         keep = gr.update()
-        if png is None:
-            return [keep] * 9
         try:
             with Image.open(_path_of(png)) as picture:
                 found = images.read_parameters(picture.info.get("parameters", ""))
-        except (OSError, ValueError) as e:
-            raise _user_error(f"cannot reuse that image's settings: {e}") from e
+        except (OSError, ValueError) as e:  # a warning, not an error: the fields keep what they hold
+            gr.Warning(f"cannot reuse that image's settings: {e}")
+            return [keep] * 10
         size = (found.get("width"), found.get("height"))
+        size = size if size in self.service.sizes else None
+        filled = {"seed": found.get("seed"), "guidance": found.get("guidance_scale"), "steps": found.get("steps"),
+                  "sampler": SAMPLER_NAMES.get(found.get("sampler")), "emphasis": found.get("emphasis"),
+                  "size": size and _size_label(*size)}
+        gr.Info("Filled in: the prompts" + "".join(f", {name} {value}" for name, value in filled.items()
+                                                   if value is not None), title="Settings reused")
         return [
             found["prompt"], found["negative_prompt"],
             found.get("seed", keep), False if "seed" in found else keep,
             found.get("guidance_scale", keep), found.get("steps", keep), found.get("sampler", keep),
-            found.get("emphasis", keep), _size_label(*size) if size in self.service.sizes else keep,
+            found.get("emphasis", keep), _size_label(*size) if size else keep, gr.Accordion(open=True),
         ]
 
     def prompt_length(self, text, emphasis, negative: bool = False) -> str:
@@ -138,13 +159,17 @@ class Handlers:
         form = {k: _control_picture(v) if k in pictures and v is not None else v for k, v in form.items()}
         return self.service.settings(form)
 
-    def _answer(self, request: gr.Request, progress, make, form):
-        """Renders the request `make(settings)` builds, with a note for the status (or None)."""
+    def _answer(self, request: gr.Request, progress, build, form):
+        """Renders the request `build(form)` makes, with a note for the status (or None)."""
+        built, note = self._built(build, form)
+        yield from _routed(request, self._render(built, _owner(request), progress, note))
+
+    @staticmethod
+    def _built(build, form):
         try:
-            built, note = make(self._settings(form))
+            return build(form)
         except ValueError as e:
             raise _user_error(str(e)) from e
-        yield from _routed(request, self._render(built, _owner(request), progress, note))
 
     def _submit(self, request: Request, owner: str | None):
         try:
@@ -222,7 +247,7 @@ class Handlers:
 
     def _finished(self, request: Request, ticket, result, note: str | None) -> tuple[list, str]:
         _raise_if_not_finite(result)
-        gallery = [(picture, f"seed {request.seeds[i]} · image {request.image_index[i]} · {result.devices[i]}")
+        gallery = [(picture, _caption(request, i, result.devices[i]))
                    for i, picture in enumerate(self._pictures(request, result))]
         notes = [note] if note else []
         if ticket.batch_images > len(request):
@@ -307,6 +332,18 @@ def _control_picture(upload) -> Image.Image:
         raise ValueError(f"the control image: {e}") from e
 
 
+def _caption(request: Request, i: int, device: str) -> str:
+    """Image i's caption: what tells it from the others (its prompt where prompts differ, as when
+    comparing prompts), its seed, its image index where those differ, and the core it ran on."""
+    parts = [f"seed {request.seeds[i]}", f"image {request.image_index[i]}", device]
+    if len(set(request.image_index)) == 1:
+        parts.remove(f"image {request.image_index[i]}")
+    if len(set(request.prompts)) > 1:
+        prompt = request.prompts[i]
+        parts.insert(0, prompt if len(prompt) <= 40 else prompt[:39] + "…")
+    return " · ".join(parts)
+
+
 def _size_label(width: int, height: int) -> str:
     return f"{width}×{height}"
 
@@ -359,12 +396,25 @@ const label = () => {
 new MutationObserver(label).observe(document.documentElement, {childList: true, subtree: true});
 </script>"""
 
+# Gradio 6.31's image editor, once it holds an upload, never shows a picture a handler sets (it spins
+# until reloaded); its own "Clear canvas" button first puts it back where a new picture shows.
+CLEAR_EDITOR = """() => {
+  document.querySelector('#image-editor button[aria-label="Clear canvas"]')?.click();
+}"""
+
 # The token count under each prompt box: a quiet caption, close to the box it counts.
 CSS = """
 .prompt-length, .prompt-length * {
     font-size: var(--text-sm) !important; color: var(--body-text-color-subdued) !important;
 }
 .prompt-length p { margin: 0 0 0 var(--spacing-md); }
+.pixelated img { image-rendering: pixelated; }
+/* The gallery as tall as its thumbnails (Gradio keeps 450 px, mostly empty under a row of four); a
+   selected image's preview, drawn over them, keeps the full height. */
+#gallery .gallery-container:not(:has(.preview)) .grid-wrap.fixed-height { min-height: 0; height: auto; }
+/* The PNG drop zone as tall as what it says (Gradio's is 240 px, or clips its text when made lower). */
+#reuse-png .upload-container, #reuse-png .upload-container .wrap { min-height: 0; height: auto; }
+#reuse-png .upload-container .wrap { padding: 30px 0 var(--spacing-md); }
 """
 
 
@@ -394,12 +444,13 @@ def _optional(handler, names: list[str]):
     return with_defaults
 
 
-def _control_panel(service: DemoService) -> list[dict]:
+def _control_panel(service: DemoService) -> tuple[gr.Accordion, list[dict]]:
     """The ControlNet panel: for each launched ControlNet, its picture, preprocessor and the map they
-    make, and its scale, start and end. Returns each one's components by `Control` field (and "map")."""
+    make, and its scale, start and end. Returns the panel, and each one's components by `Control`
+    field (and "map")."""
     pipe = service.pipe
     panels = []
-    with gr.Accordion("ControlNet", open=False, elem_id="controlnet"):
+    with gr.Accordion("ControlNet", open=False, elem_id="controlnet") as accordion:
         gr.Markdown("Steer every tab's images with edges, a depth map or a pose: upload a picture or send one "
                     "from the gallery. Canny draws its edges; a depth map or an OpenPose skeleton is given as it "
                     "is. It steers from Start to End, fractions of the steps, with Scale's strength. Clear the "
@@ -420,14 +471,27 @@ def _control_panel(service: DemoService) -> list[dict]:
                     low, high = (gr.Slider(1, 255, value=value, step=1, label=f"Canny {which} threshold",
                                            visible=canny)
                                  for value, which in zip(control_maps.DEFAULT_CANNY_THRESHOLDS, ("low", "high")))
+                fields = {}
+                modes = getattr(controlnet.config, "num_control_type", 0)  # a ControlNet Union's
+                if modes:
+                    fields["mode"] = gr.Dropdown(
+                        [(describe_mode(m), CONTROL_MODES[m][0]) for m in range(modes)], value="canny" if canny
+                        else "depth", label="Control mode", info="what the control map is (a ControlNet Union)")
                 with gr.Row():
                     scale = gr.Slider(0, 2, value=default_control_scale(pipe.spec, image=False, inpainting=False),
                                       step=0.05, label="Scale")
                     start = gr.Slider(0, 1, value=0, step=0.05, label="Start")
                     end = gr.Slider(0, 1, value=1, step=0.05, label="End")
             panels.append({"picture": picture, "map": shown, "preprocessor": preprocessor, "canny_low": low,
-                           "canny_high": high, "scale": scale, "start": start, "end": end})
-    return panels
+                           "canny_high": high, "scale": scale, "start": start, "end": end, **fields})
+    return accordion, panels
+
+
+def _require_picked(path: str | None) -> None:
+    """Raises a message unless an image is selected, for the buttons that use it."""
+    if path is None:
+        raise gr.Error("select an image first (click one in the gallery, or in the history)",
+                       title="Nothing selected", print_exception=False)
 
 
 def create_demo(handlers: Handlers) -> gr.Blocks:
@@ -438,11 +502,16 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
     # Generated images are served from Gradio's cache: clear what is older than an hour, every 10 minutes.
     with gr.Blocks(title="SDXL on JAX", delete_cache=CACHE_EXPIRY) as blocks:
         gr.Markdown(f"# SDXL on JAX\n`{service.model_label}` on {pipe.device_description}: one image per core.")
-        if service.notice:
-            gr.Markdown(f"**Note:** {service.notice}", elem_id="model-notice")
-        if settings.note:
-            gr.Markdown(f"{settings.note}: the defaults below are {settings.steps} step(s) at guidance "
-                        f"{settings.guidance_scale:g}.", elem_id="model-settings")
+        defaults = (f"{settings.note}: the defaults below are {settings.steps} step(s) at guidance "
+                    f"{settings.guidance_scale:g}." if settings.note else "")
+        if service.notice:  # one line above the controls; the reason and the way to real models behind it
+            gr.Markdown(f"**Showing the built-in {service.model_label} model instead** of the one asked for: "
+                        "it draws coloured shapes from a few English words (try the examples).",
+                        elem_id="model-notice")
+            with gr.Accordion("Why, and how to get SDXL", open=False, elem_id="model-notice-details"):
+                gr.Markdown(f"{service.notice}\n\n{defaults}")
+        elif defaults:
+            gr.Markdown(defaults, elem_id="model-settings")
         # Controls on the left, the gallery on the right: on a laptop screen the prompt, the button and
         # the pictures are all in view; on a phone the columns stack.
         with gr.Row(equal_height=False):
@@ -469,7 +538,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                         image_prompt_length = _length_line("image-prompt-length")
                         strength = gr.Slider(0.05, 1, value=default_strength(pipe.spec, inpainting=False),
                                              step=0.05, label="Strength",
-                                             info="how much changes: 0.3 keeps the picture, 1 redraws it "
+                                             info="how much changes: low keeps the picture, 1 redraws it "
                                              "(inpainting: only where painted)")
                         image_run = gr.Button("Generate from image", variant="primary", elem_id="image-generate")
                     with gr.Tab("Compare"):
@@ -490,15 +559,13 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                                 *control_axes]
                         with gr.Row():
                             x_axis = gr.Dropdown(axes, value="seed", label="X axis")
-                            x_values = gr.Textbox("1-4", label="X values", info="comma-separated or one per "
-                                                  "line; ranges like 1-4 for seeds and steps")
+                            x_values = gr.Textbox("1-4", label="X values", info=AXIS_VALUES_HINT)
                         with gr.Row():
                             y_axis = gr.Dropdown(axes, value="guidance_scale", label="Y axis")
-                            y_values = gr.Textbox("3, 7", label="Y values", info="a prompt axis whose first "
-                                                  "value is in the prompt replaces it (Prompt S/R)")
+                            y_values = gr.Textbox("3, 7", label="Y values", info=AXIS_VALUES_HINT)
                         grid_run = gr.Button("Make grid", variant="primary", elem_id="grid-run")
-                controls = _control_panel(service) if pipe.controlnets else []
-                with gr.Accordion("Advanced", open=False):
+                control_accordion, controls = _control_panel(service) if pipe.controlnets else (None, [])
+                with gr.Accordion("Advanced", open=False) as advanced:
                     with gr.Row():
                         # precision=None: Gradio would round a fractional seed (1.5 -> 2) before our check sees it.
                         seed = gr.Number(label="Seed", value=0, precision=None, minimum=0, maximum=MAX_SEED)
@@ -509,7 +576,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                     )
                     steps = gr.Slider(1, pipe.max_steps, value=settings.steps, step=1, label="Steps")
                     size = gr.Dropdown([_size_label(w, h) for w, h in service.sizes], value=_size_label(*native),
-                                       label="Size")
+                                       label="Size", info="Image to image takes the size nearest its picture's")
                     per_core = gr.Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
                     sampler = gr.Dropdown(
                         [(label, name) for name, label in SAMPLER_NAMES.items()], value=pipe.spec.default_sampler,
@@ -534,8 +601,11 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                     width = gr.Number(value=native[0], precision=None, visible=False)
                     height = gr.Number(value=native[1], precision=None, visible=False)
             with gr.Column(scale=1, min_width=380):
+                # Pictures of a few dozen pixels (the shapes model's) are shown as pixels, not blurred.
+                small = max(native) <= 256
                 gallery = gr.Gallery(label="Images", columns=min(4, service.max_images), format="png",
-                                     elem_id="gallery", interactive=False)
+                                     elem_id="gallery", interactive=False, height="auto", object_fit="contain",
+                                     elem_classes="pixelated" if small else None)
                 status = gr.Markdown(elem_id="status")
                 with gr.Row():
                     send = gr.Button("Send the selected image to image-to-image", size="sm", elem_id="send")
@@ -544,11 +614,12 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                     reuse_run = gr.Button("Reuse its settings", size="sm", elem_id="reuse")
                 grid_image = gr.Image(label="Grid", type="pil", format="png", visible=False, elem_id="grid-image")
                 reuse_file = gr.File(label="Drop a PNG made here (or by A1111) to reuse its settings",
-                                     file_types=[".png"], elem_id="reuse-png", height=90)
+                                     file_types=[".png"], elem_id="reuse-png")
                 with gr.Accordion("History (this session)", open=False):
                     history = gr.Gallery(label="Earlier results: select one, then reuse its settings",
                                          columns=6, height=200, format="png", elem_id="history",
-                                         interactive=False)
+                                         interactive=False, object_fit="contain",
+                                         elem_classes="pixelated" if small else None)
                     history_reuse = gr.Button("Reuse the selected result's settings", size="sm")
         # The API's image inputs, filled from the editor for the page's own requests.
         image_in = gr.Image(type="filepath", format="png", visible=False)
@@ -557,7 +628,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
         history_selected = gr.State(None)
         past = gr.State([])  # this browser session's results, newest first
         control_form = {name: fields[field] for names, fields in zip(service.control_parameters, controls)
-                        for field, name in names.items()}
+                        for field, name in names.items() if field in fields}
         for field in (prompt, negative, compare_prompts, compare_negative, num_seeds, seed, guidance, steps, per_core,
                       width, height, *lora_sliders, style, compare_style, mode, sampler, emphasis, image_prompt,
                       strength, refine, refine_from, image_in, mask_in, grid_prompt, x_axis, x_values, y_axis,
@@ -591,9 +662,18 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
 
         limit = service.queue.max_queued
         pictures = [names["picture"] for names in service.control_parameters]
-        generate, image_to_image, compare, make_grid = (
-            _optional(handler, pictures) for handler in (handlers.generate, handlers.image_to_image,
-                                                          handlers.compare, handlers.grid))
+        generate, compare, make_grid = (_optional(handler, pictures)
+                                        for handler in (handlers.generate, handlers.compare, handlers.grid))
+        image_to_image = _optional(handlers.image_to_image, ["mask", *pictures])
+
+        # Checks run in the queue, with no outputs: Gradio shows a queued event's error as one message
+        # (an unqueued one's not at all), and marks no output with an error badge.
+        def checked(listen, build, form):
+            """`listen` (an event, or `.then` of one) runs what a button submits built and dropped
+            (`Handlers.check`): a bad value is one message, and the gallery and status keep what they
+            show. Returns the `success` chain, for the handler that submits it."""
+            return listen(functools.partial(handlers.check, build), inputs_kwargs=form, outputs=None,
+                          api_name=False, show_progress="hidden").success
         loras = dict(zip(service.lora_parameters, lora_sliders))
         refining = {"refine": refine, "refine_from": refine_from}
         common = {"seed": seed, "guidance_scale": guidance, "steps": steps}
@@ -602,16 +682,17 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                          "images_per_core": per_core, "sampler": sampler, "emphasis": emphasis, **refining, **loras,
                          **control_form}
         for trigger, api_name in ((run.click, "generate"), (prompt.submit, False)):
-            trigger(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
+            picked = trigger(pick_seed, [seed, randomize], seed, api_name=False, queue=False)
+            checked(picked.then, handlers.images, generate_form)(
                 generate, inputs_kwargs=generate_form, outputs=[gallery, status], api_name=api_name,
                 concurrency_limit=limit,
             ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
         image_form = {"prompt": image_prompt, "negative_prompt": negative, "style": style, **common,
                       "image": image_in, "mask": mask_in, "strength": strength, "images_per_core": per_core,
                       "sampler": sampler, "emphasis": emphasis, **refining, **loras, **control_form}
-        image_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
-            _mask_of, editor, [image_in, mask_in], api_name=False, queue=False,
-        ).then(
+        picked = image_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
+            _mask_of, editor, [image_in, mask_in], api_name=False, queue=False)
+        checked(picked.then, handlers.image_edit, image_form)(
             image_to_image, inputs_kwargs=image_form, outputs=[gallery, status], api_name="image_to_image",
             concurrency_limit=limit,
         ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
@@ -619,17 +700,19 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                         "style": compare_style, "seed": seed, "num_seeds": num_seeds, "guidance_scale": guidance,
                         "steps": steps, **dimensions, "sampler": sampler, "emphasis": emphasis, **loras,
                         **control_form}
-        compare_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False).then(
+        picked = compare_run.click(pick_seed, [seed, randomize], seed, api_name=False, queue=False)
+        checked(picked.then, handlers.comparison, compare_form)(
             compare, inputs_kwargs=compare_form, outputs=[gallery, status], api_name="compare",
             concurrency_limit=limit,
         ).success(remember, [gallery, past], [past, history], api_name=False, queue=False)
         grid_form = {"prompt": grid_prompt, "negative_prompt": negative, "style": style, **common, **dimensions,
                      "sampler": sampler, "emphasis": emphasis, "x_axis": x_axis, "x_values": x_values,
                      "y_axis": y_axis, "y_values": y_values, **loras, **control_form}
-        grid_run.click(
+        checked(grid_run.click, handlers.grid_plan, grid_form)(
             make_grid, inputs_kwargs=grid_form, outputs=[grid_image, gallery, status], api_name="grid",
             concurrency_limit=limit,
-        ).success(lambda: gr.update(visible=True), None, grid_image, api_name=False, queue=False)
+        ).success(lambda: gr.update(visible=True), None, grid_image, api_name=False, queue=False).then(
+            remember, [gallery, past], [past, history], api_name=False, queue=False)
         for button in (run, image_run, compare_run):
             button.click(lambda: gr.update(visible=False), None, grid_image, api_name=False, queue=False)
 
@@ -638,14 +721,22 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
 
         gallery.select(select, None, selected, api_name=False, queue=False)
         history.select(select, None, history_selected, api_name=False, queue=False)
-        send.click(lambda path: path, selected, editor, api_name=False, queue=False).then(
-            lambda: gr.Tabs(selected="image-tab"), None, tabs, api_name=False, queue=False)
+        def chosen(button, picked):
+            """`button`'s click, refused with a message unless an image is picked; returns the `success` chain."""
+            return button.click(_require_picked, picked, None, api_name=False, show_progress="hidden").success
+
+        # The editor cleared in the page first (`CLEAR_EDITOR`), then the picture, the image prompt
+        # (Generate's, unless it has its own) and the tab, in one update.
+        chosen(send, selected)(None, js=CLEAR_EDITOR, api_name=False, queue=False).then(
+            lambda path, text, own: [path, own or text, gr.Tabs(selected="image-tab")],
+            [selected, prompt, image_prompt], [editor, image_prompt, tabs], api_name=False, queue=False)
         if controls:
-            send_control.click(lambda path: path, selected, controls[0]["picture"], api_name=False, queue=False)
-        reused = [prompt, negative, seed, randomize, guidance, steps, sampler, emphasis, size]
-        reuse_run.click(handlers.reuse, selected, reused, api_name=False, queue=False)
-        history_reuse.click(handlers.reuse, history_selected, reused, api_name=False, queue=False)
-        reuse_file.upload(handlers.reuse, reuse_file, reused, api_name=False, queue=False)
+            chosen(send_control, selected)(lambda path: [path, gr.Accordion(open=True)], selected,
+                                           [controls[0]["picture"], control_accordion], api_name=False, queue=False)
+        reused = [prompt, negative, seed, randomize, guidance, steps, sampler, emphasis, size, advanced]
+        chosen(reuse_run, selected)(handlers.reuse, selected, reused, api_name=False)  # queued: its messages show
+        chosen(history_reuse, history_selected)(handlers.reuse, history_selected, reused, api_name=False)
+        reuse_file.upload(handlers.reuse, reuse_file, reused, api_name=False)
     blocks.queue(max_size=limit, default_concurrency_limit=limit)
     return blocks
 

@@ -785,3 +785,83 @@ def test_browser_generate(shapes_server, tmp_path):
             scores.append(score(np.asarray(Image.open(io.BytesIO(response.read())).convert("RGB"))))
     right = [(s["color"], s["background"], s["shape"]) == ("red", "blue", "circle") for s in scores]
     assert sum(right) >= 3, scores  # the model's accuracy is measured in test_shapes; here, the page's
+
+
+def test_browser_first_five_minutes(shapes_server, tmp_path):
+    """Issue 29, on the real page: what a first visitor tripped over, checked by element sizes and
+    positions (1 send after an upload, 2 the gallery's size, 5 the drop zone, 6 errors, 8 history
+    and reuse)."""
+    from playwright.sync_api import expect
+
+    def box(selector: str) -> dict:
+        found = page.locator(selector).first.bounding_box()
+        assert found, selector
+        return found
+
+    def inside(inner: dict, outer: dict, slack: float = 1.0) -> bool:
+        return (inner["x"] >= outer["x"] - slack and inner["y"] >= outer["y"] - slack
+                and inner["x"] + inner["width"] <= outer["x"] + outer["width"] + slack
+                and inner["y"] + inner["height"] <= outer["y"] + outer["height"] + slack)
+
+    upload = tmp_path / "blue.png"
+    Image.new("RGB", (64, 64), (30, 60, 220)).save(upload)
+    with _browser(tmp_path) as browser:
+        page = browser.new_page()
+        page.goto(shapes_server.url, wait_until="load")
+        expect(page.locator("#generate")).to_be_visible(timeout=30_000)
+        # 9: one line of notice above the controls; the details behind a disclosure.
+        assert box("#model-notice")["height"] <= 60 and box("#prompt textarea")["y"] < 400
+        # 5: the drop zone shows its whole prompt.
+        expect(page.locator("#reuse-png")).to_contain_text("Click to Upload")
+        assert inside(box("#reuse-png .upload-container .wrap"), box("#reuse-png"))
+        # 1 (the setup): a picture uploaded to the image editor before anything is sent there.
+        page.get_by_role("tab", name="Image to image").click()
+        page.locator("#image-editor input[type=file]").set_input_files(str(upload))
+        page.get_by_role("tab", name="Generate").click()
+        # 7: Send with nothing selected says so and stays on the tab.
+        page.locator("#send").click()
+        expect(page.locator(".toast-body").filter(has_text="select an image first")).to_have_count(1)
+        expect(page.get_by_role("tab", name="Generate")).to_have_attribute("aria-selected", "true")
+        page.locator("#prompt textarea").fill("a red circle on a blue background")
+        page.locator("#generate").click()
+        expect(page.locator("#gallery img")).to_have_count(4, timeout=CALL_TIMEOUT * 1000)
+        # 2: the gallery is as tall as its row of four thumbnails, not a mostly empty box.
+        thumbnails = box("#gallery .grid-container")
+        assert box("#gallery")["height"] <= thumbnails["height"] + 60, (box("#gallery"), thumbnails)
+        # 6: an empty prompt is one message; the images and the status stay.
+        page.locator("#prompt textarea").fill("")
+        page.locator("#generate").click()
+        expect(page.locator(".toast-body").filter(has_text="please enter a prompt")).to_have_count(1)
+        expect(page.locator("#gallery img")).to_have_count(4)
+        expect(page.locator("#status")).to_contain_text("4 images")
+        assert "Error" not in page.locator("#gallery").inner_text() + page.locator("#status").inner_text()
+        page.locator("#prompt textarea").fill("a red circle on a blue background")
+        # 2: a selected image is shown whole, its caption inside the gallery.
+        page.locator("#gallery .thumbnail-item").first.click()
+        expect(page.locator("#gallery .preview")).to_be_visible()
+        assert inside(box("#gallery .preview img"), box("#gallery"))
+        assert inside(box("#gallery .preview .caption"), box("#gallery"))
+        # 1: sent after the upload, the picture shows in the editor within seconds, with the prompt.
+        page.locator("#send").click()
+        expect(page.get_by_role("tab", name="Image to image")).to_have_attribute("aria-selected", "true")
+        expect(page.locator("#image-prompt textarea")).to_have_value("a red circle on a blue background")
+        page.wait_for_timeout(3000)
+        assert "processing" not in page.locator("#image-editor").inner_text()
+        page.screenshot(path=str(_artifacts() / "app-sent.png"), full_page=True)
+        # 8: a grid's cells reach the history; reusing a result says what it filled in and shows it.
+        page.get_by_role("tab", name="Grid").click()
+        page.locator("#grid-prompt textarea").fill("a red circle on a blue background")
+        page.get_by_label("X values").fill("1, 2")
+        page.get_by_label("Y axis").click()
+        page.get_by_role("option", name="none").click()
+        page.locator("#grid-run").click()
+        expect(page.locator("#status")).to_contain_text("2 images", timeout=CALL_TIMEOUT * 1000)
+        page.get_by_text("History (this session)").click()
+        expect(page.locator("#history .thumbnail-item")).to_have_count(6, timeout=30_000)
+        page.locator("#history .thumbnail-item").first.click()
+        page.get_by_role("button", name="Reuse the selected result's settings").click()
+        expect(page.locator(".toast-body").filter(has_text="Filled in: the prompts, seed 1")).to_have_count(1)
+        expect(page.get_by_label("Seed", exact=True)).to_be_visible()  # Advanced opened
+        expect(page.get_by_label("Seed", exact=True)).to_have_value("1")
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.screenshot(path=str(_artifacts() / "app-phone.png"), full_page=True)
