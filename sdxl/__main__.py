@@ -15,7 +15,7 @@ from .images import contact_sheet, image_count, save_png, to_pil
 from .pipeline import NonFiniteImageError
 from .request import (
     DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, default_control_scale,
-    default_strength, guidance_scale, integer, number, split_scale,
+    default_strength, guidance_scale, integer, number, required_prompt, split_scale,
 )
 from .sampling import SAMPLERS
 
@@ -85,7 +85,7 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     Raises:
       ValueError: the first bad value, in one sentence.
     """
-    launch.required_prompt(args.prompt)
+    required_prompt(args.prompt)
     if args.steps is not None:
         integer(args.steps, "steps", 1, _max_steps(args))
     integer(args.seed, "seed", 0, MAX_SEED)

@@ -20,6 +20,7 @@ from .pipeline import Pipeline
 from .prompt_syntax import EMPHASIS_MODES
 from .request import (
     DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, integer, number,
+    required_prompt,
 )
 from .serving import DeviceQueue
 from .styles import NO_STYLE, STYLES
@@ -314,8 +315,7 @@ class DemoService:
             raise ValueError(f"unknown style {style!r}; choose one of: {', '.join(STYLES)}")
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be text, got {type(prompt).__name__} {prompt!r:.80}")
-        if not prompt.strip():
-            raise ValueError("please enter a prompt (an empty prompt would give unguided, random images)")
+        required_prompt(prompt)
         if not isinstance(negative_prompt, (str, type(None))):
             raise ValueError(f"negative prompt must be text, got {negative_prompt!r:.80}")
         return STYLES[style].apply(prompt, negative_prompt or "")

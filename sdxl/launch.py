@@ -30,17 +30,6 @@ log = logging.getLogger(__name__)
 FALLBACK_MODEL = "shapes"  # trained here, shipped in assets/: it draws what it is told, offline
 
 
-def required_prompt(prompt: str) -> str:
-    """`prompt`, which must have words: the demo refuses an empty one too (`DemoService._styled`).
-
-    Raises:
-      ValueError: it is empty or blank, in one sentence.
-    """
-    if not prompt.strip():
-        raise ValueError("please enter a prompt (an empty prompt would give unguided, random images)")
-    return prompt
-
-
 def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
     """The options the demo and the CLI share: the model and what loads with it, and how prompts'
     weights apply. With `env` (the demo's environment), each defaults to its SDXL_* variable there

@@ -109,6 +109,18 @@ def _text(value, label: str) -> str:
     return value
 
 
+def required_prompt(prompt: str) -> str:
+    """`prompt`, which must have words: the demo and the CLI refuse an empty one
+    (the library renders it: diffusers does).
+
+    Raises:
+      ValueError: it is empty or blank, in one sentence.
+    """
+    if not prompt.strip():
+        raise ValueError("please enter a prompt (an empty prompt would give unguided, random images)")
+    return prompt
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """Images to render: one entry per image in each per-image tuple.
