@@ -16,8 +16,10 @@ from typing import TypeVar
 
 from PIL import Image, ImageDraw, ImageFont
 
-from .request import CONTROL_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request, guidance_scale, integer, number
-from .sampling import SAMPLER_NAMES, SAMPLERS
+from .request import (
+    CONTROL_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request, guidance_scale, integer, number, sampler_name,
+)
+from .sampling import SAMPLER_NAMES
 from .styles import STYLES
 
 MAX_CELLS = 64
@@ -98,11 +100,7 @@ def _value(name: str, text: str, max_steps: int, loras: Sequence[str]):
     if name == "steps":
         return integer(text, "steps", 1, max_steps)
     if name == "sampler":
-        by_label = {label.lower(): key for key, label in SAMPLER_NAMES.items()}
-        sampler = by_label.get(text.lower(), text)
-        if sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler {text!r}; choose from: {', '.join(SAMPLERS)}")
-        return sampler
+        return sampler_name(text)
     if name in CONTROL_AXES:
         return number(text, name.replace("_", " "), *CONTROL_AXES[name])
     if name.startswith(LORA_AXIS) and name[len(LORA_AXIS):] in loras:

@@ -19,7 +19,7 @@ import numpy as np
 
 from .controlnet_union import control_mode
 from .prompt_syntax import EMPHASIS_MODES
-from .sampling import SAMPLERS, WHOLE_SCHEDULE_ONLY
+from .sampling import SAMPLER_NAMES, SAMPLERS, WHOLE_SCHEDULE_ONLY
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
 DEFAULT_STEPS = 25
@@ -289,9 +289,7 @@ class Request:
         n = len(self)
         if n == 0 or any(len(getattr(self, f)) != n for f in _PER_IMAGE):
             raise ValueError("every per-image value needs the same, non-zero, number of entries")
-        sampler = spec.default_sampler if self.sampler is None else self.sampler
-        if sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler {sampler!r}; choose one of: {', '.join(SAMPLERS)}")
+        sampler = spec.default_sampler if self.sampler is None else sampler_name(self.sampler)
         f = spec.latent_factor
         sizes = {}
         for label in ("height", "width"):
@@ -408,6 +406,21 @@ class Request:
             )
         settings["control_modes"] = tuple(tuple(None if m is None else control_mode(m) for m in v) for v in modes)
         return {"control_images": tuple(_pixels(image) for image in self.control_images), **settings}
+
+
+def sampler_name(value) -> str:
+    """A sampler's name in `SAMPLERS`, from it or its label as the UIs show it ("DPM++ 2M Karras"),
+    in any case.
+
+    Raises:
+      ValueError: naming each sampler by name and label.
+    """
+    by_label = {label.lower(): name for name, label in SAMPLER_NAMES.items()}
+    name = by_label.get(value.lower(), value.lower()) if isinstance(value, str) else value
+    if name not in SAMPLERS:
+        choices = ", ".join(f"{name} ({SAMPLER_NAMES[name]})" for name in SAMPLERS)
+        raise ValueError(f"unknown sampler {value!r}; choose one of: {choices}")
+    return name
 
 
 def _choice(value, label: str, choices: Sequence[str]) -> str:

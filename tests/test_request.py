@@ -74,3 +74,12 @@ def test_loras_are_checked_sorted_and_part_of_the_batch_key():
     assert _request().validated(SPEC, max_steps=50).loras is None  # the pipeline's own LoRAs
     with pytest.raises(ValueError, match=r"LoRA scale of a.safetensors must be a number from -4 to 4, got 9"):
         _request(loras=(("a.safetensors", 9),)).validated(SPEC, max_steps=50)
+
+
+def test_a_sampler_is_taken_by_its_name_or_its_label_and_refused_with_both():
+    from sdxl.request import sampler_name
+
+    assert sampler_name("DPM++ 2M") == sampler_name("dpmpp_2m") == "dpmpp_2m"
+    assert sampler_name("euler A") == "euler_ancestral"
+    with pytest.raises(ValueError, match=r"choose one of: euler \(Euler\), euler_ancestral \(Euler a\)"):
+        sampler_name("lms")
