@@ -14,6 +14,10 @@ One run measures one model at one image size, step count and batch size:
 - achieved TFLOP/s from XLA's cost analysis, and MFU against the device's peak;
 - the cost of progress reporting (`render(..., on_step=...)`, a chain of staged programs) against the
   single program;
+- the cost of one ControlNet (`controlnet.py`): the same batch steered by a random ControlNet of the
+  model's UNet shape (as diffusers' `ControlNetModel.from_unet` makes one; SDXL's published one at
+  SDXL's size), timed in turn with the batch without it; its parameters' bytes per device; and the
+  FLOPs of one guided step with it over without;
 - the compilations over a sweep of prompt, seed, guidance and step count (expected: none);
 - peak device memory, where the backend reports it.
 

@@ -92,6 +92,8 @@ def step_flops(
     height: int,
     width: int,
     dtype=jnp.bfloat16,
+    *,
+    compiled: bool = False,
 ) -> float:
     """XLA's FLOP count of one denoising step's model evaluation on `batch` rows (2 per image with
     guidance): the UNet, steered by a ControlNet of `controlnet_config` when given, as the
@@ -99,7 +101,8 @@ def step_flops(
 
     The step invariants (the text's keys and values, the control image's embedding, Winograd
     kernels) are inputs, as the staged program gives them: what is counted is the work every step
-    repeats. It is counted on the lowered program (no compile, so SDXL's size takes seconds), in
+    repeats. It is counted on the lowered program (no compile, so SDXL's size takes seconds), or
+    with `compiled` on the program compiled for the default backend (after XLA's rewrites), in
     `dtype` (bfloat16, as accelerators run it, picks direct convolutions).
     """
     latent_h, latent_w, channels = spec.latent_shape(height, width)
@@ -139,5 +142,5 @@ def step_flops(
 
     params = {name: p for name, (_, p, _) in models.items()}
     lowered = jax.jit(step).lower(params, invariants, {name: x for name, (_, _, x) in models.items()})
-    analysis = lowered.cost_analysis()
+    analysis = (lowered.compile() if compiled else lowered).cost_analysis()
     return float((analysis[0] if isinstance(analysis, list) else analysis)["flops"])
