@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bench, control_maps, images, launch, training
+from . import bench, control_maps, images, launch, memory, training
 from .checkpoints import CheckpointError, random_models
 from .controlnet_union import control_mode, describe_modes
 from .images import contact_sheet, image_count, save_png, to_pil
@@ -57,6 +57,9 @@ def generate_command(args: argparse.Namespace) -> None:
     if args.control_image:
         request = dataclasses.replace(request, **_controls(args, pipe, request))
     request = pipe.validated(request)
+    devices = pipe.num_devices
+    memory.check_fits(pipe, lambda n: pipe.programs_for(request, n * devices), pipe.padded_batch(num_images) // devices,
+                      lambda n: f"--num-images {n * devices} ({n} per device on {devices})", progress=False)
     compile_seconds = pipe.compile(pipe.programs_for(request))
     print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
     result = pipe.render(request)

@@ -1,0 +1,53 @@
+"""The fit check (`sdxl.memory`): the compiled programs' bytes against a device's memory, and the
+sentence that names what fits. The CPU reports no memory, so the device's is given here."""
+
+import pytest
+
+from sdxl import memory
+from sdxl.pipeline import Pipeline
+from sdxl.request import Request
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return Pipeline.from_pretrained("tiny", dtype="float32")
+
+
+def _batches(pipe):
+    request = Request.from_prompt("a fox", num_images=1, height=64, width=64, steps=2)
+    return lambda n: pipe.programs_for(request, n * pipe.num_devices)
+
+
+def test_bigger_batches_need_more_and_the_check_names_the_largest_that_fits(pipe, monkeypatch):
+    batches = _batches(pipe)
+    in_use = 10_000_000  # weights "loaded" beside the program's own
+    one, three = (memory.bytes_needed(pipe, batches(n), in_use) for n in (1, 3))
+    assert in_use < one < three, "a program's activations grow with its batch"
+    limit = (one + three) // 2
+    monkeypatch.setattr(memory, "device_memory", lambda pipe: (limit, in_use))
+    option = "--max-images-per-core {}".format
+    memory.check_fits(pipe, batches, 1, option)  # fits: no error
+    with pytest.raises(memory.DoesNotFitError, match=r"^--max-images-per-core 3 needs [\d.]+ GiB on each cpu, "
+                       r"which holds [\d.]+ GiB; (1 per device fits|2 per device fit): --max-images-per-core (1|2)$"):
+        memory.check_fits(pipe, batches, 3, option)
+    monkeypatch.setattr(memory, "device_memory", lambda pipe: (in_use, in_use))
+    with pytest.raises(memory.DoesNotFitError, match="not even 1 per device fits"):
+        memory.check_fits(pipe, batches, 2, option)
+
+
+def test_a_compiler_that_runs_out_of_memory_is_a_batch_that_does_not_fit(pipe, monkeypatch):
+    import jax
+
+    def refuse(program, stage):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+
+    monkeypatch.setattr(pipe.executables, "compiled", refuse)
+    assert memory.bytes_needed(pipe, _batches(pipe)(1), 0) is None
+    monkeypatch.setattr(memory, "device_memory", lambda pipe: (2**34, 0))
+    with pytest.raises(memory.DoesNotFitError, match="needs more than the compiler could place"):
+        memory.check_fits(pipe, _batches(pipe), 1, "--num-images {}".format)
+
+
+def test_devices_that_report_no_memory_are_not_checked(pipe):
+    assert memory.device_memory(pipe) is None  # the CPU's
+    memory.check_fits(pipe, lambda n: pytest.fail("nothing compiles for a check that cannot be made"), 64, str)
