@@ -6,7 +6,7 @@ import numpy as np
 from safetensors import safe_open
 
 from sdxl import controlnet, unet
-from sdxl.bench import controlnet as bench_controlnet, report, speed
+from sdxl.bench import report, speed
 from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec, random_models
 from sdxl.config import config_from_dict
 from sdxl.pipeline import Pipeline
@@ -165,7 +165,7 @@ def test_the_benchmark_controlnet_of_sdxl_base_is_the_published_sdxl_controlnet(
     one; at SDXL's size that is the published canny/depth ControlNets' config."""
     spec = ModelSpec.from_folder(BUILTIN_CONFIGS / "sdxl-base-1.0")
     published = json.loads((BUILTIN_CONFIGS / "controlnet-sdxl-1.0" / "config.json").read_text())
-    assert bench_controlnet.config_for(spec) == config_from_dict(controlnet.ControlNetConfig, published)
+    assert random_models.controlnet_config(spec) == config_from_dict(controlnet.ControlNetConfig, published)
 
 
 def test_compile_counter_sees_a_new_size_or_chunk_count_but_not_new_prompts_weights_seeds_guidance_or_steps():

@@ -5,8 +5,6 @@ The benchmark times the model with one ControlNet against the same model without
 """
 
 import dataclasses
-import functools
-import json
 from pathlib import Path
 
 import jax
@@ -14,43 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import controlnet, unet
-from ..checkpoints import controlnets as controlnet_checkpoints, random_models
+from ..checkpoints import controlnets as controlnet_checkpoints
 from ..checkpoints.spec import ModelSpec
-from ..config import config_from_dict
 from ..layers import STEP_INVARIANTS
 from ..mesh import place, replicated
 from ..pipeline import Pipeline
 from ..request import Request
-from ..weights import flatten, write_params
-
-
-def config_for(spec: ModelSpec) -> controlnet.ControlNetConfig:
-    """A ControlNet config for `spec`'s UNet, as diffusers' `ControlNetModel.from_unet` makes one: the
-    UNet's encoder fields, and a conditioning embedding with one stride-2 convolution per halving of
-    the VAE's (diffusers' default (16, 32, 96, 256) for its 8x VAEs). For SDXL base 1.0 this is the
-    published SDXL ControlNet config (`sdxl/configs/controlnet-sdxl-1.0`)."""
-    fields = {f.name for f in dataclasses.fields(controlnet.ControlNetConfig)}
-    values = {k: v for k, v in dataclasses.asdict(spec.unet).items() if k in fields}
-    halvings = spec.vae.downscale_factor.bit_length() - 1
-    values.update(
-        in_channels=spec.vae.latent_channels,  # it reads the latents alone, also beside an inpainting UNet
-        conditioning_embedding_out_channels=(16, 32, 96, 256, 256, 256)[: halvings + 1],
-    )
-    return config_from_dict(controlnet.ControlNetConfig, values)
-
-
-def write_random(folder: Path, spec: ModelSpec, *, dtype: str = "float32", seed: int = 0) -> Path:
-    """A random ControlNet for `spec` (`config_for`) as a diffusers folder (config.json and
-    safetensors), written one tensor at a time. Its zero convolutions are random too, so it steers."""
-    config = config_for(spec)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
-    (folder / "config.json").write_text(json.dumps({"_class_name": "ControlNetModel", **values}, indent=2))
-    draw = functools.partial(random_models.random_tensor, np.random.default_rng([seed, 27]))
-    write_params(folder / "diffusion_pytorch_model.safetensors", controlnet.abstract_params(config),
-                 jnp.dtype(dtype), draw)
-    return folder
+from ..weights import flatten
 
 
 def with_controlnet(pipe: Pipeline, folder: Path) -> Pipeline:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import attention, convolution, lora, unet
+from ..checkpoints import random_models
 from ..compilation import CompileCounter, enable_compilation_cache
 from ..prompts import TOKENS_PER_CHUNK
 from ..request import DEFAULT_GUIDANCE_SCALE, Request
@@ -407,11 +408,12 @@ def _first_run(pipe, request: Request, log: Callable[[str], None], started: floa
 
 
 def _controlnet_first_run(pipe, scratch: Path, request: Request, dtype: str) -> tuple:
-    """The model steered by a random ControlNet of its UNet's shape (`bench.controlnet`), the
+    """The model steered by a random ControlNet of its UNet's shape (`random_models.write_controlnet`), the
     benchmark's batch with a control image per image, and what the ControlNet adds: its compile
     time, its parameters' bytes per device, and the FLOPs of one guided step with it over without
     (from the lowered programs). Returns (pipeline, request, that)."""
-    steered = control.with_controlnet(pipe, control.write_random(scratch / "controlnet", pipe.spec, dtype=dtype))
+    folder = random_models.write_controlnet(scratch / "controlnet", pipe.spec, dtype=dtype)
+    steered = control.with_controlnet(pipe, folder)
     controlled = steered.validated(control.steered_request(
         batch_request(len(request), request.height, request.width, request.steps)))
     compile_s = steered.compile(steered.programs_for(controlled))

@@ -351,26 +351,38 @@ def write_single_file(path: Path, configs: dict, *, dtype="float16", seed: int =
     return single_file.write_single_file(path, family, spec, tensor, dtype)
 
 
+def controlnet_config(spec: ModelSpec):
+    """A ControlNet config for `spec`'s UNet, as diffusers' `ControlNetModel.from_unet` makes one: the
+    UNet's encoder fields, and a conditioning embedding with one stride-2 convolution per halving of
+    the VAE's (diffusers' default (16, 32, 96, 256) for its 8x VAEs). For SDXL base 1.0 this is the
+    published SDXL ControlNet config (`sdxl/configs/controlnet-sdxl-1.0`)."""
+    from ..controlnet import ControlNetConfig  # the model imports the checkpoints
+
+    fields = {f.name for f in dataclasses.fields(ControlNetConfig)}
+    values = {k: v for k, v in dataclasses.asdict(spec.unet).items() if k in fields}
+    halvings = spec.vae.downscale_factor.bit_length() - 1
+    values.update(
+        in_channels=spec.vae.latent_channels,  # it reads the latents alone, also beside an inpainting UNet
+        conditioning_embedding_out_channels=(16, 32, 96, 256, 256, 256)[: halvings + 1],
+    )
+    return config_from_dict(ControlNetConfig, values)
+
+
 def write_controlnet(folder: Path, spec: ModelSpec, *, dtype="float32", seed: int = 0) -> Path:
-    """Writes a random ControlNet for `spec`'s UNet in the diffusers layout, its config as diffusers'
-    `ControlNetModel.from_unet` makes it. Its zero convolutions are random too, so it steers.
+    """Writes a random ControlNet for `spec`'s UNet (`controlnet_config`) in the diffusers layout, one
+    tensor at a time. Its zero convolutions are random too, so it steers.
 
     Returns:
       `folder`.
     """
-    from ..controlnet import ControlNetConfig, abstract_params  # the model imports the checkpoints
+    from ..controlnet import abstract_params
 
-    fields = {f.name for f in dataclasses.fields(ControlNetConfig)}
-    values = {k: v for k, v in dataclasses.asdict(spec.unet).items() if k in fields}
-    # The control image's embedding: one stride-2 convolution per halving of the VAE's.
-    halvings = spec.vae.downscale_factor.bit_length() - 1
-    values.update(in_channels=spec.vae.latent_channels,
-                  conditioning_embedding_out_channels=(16, 32, 96, 256, 256)[: halvings + 1])
+    config = controlnet_config(spec)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
     (folder / "config.json").write_text(json.dumps({"_class_name": "ControlNetModel", **values}, indent=2))
-    config = config_from_dict(ControlNetConfig, read_json(folder / "config.json"))
-    draw = functools.partial(random_tensor, np.random.default_rng([seed, 99]))
+    draw = functools.partial(random_tensor, np.random.default_rng([seed, 27]))
     write_params(folder / "diffusion_pytorch_model.safetensors", abstract_params(config), jnp.dtype(dtype), draw)
     return folder
 
