@@ -359,13 +359,18 @@ def _length_line(elem_id: str) -> gr.Markdown:
 
 
 def _cell_caption(plan: GridPlan, i: int) -> str:
-    labels = []
+    """A grid cell's caption, short enough for its thumbnail: each axis's value, with a short name
+    where the value alone would not say which setting it is ("cfg 3 · seed 1")."""
     columns = 1 if plan.x is None else len(plan.x.labels)
-    if plan.y is not None:
-        labels.append(f"{plan.y.name}: {plan.y.labels[i // columns]}")
-    if plan.x is not None:
-        labels.append(f"{plan.x.name}: {plan.x.labels[i % columns]}")
-    return " · ".join(labels)
+    values = [] if plan.y is None else [(plan.y, plan.y.labels[i // columns])]
+    values += [] if plan.x is None else [(plan.x, plan.x.labels[i % columns])]
+    return " · ".join(f"{_AXIS_SHORT.get(axis.name, axis.name.removeprefix(grid.LORA_AXIS))} {label}".strip()
+                      for axis, label in values)
+
+
+# Axis names in a cell's caption; a prompt, a style or a sampler says itself.
+_AXIS_SHORT = {"guidance_scale": "cfg", "negative_prompt": "neg", "prompt": "", "style": "", "sampler": "",
+               "control_scale": "control", "control_end": "control end"}
 
 
 def _checked_by_the_service(field):
@@ -748,6 +753,8 @@ def main() -> None:
         service = launch.demo_service(options)
     except CheckpointError as e:  # missing, corrupt or not downloadable: the reason in a line, as the CLI says it
         parser.exit(2, f"error: {e}\n")
+    if service is None:  # another host's process (--process-id 1 or more): it followed process 0 until that ended
+        return
     blocks = create_demo(Handlers(service))
     endpoints = {name.lstrip("/"): [parameter["parameter_name"] for parameter in endpoint["parameters"]]
                  for name, endpoint in blocks.get_api_info()["named_endpoints"].items()}
