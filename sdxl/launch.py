@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from . import shapes
-from .checkpoints import HubUnavailableError
+from . import hosts as multihost, shapes
+from .checkpoints import CheckpointError, HubUnavailableError
 from .checkpoints.known import Recommended, recommended
 from .compilation import enable_compilation_cache
 from .demo import DemoService, Settings
@@ -170,6 +170,17 @@ def add_demo_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
     parser.add_argument("--max-per-user", type=_integer_from(1), default=variable.get("SDXL_MAX_PER_USER", "4"),
                         help="requests one browser session or API client may have waiting (default: %(default)s)"
                         + variable.named("SDXL_MAX_PER_USER"))
+    hosts = parser.add_argument_group(
+        "several hosts", "run the same command on every host, each with its --process-id: process 0 serves the page "
+        "and the API, the others follow its requests, and every host's devices render one batch. With none of the "
+        "three, one process")
+    hosts.add_argument("--coordinator", default=variable.get("SDXL_COORDINATOR"), metavar="HOST:PORT",
+                       help="where process 0 runs JAX's coordination service, reachable from every host; auto: "
+                       "detect it and the other two (a TPU pod slice, SLURM)" + variable.named("SDXL_COORDINATOR"))
+    hosts.add_argument("--num-processes", type=_integer_from(1), default=variable.get("SDXL_NUM_PROCESSES"),
+                       help="how many processes (hosts)" + variable.named("SDXL_NUM_PROCESSES"))
+    hosts.add_argument("--process-id", type=_integer_from(0), default=variable.get("SDXL_PROCESS_ID"),
+                       help="this process's number, 0 (serves) to N-1" + variable.named("SDXL_PROCESS_ID"))
 
 
 def demo_parser(description: str) -> argparse.ArgumentParser:
@@ -185,26 +196,43 @@ def demo_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def demo_service(options: argparse.Namespace) -> DemoService:
+def demo_service(options: argparse.Namespace) -> DemoService | None:
     """The demo's service for `demo_parser`'s options, warmed up: the default request's programs are
-    compiled and have run once; the others compile in the background while it serves."""
+    compiled and have run once; the others compile in the background while it serves.
+
+    With several processes (`--coordinator`, `sdxl.hosts`), process 0 gets the service, whose queue
+    has every other process make its calls; another process follows process 0 until it ends, then
+    returns None."""
     # The package's own log lines (refused requests, given-up work) go to the console, one line each.
     console = logging.StreamHandler()
     console.setFormatter(logging.Formatter("%(message)s"))
     logging.getLogger("sdxl").addHandler(console)
     logging.getLogger("sdxl").setLevel(logging.INFO)
     start = time.perf_counter()
-    model = load(options, fallback=True)
+    hosts = _join_hosts(options)
+    try:
+        model = load(options, fallback=True)
+    except CheckpointError as e:
+        if hosts is not None:  # every process stops, with the reason, rather than wait for this one
+            hosts.agree("model", {"load error": str(e)})
+        raise
     loaded = time.perf_counter()
     pipe = model.pipe
+    if hosts is not None:
+        hosts.agree("model", multihost.model_facts(model))
+        if not hosts.leader:
+            hosts.follow(pipe)
+            return None
     service = DemoService(
         pipe, model_label=model.label, max_images_per_core=options.max_images_per_core, max_queued=options.max_queue,
         max_per_owner=options.max_per_user, notice=model.notice, loras=model.loras, recommended=model.settings,
         emphasis=options.emphasis,
     )
+    if hosts is not None:  # before any request: every device call goes to every process
+        service.queue.runner = hosts.runner(pipe)
     warm_up = service.images(Settings(prompt="warm-up", guidance_scale=model.settings.guidance_scale, steps=2,
                                       emphasis=options.emphasis))
-    compile_seconds = pipe.compile(pipe.programs_for(warm_up), progress=True)
+    compile_seconds = service.queue.runner.compile(pipe.programs_for(warm_up))
     warm_start = time.perf_counter()
     service.queue.wait(service.queue.submit(warm_up))
     ready = time.perf_counter()
@@ -217,6 +245,22 @@ def demo_service(options: argparse.Namespace) -> DemoService:
         if compiling is not None:
             compiling.add_done_callback(functools.partial(_report_background_compile, label))
     return service
+
+
+def _join_hosts(options: argparse.Namespace) -> "multihost.Hosts | None":
+    """With `--coordinator`, this process among the others (`sdxl.hosts.join`), started alike (or it
+    ends with the difference, status 2); None for one process."""
+    where = multihost.Where(getattr(options, "coordinator", None), getattr(options, "num_processes", None),
+                            getattr(options, "process_id", None))
+    problem = where.problem()
+    if problem:
+        multihost.fail(problem, 2)
+    hosts = multihost.join(where)
+    if hosts is not None:
+        hosts.agree("options", multihost.option_facts(options))
+        print(f"{hosts.describe(hosts.process_id)} of {hosts.count}: "
+              f"{'serves' if hosts.leader else 'follows process 0'}", flush=True)
+    return hosts
 
 
 def _compiled_in_background(pipe: Pipeline, warm_up: Request, max_images_per_core: int) -> dict[str, list]:

@@ -1,0 +1,310 @@
+"""One demo over many hosts: process 0 serves, the others follow its device queue.
+
+Every host runs the same command (`python app.py --coordinator HOST:PORT --num-processes N
+--process-id I`). `join` starts JAX's multi-controller runtime (`jax.distributed.initialize`, gloo
+collectives on CPU), which joins every host's devices into one mesh: a batch's images spread over
+all of them, and `sdxl.mesh.fetch` gathers them to every process.
+
+Process 0 takes every decision (`sdxl.serving.DeviceQueue`); its `HostsRunner` sends each one to the
+followers over the runtime's own coordination service (its key-value store: no home-made RPC), and
+each follower (`Hosts.follow`) makes the same pipeline calls in the same order:
+- the render stream: a batch's request (tokenized once, on process 0: the follower builds the same
+  arrays from it), then at each progress report the decision to go on or give up, so every process
+  runs the same device calls and joins the same collectives;
+- the compile stream: the programs compiled in the background, in process 0's order, on a thread of
+  their own as on process 0, so a long compile never holds up rendering there either. (Compiling
+  is local to each process; a follower that has not finished a program its render needs compiles it
+  then.)
+
+Faults end the demo with a sentence rather than hang it: a collective that fails on process 0 (a
+follower died: gloo notices the closed connection at once) names the hosts and exits with status 3;
+the coordination service notices a host that stops sending heartbeats (`HEARTBEAT_SECONDS`) and ends
+the others; a follower whose options, model or code differ from process 0's is refused at start
+(`Hosts.agree`), with the difference, and exit status 2.
+"""
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pickle
+import socket
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 60  # a host silent this long is dead: the coordination service ends the others
+AGREE_SECONDS = 1800  # how long process 0 waits for every host to load the model and report it
+POLL_MS = 10_000  # a follower waits for the next message this long at a time
+CHUNK = 1 << 22  # the largest value written to the key-value store at once (bytes)
+PREFIX = "sdxl"
+
+LOST_STATUS = 3  # the exit status when a host is lost
+REFUSED_STATUS = 2  # the exit status when the hosts disagree at start
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Which processes to join: all None for one process; `coordinator == "auto"`: let
+    `jax.distributed.initialize()` detect them (a TPU pod slice, SLURM, ...)."""
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.coordinator is not None
+
+    def problem(self) -> str | None:
+        """What is wrong with the three options together, or None."""
+        given = [self.coordinator is not None, self.num_processes is not None, self.process_id is not None]
+        if self.coordinator == "auto":
+            return None if given == [True, False, False] else (
+                "--coordinator auto detects the processes: give no --num-processes or --process-id")
+        if any(given) and not all(given):
+            return "--coordinator, --num-processes and --process-id go together: give all three or none"
+        if all(given) and not 0 <= self.process_id < self.num_processes:
+            return f"--process-id must be from 0 to {self.num_processes - 1}, got {self.process_id}"
+        return None
+
+
+def fail(sentence: str, status: int) -> None:
+    """Ends this process with `sentence` on stderr. `os._exit`: the runtime's exit barrier would wait
+    for (or abort on) the hosts that are gone."""
+    print(f"error: {sentence}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(status)
+
+
+def source_hash() -> str:
+    """A hash of this package's source: every host must run the same code."""
+    digest = hashlib.sha256()
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class Channel:
+    """Messages from process 0 to every other process, in order, through the coordination service's
+    key-value store. A message is pickled (every host runs the same code: `Hosts.agree` checks) and
+    written in chunks; the last follower to read it deletes it."""
+
+    def __init__(self, client, name: str, readers: int):
+        self.client, self.name, self.readers = client, name, readers
+        self.count = 0
+
+    def _key(self) -> str:
+        key = f"{PREFIX}/{self.name}/{self.count}"
+        self.count += 1
+        return key
+
+    def send(self, message) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
+        key = self._key()
+        for i, chunk in enumerate(chunks[1:], 1):
+            self.client.key_value_set_bytes(f"{key}/{i}", chunk)
+        self.client.key_value_set_bytes(key, len(chunks).to_bytes(4, "little") + chunks[0])  # last: it is complete
+
+    def receive(self):
+        """The next message; waits as long as it takes (the demo may be idle for hours)."""
+        import jax
+
+        key = self._key()
+        while True:
+            try:
+                head = self.client.blocking_key_value_get_bytes(key, POLL_MS)
+                break
+            except jax.errors.JaxRuntimeError as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+        count = int.from_bytes(head[:4], "little")
+        data = head[4:] + b"".join(self.client.blocking_key_value_get_bytes(f"{key}/{i}", POLL_MS)
+                                   for i in range(1, count))
+        if self.client.key_value_increment(f"{key}/read", 1) == self.readers:
+            self.client.key_value_delete(key)  # with its chunks and counter
+        return pickle.loads(data)
+
+
+class Hosts:
+    """This process's place among the processes of one demo, and the runtime's client."""
+
+    def __init__(self, process_id: int, count: int, client):
+        self.process_id, self.count, self.client = process_id, count, client
+        self.names: dict[int, str] = {process_id: socket.gethostname()}  # filled in by `agree`
+        self.renders = Channel(client, "render", count - 1)
+        self.compiles = Channel(client, "compile", count - 1)
+
+    @property
+    def leader(self) -> bool:
+        return self.process_id == 0
+
+    def describe(self, process_id: int) -> str:
+        name = self.names.get(process_id)
+        return f"process {process_id}" + (f" on host {name}" if name else "")
+
+    def agree(self, what: str, facts: Mapping[str, object]) -> None:
+        """Exchanges `facts` (JSON values) with every process and ends this one with the difference,
+        status 2, unless all processes' facts are process 0's."""
+        import jax
+
+        mine = json.dumps({"host": socket.gethostname(), "facts": dict(facts)}, sort_keys=True, default=str)
+        self.client.key_value_set(f"{PREFIX}/agree/{what}/{self.process_id}", mine)
+        others = range(self.count) if self.leader else [0]
+        theirs = {}
+        for other in others:
+            try:
+                theirs[other] = json.loads(
+                    self.client.blocking_key_value_get(f"{PREFIX}/agree/{what}/{other}", AGREE_SECONDS * 1000))
+            except jax.errors.JaxRuntimeError as e:
+                fail(f"{self.describe(other)} did not report its {what} within {AGREE_SECONDS} s "
+                     f"({str(e).splitlines()[0]})", REFUSED_STATUS)
+            self.names[other] = theirs[other]["host"]
+        expected = json.loads(mine)["facts"] if self.leader else theirs[0]["facts"]
+        got = {other: t["facts"] for other, t in theirs.items()} | {self.process_id: json.loads(mine)["facts"]}
+        for other, facts_of_other in sorted(got.items()):
+            differences = [f"{key} {facts_of_other.get(key)!r} where process 0 has {expected.get(key)!r}"
+                           for key in sorted(set(expected) | set(facts_of_other))
+                           if facts_of_other.get(key) != expected.get(key)]
+            if differences:
+                fail(f"{self.describe(other)} was started differently from process 0 ({what}: "
+                     f"{'; '.join(differences)}); start every host with the same options, model files and code",
+                     REFUSED_STATUS)
+
+    def lost(self, error: BaseException) -> None:
+        """Ends this process after a collective failed: another process is gone, and the hosts can no
+        longer render together."""
+        others = [p for p in range(self.count) if p != self.process_id]
+        try:
+            live = set(self.client.get_live_nodes(list(range(self.count))))
+            dead = [p for p in others if p not in live] or others
+        except Exception:  # the coordination service itself is gone (process 0 ended)
+            dead = [0] if not self.leader else others
+        names = ", ".join(self.describe(p) for p in dead)
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        fail(f"lost {names} ({reason}); the demo stops: start every host again", LOST_STATUS)
+
+    # Process 0
+
+    def runner(self, pipe):
+        return HostsRunner(pipe, self)
+
+    # The others
+
+    def follow(self, pipe) -> None:
+        """Makes process 0's pipeline calls here, in its order, until it ends (which ends this one)."""
+        log.info("%s follows process 0's requests", self.describe(self.process_id))
+        threading.Thread(target=self._follow_compiles, args=(pipe,), name="follow-compiles", daemon=True).start()
+        while True:
+            try:
+                message = self.renders.receive()
+            except Exception as e:  # the coordination service is gone: process 0 ended
+                self.lost(e)
+            kind = message[0]
+            if kind == "render":
+                self._render(pipe, *message[1:])
+            else:
+                fail(f"{self.describe(self.process_id)} expected a render, got {kind!r}", LOST_STATUS)
+
+    def _follow_compiles(self, pipe) -> None:
+        while True:
+            try:
+                kind, programs = self.compiles.receive()
+            except Exception as e:
+                self.lost(e)
+            try:
+                pipe.compile(programs, progress=True)
+            except Exception:  # process 0 failed the same way; the requests that need it fail there
+                log.exception("a background compile failed")
+
+    def _render(self, pipe, request, previews: bool) -> None:
+        import jax
+
+        def on_step(done: int) -> bool:
+            kind, step, go_on = self.renders.receive()
+            if kind != "step" or step != done:
+                fail(f"{self.describe(self.process_id)} is out of step with process 0: expected step {done}, got "
+                     f"{kind} {step}", LOST_STATUS)
+            return go_on
+
+        try:
+            pipe.render(request, on_step=on_step, on_preview=(lambda done, images: None) if previews else None)
+        except jax.errors.JaxRuntimeError as e:
+            self.lost(e)
+        except Exception:  # process 0 failed the same way, before any collective, and told its users
+            log.exception("a render failed")
+
+
+class HostsRunner:
+    """`sdxl.serving.Runner` for several processes: each call is sent to the followers, then made here."""
+
+    def __init__(self, pipe, hosts: Hosts):
+        self.pipe, self.hosts = pipe, hosts
+        self._sending = threading.Lock()  # the compile thread and the device worker both call
+
+    def compile(self, programs) -> float:
+        with self._sending:
+            self.hosts.compiles.send(("compile", list(programs)))
+        return self.pipe.compile(programs, progress=True)
+
+    def render(self, request, on_step: Callable[[int], bool], on_preview):
+        import jax
+
+        self.hosts.renders.send(("render", request, on_preview is not None))
+
+        def step(done: int) -> bool:
+            go_on = on_step(done) is not False
+            self.hosts.renders.send(("step", done, go_on))
+            return go_on
+
+        try:
+            return self.pipe.render(request, on_step=step, on_preview=on_preview)
+        except jax.errors.JaxRuntimeError as e:
+            self.hosts.lost(e)
+
+
+def join(where: Where, *, platform: str | None = None) -> Hosts | None:
+    """Joins the processes `where` names (None for one process). Call before anything touches JAX's
+    devices. Refuses (exit status 2) processes started with other options than process 0's."""
+    if not where.distributed:
+        return None
+    import jax
+    from jax._src import distributed
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives between processes
+    kwargs = dict(heartbeat_timeout_seconds=HEARTBEAT_SECONDS)
+    if where.coordinator == "auto":
+        jax.distributed.initialize(**kwargs)
+    else:
+        jax.distributed.initialize(where.coordinator, num_processes=where.num_processes,
+                                   process_id=where.process_id, **kwargs)
+    return Hosts(jax.process_index(), jax.process_count(), distributed.global_state.client)
+
+
+def option_facts(options) -> dict:
+    """What every process must be started with alike, from `sdxl.launch`'s options."""
+    import jax
+
+    names = ("model", "config", "unet", "lora", "controlnet", "refiner", "dtype", "emphasis", "max_images_per_core")
+    return {name: getattr(options, name, None) for name in names} | {
+        "sdxl source": source_hash(), "jax": jax.__version__, "python": sys.version.split()[0],
+    }
+
+
+def model_facts(model) -> dict:
+    """What every process must have loaded alike: the model (each host may fall back to `shapes`
+    on its own when offline), its configs, sizes and settings."""
+    pipe = model.pipe
+    return {
+        "model": model.label, "configs": hashlib.sha256(repr(pipe.spec).encode()).hexdigest()[:16],
+        "dtype": pipe.dtype.name, "sizes": model.settings.sizes, "steps": model.settings.steps,
+        "guidance": model.settings.guidance_scale, "loras": sorted(model.loras),
+        "refiner": pipe.refiner.name if pipe.refiner is not None else None,
+        "controlnets": [c.name for c in pipe.controlnets],
+    }
