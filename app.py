@@ -551,7 +551,9 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                         compare_prompts = gr.Textbox("", label="Prompts (one per line) or one prompt", lines=4)
                         compare_negative = gr.Textbox("", label="Negative prompt")
                         compare_style = gr.Dropdown(list(STYLES), value=NO_STYLE, label="Style")
-                        num_seeds = gr.Slider(1, service.max_images, value=pipe.num_devices, step=1, label="Seeds")
+                        # A slider's range needs two ends: one image a call leaves nothing to choose.
+                        num_seeds = gr.Slider(1, max(2, service.max_images), value=pipe.num_devices, step=1,
+                                              label="Seeds", visible=service.max_images > 1)
                         compare_run = gr.Button("Compare", variant="primary")
                     with gr.Tab("Grid"):
                         grid_prompt = gr.Textbox("", label="Prompt", lines=2, elem_id="grid-prompt")
@@ -582,7 +584,8 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                     steps = gr.Slider(1, pipe.max_steps, value=settings.steps, step=1, label="Steps")
                     size = gr.Dropdown([_size_label(w, h) for w, h in service.sizes], value=_size_label(*native),
                                        label="Size", info="Image to image takes the size nearest its picture's")
-                    per_core = gr.Slider(1, service.max_images_per_core, value=1, step=1, label="Images per core")
+                    per_core = gr.Slider(1, max(2, service.max_images_per_core), value=1, step=1,
+                                         label="Images per core", visible=service.max_images_per_core > 1)
                     sampler = gr.Dropdown(
                         [(label, name) for name, label in SAMPLER_NAMES.items()], value=pipe.spec.default_sampler,
                         label="Sampler", info="the model's own by default; each compiles once, then stays cached",

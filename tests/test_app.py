@@ -865,3 +865,18 @@ def test_browser_first_five_minutes(shapes_server, tmp_path):
         expect(page.get_by_label("Seed", exact=True)).to_have_value("1")
         page.set_viewport_size({"width": 390, "height": 844})
         page.screenshot(path=str(_artifacts() / "app-phone.png"), full_page=True)
+
+
+def test_the_page_builds_for_one_image_a_call():
+    """One device and --max-images-per-core 1: sliders with nothing to choose are hidden, not a crash
+    (Gradio's slider needs two ends)."""
+    import jax
+
+    import app
+    from sdxl.demo import DemoService
+    from sdxl.pipeline import Pipeline
+
+    pipe = Pipeline.from_pretrained("tiny", devices=jax.devices()[:1])
+    blocks = app.create_demo(app.Handlers(DemoService(pipe, model_label="tiny", max_images_per_core=1)))
+    hidden = {getattr(c, "label", None) for c in blocks.blocks.values() if getattr(c, "visible", True) is False}
+    assert {"Images per core", "Seeds"} <= hidden
