@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from . import hosts as multihost, shapes
+from . import hosts as multihost, memory, shapes
 from .checkpoints import CheckpointError, HubUnavailableError
 from .checkpoints.known import Recommended, recommended
 from .compilation import enable_compilation_cache
@@ -232,6 +232,10 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
         service.queue.runner = hosts.runner(pipe)
     warm_up = service.images(Settings(prompt="warm-up", guidance_scale=model.settings.guidance_scale, steps=2,
                                       emphasis=options.emphasis))
+    # On an accelerator, the largest batch of each kind the demo renders must fit a device's memory.
+    served = [warm_up, *_edits(pipe, warm_up).values()]
+    memory.check_fits(pipe, lambda n: [p for r in served for p in pipe.programs_for(r, n * pipe.num_devices)],
+                      options.max_images_per_core, "--max-images-per-core {}".format)
     compile_seconds = service.queue.runner.compile(pipe.programs_for(warm_up))
     warm_start = time.perf_counter()
     service.queue.wait(service.queue.submit(warm_up))
@@ -272,13 +276,19 @@ def _compiled_in_background(pipe: Pipeline, warm_up: Request, max_images_per_cor
     other = "without guidance" if warm_up.guided else "with guidance"
     flipped = dataclasses.replace(warm_up, guidance_scales=(1.0 if warm_up.guided else 5.0,) * len(warm_up))
     programs[f"batch {len(warm_up)} {other}"] = pipe.programs_for(flipped)
+    for label, edited in _edits(pipe, warm_up).items():
+        programs[label] = pipe.programs_for(edited)
+    return programs
+
+
+def _edits(pipe: Pipeline, warm_up: Request) -> dict[str, Request]:
+    """The warm-up request as the demo's other kinds of request, by label: image-to-image and
+    inpainting (and with a refiner, refined)."""
     pixels = np.zeros((len(warm_up), warm_up.height, warm_up.width, 3), np.uint8)
     edits = {"image-to-image": dict(images=pixels), "inpainting": dict(images=pixels, masks=pixels[..., 0] == 0)}
     if pipe.refiner is not None:
         edits["refining"] = dict(refine_from=DEFAULT_REFINE_FROM)
-    for label, edit in edits.items():
-        programs[label] = pipe.programs_for(dataclasses.replace(warm_up, **edit))
-    return programs
+    return {label: dataclasses.replace(warm_up, **edit) for label, edit in edits.items()}
 
 
 def _report_background_compile(label: str, compiling) -> None:

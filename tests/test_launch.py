@@ -44,3 +44,25 @@ def test_the_shapes_models_notice_says_it_knows_only_its_english_words(tmp_path,
     assert "It knows only the English words of its captions (red, green, blue" in model.notice
     assert all(word in model.notice for word in (*shapes.COLORS, *shapes.SHAPES, "background"))
     assert "other languages, give blobs unrelated to the prompt" in model.notice
+
+
+def test_the_demo_refuses_an_images_per_core_that_does_not_fit_before_it_serves(tmp_path, monkeypatch):
+    """On a device that reports its memory, the launch measures the largest batch of each kind it
+    serves (text, image-to-image, inpainting) and refuses one that cannot fit, naming what does."""
+    from sdxl import memory
+
+    measured = []
+
+    def needed(pipe, programs, in_use, progress=True):  # 100 bytes an image a device, whatever the kind
+        measured.append(sorted({(p.start_from, p.inpaint) for p in programs}))
+        return in_use + 100 * programs[0].batch // pipe.num_devices
+
+    monkeypatch.setattr(memory, "device_memory", lambda pipe: (1000 + 250, 1000))
+    monkeypatch.setattr(memory, "bytes_needed", needed)
+    options = launch.demo_parser("SDXL on JAX").parse_args(
+        ["--model", "tiny", "--max-images-per-core", "4", "--cache-dir", str(tmp_path / "xla")])
+    with pytest.raises(memory.DoesNotFitError, match=r"^--max-images-per-core 4 needs 0.00 GiB on each cpu, which "
+                       r"holds 0.00 GiB; 2 per device fit: --max-images-per-core 2$"):
+        launch.demo_service(options)
+    assert measured[0] == [("image", False), ("image", True), ("noise", False)], "every kind of request it serves"
+    assert len(measured) == 3, "4, 3, then 2 per device, which fits"
