@@ -6,6 +6,7 @@ from pathlib import Path
 import diffusers
 import numpy as np
 import torch
+from PIL import Image
 from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
@@ -118,3 +119,19 @@ def diffusers_images(pipe: diffusers.DiffusionPipeline, scheduler=None, **call_k
 def random_latents(n: int, height: int, width: int, seed: int = 0) -> np.ndarray:
     """Standard normal starting latents in diffusers' layout [n, 4, height / 8, width / 8]."""
     return np.random.default_rng(seed).standard_normal((n, 4, height // 8, width // 8)).astype(np.float32)
+
+
+def picture(height: int, width: int, seed: int = 1) -> Image.Image:
+    """A picture to start from: a gradient with noise (smooth regions and edges) and a bright block."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[:height, :width] / np.array([height, width])[:, None, None]
+    pixels = np.stack([x, y, (x + y) / 2], axis=-1) * 200 + rng.integers(0, 56, (height, width, 3))
+    pixels[16:40, 24:60] = (250, 40, 30)
+    return Image.fromarray(pixels.astype(np.uint8))
+
+
+def inpainting_mask(height: int, width: int) -> Image.Image:
+    """White where a `picture` is repainted: a block that overlaps its bright one."""
+    mask = np.zeros((height, width), np.uint8)
+    mask[8:40, 40:88] = 255
+    return Image.fromarray(mask)

@@ -25,7 +25,7 @@ from PIL import Image
 
 from safetensors.torch import save_file
 
-from reference import diffusers_images, randomize_, sd_pipeline, sdxl_pipeline
+from reference import diffusers_images, inpainting_mask, picture, randomize_, sd_pipeline, sdxl_pipeline
 from test_lora import kohya_file
 from sdxl import controlnet as controlnet_model
 from sdxl.checkpoints import BUILTIN_CONFIGS, CheckpointError, ModelSpec, controlnets, single_file
@@ -93,20 +93,12 @@ def _control_image(seed: int) -> Image.Image:
     return Image.fromarray(pixels)
 
 
-def _picture(seed: int) -> Image.Image:
-    """An image to start from: a gradient with noise and a bright block."""
-    y, x = np.mgrid[:HEIGHT, :WIDTH] / np.array([HEIGHT, WIDTH])[:, None, None]
-    speckle = np.random.default_rng(seed).integers(0, 56, (HEIGHT, WIDTH, 3))
-    pixels = np.stack([x, y, (x + y) / 2], axis=-1) * 200 + speckle
-    pixels[16:40, 24:60] = (250, 40, 30)
-    return Image.fromarray(pixels.astype(np.uint8))
+def _picture(seed: int = 1) -> Image.Image:
+    return picture(HEIGHT, WIDTH, seed)
 
 
 def _mask() -> Image.Image:
-    """White where the image is repainted: a block that overlaps the picture's bright one."""
-    mask = np.zeros((HEIGHT, WIDTH), np.uint8)
-    mask[8:40, 40:88] = 255
-    return Image.fromarray(mask)
+    return inpainting_mask(HEIGHT, WIDTH)
 
 
 def _noise(n: int = 2, seed: int = 3) -> np.ndarray:

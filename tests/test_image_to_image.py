@@ -29,7 +29,7 @@ from diffusers.pipelines.stable_diffusion_xl import (
 )
 from PIL import Image
 
-from reference import diffusers_images, sd_pipeline, sdxl_pipeline
+from reference import diffusers_images, inpainting_mask, picture, sd_pipeline, sdxl_pipeline
 from sdxl.checkpoints import CheckpointError, random_models
 from sdxl.compilation import CompileCounter
 from sdxl.pipeline import Pipeline
@@ -72,18 +72,11 @@ def refiner(tmp_path_factory):
 
 
 def _picture(seed: int = 1) -> Image.Image:
-    """A picture with smooth regions and edges, HEIGHT x WIDTH."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[:HEIGHT, :WIDTH] / np.array([HEIGHT, WIDTH])[:, None, None]
-    pixels = np.stack([x, y, (x + y) / 2], axis=-1) * 200 + rng.integers(0, 56, (HEIGHT, WIDTH, 3))
-    pixels[16:40, 24:60] = (250, 40, 30)
-    return Image.fromarray(pixels.astype(np.uint8))
+    return picture(HEIGHT, WIDTH, seed)
 
 
 def _mask() -> Image.Image:
-    mask = np.zeros((HEIGHT, WIDTH), np.uint8)
-    mask[8:40, 40:88] = 255
-    return Image.fromarray(mask)
+    return inpainting_mask(HEIGHT, WIDTH)
 
 
 def _noise(n: int, seed: int) -> tuple[np.ndarray, torch.Generator]:
