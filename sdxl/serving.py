@@ -88,6 +88,7 @@ class DeviceQueue:
         self.max_queued = max_queued
         self.max_per_owner = max_per_owner or max_queued
         self._waiting: list[Ticket] = []
+        self._rendering = False  # a batch is on the devices
         self._batches_started = 0
         self._last_started: dict[str | None, int] = {}  # owner -> the batch number it last led
         self._changed = threading.Condition()
@@ -171,9 +172,10 @@ class DeviceQueue:
                 log.info("gave up a waiting request of %d images: nobody waits for it", len(ticket.request))
 
     def position(self, ticket: Ticket) -> int:
-        """How many queued requests are ahead of this one (0: next, or running)."""
+        """How many requests are ahead of this one: those waiting before it, and the batch on the
+        devices (0: next, or its own batch runs)."""
         with self._changed:
-            return self._waiting.index(ticket) if ticket in self._waiting else 0
+            return self._waiting.index(ticket) + self._rendering if ticket in self._waiting else 0
 
     def wait(self, ticket: Ticket, on_update=None, poll_seconds: float = 0.1) -> Generation:
         """Blocks until the ticket's result is ready, calling `on_update(ticket)` while it waits."""
@@ -231,6 +233,7 @@ class DeviceQueue:
         while True:
             with self._changed:
                 batch = self._take_batch(self._changed.wait_for(self._ready))
+                self._rendering = True
             try:
                 self._render(batch)
             except Exception as e:  # never let one bad batch stop the queue
@@ -238,6 +241,9 @@ class DeviceQueue:
                 for ticket in batch:
                     if not ticket.future.done():
                         ticket.future.set_exception(e)
+            finally:
+                with self._changed:
+                    self._rendering = False
 
     def _render(self, batch: list[Ticket]) -> None:
         request = Request.merged([t.request for t in batch])

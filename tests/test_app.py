@@ -191,8 +191,8 @@ def test_compare_consecutive_seeds(client):
         api_name="/compare",
     ).result(timeout=CALL_TIMEOUT)
     assert status.startswith("3 images in "), status
-    assert [item["caption"].split(" · ")[:2] for item in gallery] == [
-        ["seed 41", "image 0"], ["seed 42", "image 0"], ["seed 43", "image 0"]]
+    # Captions say what differs: the seed (every image is image 0 of its seed), then the core.
+    assert [item["caption"] for item in gallery] == ["seed 41 · CPU 0", "seed 42 · CPU 1", "seed 43 · CPU 2"]
     for seed, item in zip((41, 42, 43), gallery):
         assert f"Seed: {seed}, Image index: 0," in Image.open(item["image"]).info["parameters"]
     assert len({p.tobytes() for p in _pixels(gallery)}) == 3
