@@ -789,8 +789,8 @@ def test_browser_generate(shapes_server, tmp_path):
 
 def test_browser_first_five_minutes(shapes_server, tmp_path):
     """Issue 29, on the real page: what a first visitor tripped over, checked by element sizes and
-    positions (1 send after an upload, 2 the gallery's size, 5 the drop zone, 6 errors, 8 history
-    and reuse)."""
+    positions (1 send after an upload, 2 the gallery's size, 4 grid labels, 5 the drop zone, 6 errors,
+    8 history and reuse)."""
     from playwright.sync_api import expect
 
     def box(selector: str) -> dict:
@@ -848,16 +848,26 @@ def test_browser_first_five_minutes(shapes_server, tmp_path):
         page.wait_for_timeout(3000)
         assert "processing" not in page.locator("#image-editor").inner_text()
         page.screenshot(path=str(_artifacts() / "app-sent.png"), full_page=True)
-        # 8: a grid's cells reach the history; reusing a result says what it filled in and shows it.
+        # 4: long column labels over 64-px cells stay in their columns; 8: a grid's cells reach the history.
         page.get_by_role("tab", name="Grid").click()
         page.locator("#grid-prompt textarea").fill("a red circle on a blue background")
-        page.get_by_label("X values").fill("1, 2")
+        page.get_by_label("X axis").click()
+        page.get_by_role("option", name="prompt", exact=True).click()
+        page.get_by_label("X values").fill("a red circle on a blue background, a green square on a white background")
         page.get_by_label("Y axis").click()
-        page.get_by_role("option", name="none").click()
+        page.get_by_role("option", name="seed", exact=True).click()
+        page.get_by_label("Y values").fill("1, 2")
         page.locator("#grid-run").click()
-        expect(page.locator("#status")).to_contain_text("2 images", timeout=CALL_TIMEOUT * 1000)
+        expect(page.locator("#status")).to_contain_text("4 images", timeout=CALL_TIMEOUT * 1000)
+        source = page.locator("#grid-image img").get_attribute("src")
+        with urllib.request.urlopen(urllib.parse.urljoin(shapes_server.url, source), timeout=30) as response:
+            sheet = np.asarray(Image.open(io.BytesIO(response.read())).convert("L"))
+        left, top = sheet.shape[1] - 2 * 64, sheet.shape[0] - 2 * 64
+        for boundary in (left, left + 64):  # no label's ink on a column's edge
+            assert sheet[:top, boundary].min() == 255, f"a label crosses x={boundary}"
+        assert (sheet[:top, left:] < 128).any(), "the labels are drawn"
         page.get_by_text("History (this session)").click()
-        expect(page.locator("#history .thumbnail-item")).to_have_count(6, timeout=30_000)
+        expect(page.locator("#history .thumbnail-item")).to_have_count(8, timeout=30_000)
         page.locator("#history .thumbnail-item").first.click()
         page.get_by_role("button", name="Reuse the selected result's settings").click()
         expect(page.locator(".toast-body").filter(has_text="Filled in: the prompts, seed 1")).to_have_count(1)
