@@ -201,7 +201,7 @@ class Handlers:
                 if ticket.previews is not None and ticket.previews is not shown:
                     shown = ticket.previews
                     previews = [(Image.fromarray(p), f"preview · step {ticket.step}") for p in shown]
-                    yield previews, f"step {ticket.step} of {ticket.steps}: previews"
+                    yield previews, f"step {ticket.step} of {ticket.steps}: previews (their colours are approximate)"
                     quiet_since = time.monotonic()
                 elif time.monotonic() - quiet_since > KEEPALIVE_SECONDS:
                     yield gr.skip()
