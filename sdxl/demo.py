@@ -47,6 +47,12 @@ class Control:
     def made_by(self) -> Preprocessor:
         return Preprocessor(self.preprocessor, (self.canny_low, self.canny_high))
 
+    def fitted(self, width: int, height: int) -> "Control":
+        """This control with its picture cropped and resized to `width` x `height` (as `control_map`
+        does), so that maps made at that size from it again skip the resize."""
+        return self if self.picture is None else dataclasses.replace(
+            self, picture=fit_to_sizes(self.picture, [(width, height)])[0])
+
     def control_map(self, width: int, height: int) -> np.ndarray:
         """[height, width, 3] uint8: the picture cropped to the size's aspect ratio and resized, as
         A1111's "Crop and Resize", then its map (edges drawn at the output's own resolution).
@@ -228,6 +234,9 @@ class DemoService:
             if axis is not None and axis.name in grid.CONTROL_AXES and not steered:
                 raise ValueError(f"the {axis.name.replace('_', ' ')} axis needs a control image (ControlNet panel)"
                                  if self.pipe.controlnets else "no ControlNet is loaded (start with --controlnet)")
+        if steered:  # every cell's maps are made from the pictures resized once, not once a cell
+            width, height = _pixel_size(*self._size(settings))
+            settings = dataclasses.replace(settings, controls=tuple(c.fitted(width, height) for c in settings.controls))
 
         def with_value(cell: Settings, name: str, value) -> Settings:
             if name.startswith(grid.LORA_AXIS):
@@ -262,7 +271,7 @@ class DemoService:
         """The validated request for images of `seeds` and `image_index`, with the settings' size,
         sampler, guidance, LoRAs and refiner."""
         n = len(seeds)
-        width, height = (settings.width, settings.height) if settings.width is not None else self.sizes[0]
+        width, height = self._size(settings)
         request = Request(
             (styled[0],) * n, (styled[1],) * n, seeds, image_index, (settings.guidance_scale,) * n, settings.steps,
             height, width, settings.sampler, loras=tuple(zip(self.loras, self._lora_scales(settings))),
@@ -281,7 +290,7 @@ class DemoService:
             names = ", ".join(c.name for c in self.pipe.controlnets)
             raise ValueError(f"{len(self.pipe.controlnets)} ControlNets are loaded ({names}): give a control image "
                              f"for each, or none (got {sum(given)})")
-        width, height = (integer(v, label, 1, MAX_SIZE) for v, label in ((width, "width"), (height, "height")))
+        width, height = _pixel_size(width, height)
         return dict(
             control_images=tuple(np.repeat(c.control_map(width, height)[None], n, axis=0) for c in controls),
             control_scales=(tuple(c.scale for c in controls),) * n,
@@ -290,6 +299,10 @@ class DemoService:
             control_modes=(tuple(c.mode for c in controls),) * n,
             control_preprocessors=tuple(c.made_by for c in controls),
         )
+
+    def _size(self, settings: Settings) -> tuple:
+        """The settings' (width, height) as sent (`Request.validated` checks them), or the model's first size."""
+        return (settings.width, settings.height) if settings.width is not None else self.sizes[0]
 
     def _checked(self, request: Request) -> Request:
         """The request validated by the pipeline, at one of the demo's sizes."""
@@ -319,3 +332,8 @@ class DemoService:
         if not isinstance(negative_prompt, (str, type(None))):
             raise ValueError(f"negative prompt must be text, got {negative_prompt!r:.80}")
         return STYLES[style].apply(prompt, negative_prompt or "")
+
+
+def _pixel_size(width, height) -> tuple[int, int]:
+    """A size as sent, as integers a picture can be resized to. Raises ValueError naming the bad one."""
+    return integer(width, "width", 1, MAX_SIZE), integer(height, "height", 1, MAX_SIZE)

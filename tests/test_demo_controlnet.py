@@ -78,9 +78,12 @@ def test_png_parameters_record_each_controlnet_as_the_a1111_extension(service):
     assert images.read_parameters(text)["prompt"] == "a fox", "the quoted entries leave the rest readable"
 
 
-def test_a_grid_over_the_controlnet_scale_is_one_device_call(service):
+def test_a_grid_over_the_controlnet_scale_is_one_device_call(service, monkeypatch):
     settings = Settings(prompt="a fox", seed=3, controls=(Control(_picture(), "canny"), Control(_picture())))
+    resizes, resize = [], Image.Image.resize
+    monkeypatch.setattr(Image.Image, "resize", lambda *a, **k: resizes.append(a[1]) or resize(*a, **k))
     plan = service.grid(settings, "control_scale", "0, 0.5, 1", "seed", "1-2")
+    assert len(resizes) == 2, "each picture is resized once for the grid, not once a cell"
     assert len(plan.requests) == 1, "scales are per-image inputs: the cells share a call"
     (call,) = plan.requests
     assert [scales[0] for scales in call.control_scales] == [0.0, 0.5, 1.0] * 2
