@@ -85,8 +85,8 @@ class Handlers:
         yield from _routed(request, self._grid(plan, _owner(request), progress))
 
     def check(self, build, **form) -> None:
-        """What a tab's button submits, built and dropped: the page runs this first, unqueued and with
-        no outputs, so that a bad value is one message and the gallery and status keep what they show."""
+        """What a tab's button submits, built and dropped: the page runs this first, with no outputs,
+        so that a bad value is one message and the gallery and status keep what they show."""
         self._built(build, form)
 
     # What each tab submits, from the form's fields by name; each raises ValueError.
@@ -335,13 +335,14 @@ def _control_picture(upload) -> Image.Image:
 def _caption(request: Request, i: int, device: str) -> str:
     """Image i's caption: what tells it from the others (its prompt where prompts differ, as when
     comparing prompts), its seed, its image index where those differ, and the core it ran on."""
-    parts = [f"seed {request.seeds[i]}", f"image {request.image_index[i]}", device]
-    if len(set(request.image_index)) == 1:
-        parts.remove(f"image {request.image_index[i]}")
-    if len(set(request.prompts)) > 1:
-        prompt = request.prompts[i]
-        parts.insert(0, prompt if len(prompt) <= 40 else prompt[:39] + "…")
-    return " · ".join(parts)
+    prompt = request.prompts[i]
+    parts = [
+        (prompt if len(prompt) <= 40 else prompt[:39] + "…") if len(set(request.prompts)) > 1 else None,
+        f"seed {request.seeds[i]}",
+        f"image {request.image_index[i]}" if len(set(request.image_index)) > 1 else None,
+        device,
+    ]
+    return " · ".join(part for part in parts if part)
 
 
 def _size_label(width: int, height: int) -> str:
@@ -451,8 +452,8 @@ def _optional(handler, names: list[str]):
 
 def _control_panel(service: DemoService) -> tuple[gr.Accordion, list[dict]]:
     """The ControlNet panel: for each launched ControlNet, its picture, preprocessor and the map they
-    make, and its scale, start and end. Returns the panel, and each one's components by `Control`
-    field (and "map")."""
+    make, a Union's control mode, and its scale, start and end. Returns the panel, and each one's
+    components by `Control` field (and "map")."""
     pipe = service.pipe
     panels = []
     with gr.Accordion("ControlNet", open=False, elem_id="controlnet") as accordion:

@@ -266,7 +266,7 @@ class Request:
         if first.controls:
             stacks = zip(*(r.control_images for r in requests))  # per ControlNet, every request's images
             arrays["control_images"] = tuple(np.concatenate(images) for images in stacks)
-        per_image = [f for f in (*_PER_IMAGE, *_CONTROL_SETTINGS, "control_modes") if getattr(first, f) is not None]
+        per_image = [f for f in (*_PER_IMAGE, *_PER_IMAGE_CONTROL) if getattr(first, f) is not None]
         return dataclasses.replace(
             first,
             **{f: tuple(v for r in requests for v in getattr(r, f)) for f in per_image},
@@ -378,7 +378,7 @@ class Request:
         """The control images and their per-image settings, checked, with their defaults filled in."""
         n, k = len(self), self.controls
         if not k:
-            given = [f for f in (*_CONTROL_SETTINGS, "control_modes") if getattr(self, f) is not None]
+            given = [f for f in _PER_IMAGE_CONTROL if getattr(self, f) is not None]
             if given:
                 raise ValueError(f"{given[0].replace('_', ' ')} were given without control images")
             return {}
@@ -454,6 +454,7 @@ _CONTROL_SETTINGS = {
     "control_starts": ("ControlNet start", 0.0, (0.0, 1.0)),
     "control_ends": ("ControlNet end", 1.0, (0.0, 1.0)),
 }
+_PER_IMAGE_CONTROL = (*_CONTROL_SETTINGS, "control_modes")  # every per-image ControlNet field
 
 
 def control_defaults(n: int, k: int) -> dict:

@@ -56,7 +56,6 @@ WORDS = sorted(
 )
 
 
-
 def vocabulary() -> str:
     """The words the model draws by, for people: its colours, shapes, sizes, places and "background"."""
     places = [phrase.split()[-1] for phrase in POSITIONS]

@@ -86,13 +86,13 @@ def resolve(source: str, spec: ModelSpec, *, dtype) -> ControlNetCheckpoint:
             return _single_file(text, path, _header(path), spec, path.parent)
         if hub_name and text.count("/") >= 2:
             owner, repo, filename = text.split("/", 2)
-            header = hub.file_header(f"{owner}/{repo}", filename)
+            header, configs = hub.file_header(f"{owner}/{repo}", filename), None
             if header is not None:  # refuse before the download where the Hub answers
                 configs = _hub_config_folder(f"{owner}/{repo}", filename) if _UNION_KEY in header else None
                 _single_file(text, None, header, spec, configs)
             path = hub.download_file(f"{owner}/{repo}", filename)
             header = _header(path)
-            if _UNION_KEY in header:  # a Union's config beside it (`_config_names`), where not fetched yet
+            if _UNION_KEY in header and configs is None:  # a Union's config beside it (`_config_names`)
                 _hub_config_folder(f"{owner}/{repo}", filename)
             return _single_file(text, path, header, spec, path.parent)
         raise CheckpointError(f"{text}: no such file")
