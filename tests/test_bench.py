@@ -43,6 +43,19 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
     assert "| tiny float32, xla attention, xla convolutions |" in row
 
 
+def test_quick_bench_measures_the_accelerator_targets_alone(bench):
+    """What fits a lease of minutes on a GPU: no fresh processes, other programs, sweep or LoRAs."""
+    args = "--model tiny --height 32 --width 32 --steps 2 --batch 1 --devices 1 --runs 1 --quick".split()
+    r, stdout, markdown = bench(*args)
+    assert r["quick"] and r["images_per_s"] > 0 and r["tflops"] > 0 and r["compile_s"] > 0
+    assert "progress_overhead" in r and "peak_device_memory_bytes" in r
+    skipped = "warm_compile_s load_s recompiles unguided_speedup long_prompt_cost controlnet_cost lora_first_s"
+    assert not [key for key in skipped.split() if key in r]
+    assert "progress overhead" in stdout and "one ControlNet" not in stdout and "LoRA" not in stdout
+    header, _, row = markdown.read_text().splitlines()[-3:]
+    assert row.count("|") == header.count("|") and "(quick: no warm)" in row
+
+
 def test_load_only_measures_warm_and_cold_loads_into_its_own_table(bench, tmp_path):
     markdown = tmp_path / "BENCHMARKS.md"
     markdown.write_text(report.MARKDOWN_HEADER + "| an earlier row |\n\nText after the table.\n")
@@ -158,6 +171,19 @@ def test_unet_flop_count_matches_an_independent_count(monkeypatch):
     # The cost analysis counts the work done: Winograd's multiply-adds are fewer.
     assert winograd < 0.95 * counted
     assert 1 <= bfloat16 / expected < 1.05
+
+
+def test_flops_are_the_models_work_whatever_the_attention_kernel_and_device_count(monkeypatch):
+    """Counted on the host with XLA's attention (`bench.counting`): a kernel XLA cannot see into, or
+    the batch split over more devices, changes nothing."""
+    config = config_from_dict(unet.UNetConfig, random_models.MEDIUM_CONFIGS["unet/config.json"])
+    xla = speed.unet_flops(config, 2, 16, 16, 77, dtype=jnp.bfloat16)
+    monkeypatch.setenv("SDXL_ATTENTION", "splash")
+    assert speed.unet_flops(config, 2, 16, 16, 77, dtype=jnp.bfloat16) == xla
+    monkeypatch.delenv("SDXL_ATTENTION")
+    request = speed.batch_request(4, 32, 32, 3)
+    one, four = (Pipeline.from_pretrained("tiny", max_steps=4, devices=jax.devices()[:n]) for n in (1, 4))
+    assert speed.generation_flops(one, request) == speed.generation_flops(four, request) > 0
 
 
 def test_the_benchmark_controlnet_of_sdxl_base_is_the_published_sdxl_controlnet():

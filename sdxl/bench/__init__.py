@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16, float32 on CPU")
     parser.add_argument("--compare", choices=["diffusers"], help="also time diffusers' pipeline on the same weights")
     parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the cold compile, images/s (and diffusers'), MFU, progress overhead and device memory: "
+        "what a lease of minutes on an accelerator allows",
+    )
+    parser.add_argument(
         "--load-only", action="store_true", help="measure only the loading (for checkpoints too big to run here)"
     )
     parser.add_argument(
@@ -142,6 +148,7 @@ def command(args: argparse.Namespace) -> None:
             num_devices=args.devices,
             dtype=args.dtype,
             compare=args.compare,
+            quick=args.quick,
             log=log,
         )
         table, header, row = format_table(result), MARKDOWN_HEADER, markdown_row(result)

@@ -19,6 +19,7 @@ from ..mesh import place, replicated
 from ..pipeline import Pipeline
 from ..request import Request
 from ..weights import flatten
+from . import counting
 
 
 def with_controlnet(pipe: Pipeline, folder: Path) -> Pipeline:
@@ -109,6 +110,7 @@ def step_flops(
         return model.apply({"params": params["unet"], **invariants["unet"]}, **inputs["unet"], **extra)
 
     params = {name: p for name, (_, p, _) in models.items()}
-    lowered = jax.jit(step).lower(params, invariants, {name: x for name, (_, _, x) in models.items()})
-    analysis = (lowered.compile() if compiled else lowered).cost_analysis()
-    return float((analysis[0] if isinstance(analysis, list) else analysis)["flops"])
+    inputs = {name: x for name, (_, _, x) in models.items()}
+    if compiled:
+        return counting.flops(jax.jit(step).lower(params, invariants, inputs).compile())
+    return counting.flops(counting.lowered(step, params, invariants, inputs))

@@ -54,15 +54,25 @@ def format_table(r: dict) -> str:
     rows += [
         ("achieved TFLOP/s", f"{_number(r['tflops'])} ({_number(r['flops_per_image'] / 1e12)} TFLOP/image)"),
         ("MFU", mfu),
-        ("compile cold / warm cache", f"{_number(r['compile_s'], ' s')} / {_number(r['warm_compile_s'], ' s')}"),
+        ("compile cold / warm cache", f"{_number(r['compile_s'], ' s')} / {_number(r.get('warm_compile_s'), ' s')}"),
         (
             "start to first image cold / warm",
-            f"{_number(r['first_image_s'], ' s')} / {_number(r['first_image_warm_s'], ' s')}",
+            f"{_number(r['first_image_s'], ' s')} / {_number(r.get('first_image_warm_s'), ' s')}",
         ),
-        *_load_rows(r),
-        ("peak host RSS (fresh process)", _mib(r["peak_rss_bytes"])),
         ("peak device memory", _mib(r["peak_device_memory_bytes"])),
         ("progress overhead", f"{r['progress_overhead']:+.1%} ({_number(r['progress_s_per_image'])} s/image)"),
+    ]
+    if not r["quick"]:
+        rows += _full_rows(r)
+    rows.append(("load average before / after", " / ".join(f"{x:.1f}" for x in r["load_average"])))
+    return _aligned(rows)
+
+
+def _full_rows(r: dict) -> list[tuple[str, str]]:
+    """What a run without `--quick` measures besides."""
+    return [
+        *_load_rows(r),
+        ("peak host RSS (fresh process)", _mib(r["peak_rss_bytes"])),
         (
             "without guidance (scale 0)",
             f"{_number(r['unguided_images_per_s'])} images/s, {r['unguided_speedup']:.2f}x those with guidance",
@@ -83,9 +93,7 @@ def format_table(r: dict) -> str:
             f"{_number(r['lora_first_s'], ' s')} to read and apply, {_number(r['lora_scale_s'], ' s')} to rescale, "
             f"{_number(r['lora_clear_s'], ' s')} to clear, {r['lora_recompiles']} recompilations",
         ),
-        ("load average before / after", " / ".join(f"{x:.1f}" for x in r["load_average"])),
     ]
-    return _aligned(rows)
 
 
 MARKDOWN_HEADER = (
@@ -108,11 +116,12 @@ def markdown_row(r: dict) -> str:
         f"{r['ref_images_per_s']:.3g}" if "ratio" in r else "",
         f"{r['ratio']:.2f}x" if "ratio" in r else "",
         f"{r['tflops']:.3g}{mfu}",
-        f"{r['compile_s']:.1f} / {r['warm_compile_s']:.1f} s",
-        _load_cell(r),
-        f"{r['load_rss_over_bf16']:.2f}x",
+        f"{r['compile_s']:.1f} s (quick: no warm)" if r["quick"]
+        else f"{r['compile_s']:.1f} / {r['warm_compile_s']:.1f} s",
+        "" if r["quick"] else _load_cell(r),
+        "" if r["quick"] else f"{r['load_rss_over_bf16']:.2f}x",
         f"{r['progress_overhead']:+.1%}",
-        str(r["recompiles"]),
+        "" if r["quick"] else str(r["recompiles"]),
     ]
     return "| " + " | ".join(cells) + " |\n"
 

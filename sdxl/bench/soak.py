@@ -26,13 +26,16 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from gradio_client import Client
 from PIL import Image
 
 from .loading import scratch_dir
 from .report import _aligned
+
+if TYPE_CHECKING:
+    from gradio_client import Client
 
 APP = Path(__file__).resolve().parents[2] / "app.py"
 STARTUP_TIMEOUT = 600  # seconds: load, compile and warm-up of a large model on a slow machine
@@ -152,7 +155,7 @@ def _wrong_images(gallery: list[dict], size: tuple[int, int]) -> int:
     return wrong
 
 
-def _request(client: Client, seed: int, steps: int, size: tuple[int, int]) -> dict:
+def _request(client: "Client", seed: int, steps: int, size: tuple[int, int]) -> dict:
     """One `/generate` call, timed from submit to its images on disk: its outcome."""
     start = time.perf_counter()
     job = client.submit(prompt=PROMPT, seed=seed, steps=steps, api_name="/generate")
@@ -167,13 +170,15 @@ def _request(client: Client, seed: int, steps: int, size: tuple[int, int]) -> di
 
 def _session(url: str, downloads: Path, seeds: range, steps: int, finished: list[dict]) -> None:
     """One client: its requests one after another, each outcome appended to `finished` as it comes."""
+    from gradio_client import Client  # a dev dependency, needed by the soak alone
+
     client = Client(url, verbose=False, download_files=str(downloads))
     size = _default_size(client)
     for seed in seeds:
         finished.append(_request(client, seed, steps, size))
 
 
-def _default_size(client: Client) -> tuple[int, int]:
+def _default_size(client: "Client") -> tuple[int, int]:
     """The size (width, height) the demo renders when a request names none: its model's native one."""
     parameters = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/generate"]
     defaults = {p["parameter_name"]: p["parameter_default"] for p in parameters["parameters"]}

@@ -15,9 +15,11 @@ import jax.numpy as jnp
 from .. import attention, convolution, lora, unet
 from ..checkpoints import random_models
 from ..compilation import CompileCounter, enable_compilation_cache
+from ..compiled import Executables
 from ..prompts import TOKENS_PER_CHUNK
 from ..request import DEFAULT_GUIDANCE_SCALE, Request
 from . import controlnet as control
+from . import counting
 from .loading import (
     bf16_bytes, default_dtype, in_fresh_process, load_on_devices, memory_status, process_start_time, scratch_dir,
     disk_and_fresh_memory_loads, load_ratios, machine_description, measure_load, resolve_model,
@@ -85,34 +87,31 @@ def unet_flops(
         time_ids = 6  # original size, crop top-left, target size
         pooled = config.projection_class_embeddings_input_dim - time_ids * config.addition_time_embed_dim
         inputs += [arg(batch, pooled), arg(batch, time_ids)]
-    lowered = jax.jit(lambda params, *xs: model.apply({"params": params}, *xs)).lower(
-        unet.abstract_params(config), *inputs
-    )
-    return float(_cost(lowered)["flops"])
+    def apply(params, *xs):
+        return model.apply({"params": params}, *xs)
+
+    return counting.flops(counting.lowered(apply, unet.abstract_params(config), *inputs))
 
 
 def generation_flops(pipe, request: Request) -> float:
     """FLOPs of one guided generation of a batch over all devices (padding images included).
 
-    The compiled program's cost analysis is per device and counts the denoising loop's body once;
-    the other `steps - 1` guided UNet evaluations are added from `unet_flops`.
+    Counted on the whole program lowered for the host (`counting`), whose cost analysis counts the
+    denoising loop's body once; the other `steps - 1` guided UNet evaluations are added from
+    `unet_flops`.
     """
-    per_device = float(_cost(whole_program(pipe, request))["flops"])
+    program = pipe.program_for(request)
+    with counting.xla_attention():  # lowered over the host's mesh, which it sets itself
+        whole = counting.flops(Executables(counting.host_mesh()).lowered(program, "whole"))
     spec = pipe.spec
     latent_h, latent_w, _ = spec.latent_shape(request.height, request.width)
-    padded = pipe.padded_batch(len(request))
-    step = unet_flops(spec.unet, 2 * padded, latent_h, latent_w, spec.max_tokens, pipe.dtype)  # x2: guidance
-    return per_device * pipe.num_devices + (request.steps - 1) * step
+    step = unet_flops(spec.unet, 2 * program.batch, latent_h, latent_w, spec.max_tokens, pipe.dtype)  # x2: guidance
+    return whole + (request.steps - 1) * step
 
 
 def whole_program(pipe, request: Request) -> "jax.stages.Compiled":
     """The one compiled program that renders `request` without progress reports."""
     return pipe.executables.compiled(pipe.program_for(request), "whole")
-
-
-def _cost(stage) -> dict:
-    analysis = stage.cost_analysis()
-    return analysis[0] if isinstance(analysis, list) else analysis  # older JAX: one dict per module
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,6 +268,7 @@ def run_benchmark(
     num_devices: int | None = None,
     dtype: str | None = None,
     compare: str | None = None,
+    quick: bool = False,
     log: Callable[[str], None] = lambda message: None,
 ) -> dict:
     """Measures generation as the package docstring (`sdxl.bench`) describes; returns a flat dict.
@@ -280,6 +280,9 @@ def run_benchmark(
       num_devices: use the first this many devices (default: all).
       dtype: "float32" or "bfloat16" (default: float32 on CPU, else bfloat16).
       compare: "diffusers" to time diffusers' pipeline on the same weights.
+      quick: measure only what fits a lease of minutes on an accelerator: the cold compile, the first
+        image, images/s (and diffusers'), FLOPs, the progress overhead and the peak device memory;
+        not the fresh processes, the other programs, the sweep or LoRAs.
       log: receives progress messages.
     """
     process_start = process_start_time()
@@ -305,27 +308,31 @@ def run_benchmark(
         request = pipe.validated(batch_request(batch or pipe.num_devices, height, width, steps))
         first = _first_run(pipe, request, log, started=process_start + write_s)
         flops = first.pop("flops")
-
-        log("measuring load, warm compile and first image in a fresh process")
-        options = dict(folder=str(folder), dtype=dtype, max_steps=max_steps, num_devices=num_devices)
-        probe_options = dict(cache_dir=str(cache_dir), height=height, width=width, batch=len(request), steps=steps)
-        fresh = in_fresh_process("probe", **options, **probe_options)
-        log("measuring the load from the disk and a read into fresh memory, in fresh processes")
-        fresh |= disk_and_fresh_memory_loads(**options)
-
-        unguided = dataclasses.replace(request, guidance_scales=(0.0,) * len(request))
-        long_prompt = prompt_of_chunks(pipe.prompts, LONG_PROMPT_CHUNKS)
-        long = pipe.validated(batch_request(len(request), height, width, steps, prompt=long_prompt))
-        log("writing a random ControlNet of the model's UNet shape, and compiling the model steered by it")
-        steered, controlled, controlnet_first = _controlnet_first_run(pipe, scratch, request, dtype)
+        log(f"compiled in {first['compile_s']:.1f} s, first image after {first['first_image_s']:.1f} s")
         calls = {
             "ours": lambda: pipe.render(request),
             # Progress as the demo shows it: a report and the images' previews after every step.
             "progress": lambda: pipe.render(request, on_step=lambda done: None, on_preview=lambda done, images: None),
-            "unguided": lambda: pipe.render(unguided),  # the program without the negative prompts' pass
-            "long_prompt": lambda: pipe.render(long),  # the program of 4 chunks
-            "controlnet": lambda: steered.render(controlled),  # the same batch steered by one ControlNet
         }
+        fresh = controlnet_first = {}
+        if not quick:
+            log("measuring load, warm compile and first image in a fresh process")
+            options = dict(folder=str(folder), dtype=dtype, max_steps=max_steps, num_devices=num_devices)
+            probe_options = dict(cache_dir=str(cache_dir), height=height, width=width, batch=len(request), steps=steps)
+            fresh = in_fresh_process("probe", **options, **probe_options)
+            log("measuring the load from the disk and a read into fresh memory, in fresh processes")
+            fresh |= disk_and_fresh_memory_loads(**options)
+
+            unguided = dataclasses.replace(request, guidance_scales=(0.0,) * len(request))
+            long_prompt = prompt_of_chunks(pipe.prompts, LONG_PROMPT_CHUNKS)
+            long = pipe.validated(batch_request(len(request), height, width, steps, prompt=long_prompt))
+            log("writing a random ControlNet of the model's UNet shape, and compiling the model steered by it")
+            steered, controlled, controlnet_first = _controlnet_first_run(pipe, scratch, request, dtype)
+            calls |= {
+                "unguided": lambda: pipe.render(unguided),  # the program without the negative prompts' pass
+                "long_prompt": lambda: pipe.render(long),  # the program of 4 chunks
+                "controlnet": lambda: steered.render(controlled),  # the same batch steered by one ControlNet
+            }
         reference = {}
         if compare:
             log("loading diffusers' pipeline")
@@ -334,13 +341,15 @@ def run_benchmark(
             reference["ref_load_s"] = time.perf_counter() - start
         log(f"timing {runs} runs each of: {', '.join(calls)}")
         timings = _interleaved_timings(calls, runs)
-
-        log("counting compilations over a sweep of prompts, weights, seeds, guidance and steps")
-        sweep = sweep_requests(len(request), height, width, steps, long_prompt)
-        recompiles = count_compilations(pipe, sweep)
-        log("timing LoRA switches")
-        lora_switches = time_lora_switches(pipe, scratch, request)
+        # Before the sweep and the LoRAs, whose programs are not the benchmark's.
         peak_device_memory = _peak_device_memory(pipe)
+        rest = {}
+        if not quick:
+            log("counting compilations over a sweep of prompts, weights, seeds, guidance and steps")
+            sweep = sweep_requests(len(request), height, width, steps, long_prompt)
+            rest = dict(recompiles=count_compilations(pipe, sweep), sweep_runs=len(sweep))
+            log("timing LoRA switches")
+            rest |= time_lora_switches(pipe, scratch, request)
 
     result = dict(
         date=datetime.date.today().isoformat(),
@@ -348,17 +357,17 @@ def run_benchmark(
         model=model,
         load_average=[load_before, os.getloadavg()[0]],
         runs=runs,
-        recompiles=recompiles,
-        sweep_runs=len(sweep),
+        quick=quick,
         peak_device_memory_bytes=peak_device_memory,
         **first,
         **fresh,  # load warm and cold, raw reads, RSS, warm compile, first image warm
         **_speed(pipe, request, timings, flops),
         **controlnet_first,
-        **lora_switches,
+        **rest,  # recompilations over the sweep, LoRA switches
         param_bytes_bf16=bf16_bytes(pipe.spec),
     )
-    result |= load_ratios(result)
+    if not quick:
+        result |= load_ratios(result) | _variant_speed(request, timings)
     if compare:
         result |= reference | _reference_speed(request, timings, flops)
     return result
@@ -478,6 +487,14 @@ def _speed(pipe, request: Request, timings: dict, flops: float) -> dict:
         mfu=None if peak is None else tflops / (peak * pipe.num_devices),
         progress_s_per_image=_median_s(timings["progress"]) / batch,
         progress_overhead=_median_s(timings["progress"]) / _median_s(ours) - 1,
+    )
+
+
+def _variant_speed(request: Request, timings: dict) -> dict:
+    """The other programs' images/s, each against the benchmark's: without guidance, with a long
+    prompt, steered by a ControlNet."""
+    batch, ours = len(request), timings["ours"]
+    return dict(
         unguided_images_per_s=batch / _median_s(timings["unguided"]),
         unguided_speedup=_median_s(ours) / _median_s(timings["unguided"]),
         long_prompt_chunks=LONG_PROMPT_CHUNKS,
