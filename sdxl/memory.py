@@ -75,20 +75,53 @@ def check_fits(pipe, batch_programs: Callable[[int], list[GenerateProgram]], per
     if memory is None:
         return
     limit, in_use = memory
+    needed = _needed_down_to_fit(pipe, batch_programs, per_device, in_use, limit, progress)
+    asked = needed[per_device]
+    if asked is not None and asked <= limit:
+        return
+    device = pipe.mesh.devices.flat[0]
+    size = "more than the compiler could place" if asked is None else f"{asked / GIB:.2f} GiB"
+    fitting = _largest_fitting(needed, limit)
+    if fitting:
+        advice = _fit(fitting, setting)
+    elif pipe.refiner is not None:
+        # Without the refiner: its own weights off the devices, and none of its programs.
+        def alone(n: int) -> list[GenerateProgram]:
+            return [p for p in batch_programs(n) if p.spec != pipe.refiner.spec]
+
+        weights = refiner_bytes(pipe)
+        needed = _needed_down_to_fit(pipe, alone, per_device, in_use - weights, limit, progress)
+        fitting = _largest_fitting(needed, limit)
+        advice = (f"not even 1 per device fits beside the refiner's {weights / GIB:.2f} GiB; without --refiner, "
+                  + (_fit(fitting, setting) if fitting else "not even 1 either"))
+    else:
+        advice = "not even 1 per device fits: choose a smaller size, bfloat16, or devices with more memory"
+    raise DoesNotFitError(
+        f"{setting(per_device)} needs {size} on each {getattr(device, 'device_kind', device.platform)}, "
+        f"which holds {limit / GIB:.2f} GiB; {advice}"
+    )
+
+
+def _needed_down_to_fit(pipe, batch_programs, per_device: int, in_use: int, limit: int, progress: bool) -> dict:
+    """`bytes_needed` for n images per device, from `per_device` down to the first n that fits."""
     needed = {}
     for n in range(per_device, 0, -1):
         needed[n] = bytes_needed(pipe, batch_programs(n), in_use, progress=progress)
         if needed[n] is not None and needed[n] <= limit:
             break
-    if needed[per_device] is not None and needed[per_device] <= limit:
-        return
-    device = pipe.mesh.devices.flat[0]
-    asked = needed[per_device]
-    size = "more than the compiler could place" if asked is None else f"{asked / GIB:.2f} GiB"
-    fitting = [n for n, size in needed.items() if size is not None and size <= limit]
-    advice = (f"{fitting[0]} per device fit{'s' if fitting[0] == 1 else ''}: {setting(fitting[0])}" if fitting else
-              "not even 1 per device fits: choose a smaller size, bfloat16, or devices with more memory")
-    raise DoesNotFitError(
-        f"{setting(per_device)} needs {size} on each {getattr(device, 'device_kind', device.platform)}, "
-        f"which holds {limit / GIB:.2f} GiB; {advice}"
-    )
+    return needed
+
+
+def _largest_fitting(needed: dict, limit: int) -> int | None:
+    return next((n for n, size in needed.items() if size is not None and size <= limit), None)
+
+
+def _fit(n: int, setting: Callable[[int], str]) -> str:
+    return f"{n} per device fit{'s' if n == 1 else ''}: {setting(n)}"
+
+
+def refiner_bytes(pipe) -> int:
+    """What the refiner's own weights take on one device: the arrays it does not share with the model."""
+    held = {id(a) for a in jax.tree.leaves(pipe.params)}
+    own = {id(a): a for a in jax.tree.leaves(pipe.refiner.params) if id(a) not in held}
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in own.values())

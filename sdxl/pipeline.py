@@ -166,7 +166,23 @@ class Pipeline:
         if refiner is not None:
             self._check_refiner(refiner)
             refiner.executables = self.executables  # programs are keyed by their model: one cache serves both
+            self._share_equal_components(refiner)
         self.refiner = refiner
+
+    def _share_equal_components(self, refiner: "Pipeline") -> None:
+        """Gives the refiner this model's arrays for each component whose weights it has too, so that
+        the devices hold them once: the published SDXL refiner's VAE and second text encoder are the
+        base's, 1.45 GiB per device in bfloat16 (on a 16 GiB TPU v5e, the difference between fitting
+        and not). Compared on the devices, in one program, value for value."""
+        for name, theirs in refiner.base_params.items():
+            mine = self.base_params.get(name)
+            if name == "controlnets" or mine is None or refiner.params[name] is not theirs:
+                continue
+            shapes = [jax.tree.map(lambda a: (a.shape, a.dtype), tree) for tree in (mine, theirs)]
+            if jax.tree.structure(mine) != jax.tree.structure(theirs) or shapes[0] != shapes[1]:
+                continue
+            if bool(_all_equal(mine, theirs)):
+                refiner.base_params = refiner.params = {**refiner.base_params, name: mine}
 
     def _check_refiner(self, refiner: "Pipeline") -> None:
         mine, theirs = self.spec, refiner.spec
@@ -416,3 +432,9 @@ class Pipeline:
         if second is not None:
             second.seconds += first.seconds
         return second
+
+
+@jax.jit
+def _all_equal(a, b) -> jax.Array:
+    """Whether two parameter trees of the same shapes hold the same values (one program for all leaves)."""
+    return jnp.all(jnp.stack([jnp.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]))

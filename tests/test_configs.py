@@ -9,7 +9,7 @@ from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec
 from sdxl.config import read_json
 from sdxl.tokenizer import load_tokenizer, tokenize
 
-FOLDERS = ["sdxl-base-1.0", "sd-1.5", "sd-2.1", "sd-2.1-base"]
+FOLDERS = ["sdxl-base-1.0", "sdxl-refiner-1.0", "sd-1.5", "sd-2.1", "sd-2.1-base"]
 
 CLIP_L_TEXT = 123_060_480  # CLIP ViT-L/14's text tower
 OPENCLIP_H_TEXT = 340_387_840  # OpenCLIP ViT-H/14's text tower less its last layer, as diffusers has it
@@ -17,6 +17,8 @@ SD_VAE = 83_653_863
 # Parameter counts of the published checkpoints (diffusers' models built from these configs agree).
 PARAMETERS = {
     "sdxl-base-1.0": {"unet": 2_567_463_684, "vae": SD_VAE, "text_encoder": CLIP_L_TEXT, "text_encoder_2": 694_659_840},
+    # The refiner's UNet config is derived (sdxl/configs/README.md): 4.52 GB in float16, as published.
+    "sdxl-refiner-1.0": {"unet": 2_259_526_660, "vae": SD_VAE, "text_encoder_2": 694_659_840},
     "sd-1.5": {"unet": 859_520_964, "vae": SD_VAE, "text_encoder": CLIP_L_TEXT},
     "sd-2.1": {"unet": 865_910_724, "vae": SD_VAE, "text_encoder": OPENCLIP_H_TEXT},
     "sd-2.1-base": {"unet": 865_910_724, "vae": SD_VAE, "text_encoder": OPENCLIP_H_TEXT},
@@ -24,6 +26,7 @@ PARAMETERS = {
 # What each model's pipeline runs: (default sampler, prediction type, native size, VAE scaling factor).
 FAMILY = {
     "sdxl-base-1.0": ("euler", "epsilon", 1024, 0.13025),
+    "sdxl-refiner-1.0": ("euler", "epsilon", 1024, 0.13025),
     "sd-1.5": ("pndm", "epsilon", 512, 0.18215),
     "sd-2.1": ("ddim", "v_prediction", 768, 0.18215),
     "sd-2.1-base": ("pndm", "epsilon", 512, 0.18215),
@@ -32,6 +35,7 @@ FAMILY = {
 PAD_IDS = {
     ("sdxl-base-1.0", "tokenizer"): 49407,
     ("sdxl-base-1.0", "tokenizer_2"): 0,
+    ("sdxl-refiner-1.0", "tokenizer_2"): 0,
     ("sd-1.5", "tokenizer"): 49407,
     ("sd-2.1", "tokenizer"): 0,
     ("sd-2.1-base", "tokenizer"): 0,
@@ -49,7 +53,7 @@ def test_configs_load_and_give_the_published_parameter_counts(name):
     assert spec.scheduler.prediction_type == prediction_type
     assert spec.native_size == native_size
     assert spec.vae.scaling_factor == scaling_factor
-    assert spec.is_sdxl == (name == "sdxl-base-1.0")
+    assert spec.is_sdxl == name.startswith("sdxl")
     assert spec.max_tokens == 77
 
 

@@ -1,6 +1,9 @@
 """The fit check (`sdxl.memory`): the compiled programs' bytes against a device's memory, and the
 sentence that names what fits. The CPU reports no memory, so the device's is given here."""
 
+import dataclasses
+
+import jax
 import pytest
 
 from sdxl import memory
@@ -51,3 +54,20 @@ def test_a_compiler_that_runs_out_of_memory_is_a_batch_that_does_not_fit(pipe, m
 def test_devices_that_report_no_memory_are_not_checked(pipe):
     assert memory.device_memory(pipe) is None  # the CPU's
     memory.check_fits(pipe, lambda n: pytest.fail("nothing compiles for a check that cannot be made"), 64, str)
+
+
+def test_with_a_refiner_that_leaves_no_room_the_check_says_what_fits_without_it(monkeypatch):
+    base = Pipeline.from_pretrained("tiny", dtype="float32")
+    base.set_refiner(Pipeline.from_pretrained("tiny-refiner", dtype="float32"))
+    weights = memory.refiner_bytes(base)
+    assert weights > 0 and weights == sum(a.nbytes for a in jax.tree.leaves(base.refiner.params))  # nothing shared
+    request = Request.from_prompt("a fox", num_images=1, height=64, width=64, steps=2)
+    refined = dataclasses.replace(request, refine_from=0.8)
+    batches = lambda n: [p for r in (request, refined) for p in base.programs_for(r, n * base.num_devices)]  # noqa: E731
+    in_use = 10_000_000 + weights
+    alone = memory.bytes_needed(base, [p for p in batches(1) if p.spec == base.spec], in_use - weights)
+    limit = alone + weights // 2  # room for the model's programs, not for the refiner's weights too
+    monkeypatch.setattr(memory, "device_memory", lambda pipe: (limit, in_use))
+    with pytest.raises(memory.DoesNotFitError, match=r"not even 1 per device fits beside the refiner's [\d.]+ GiB; "
+                       r"without --refiner, \d per device fits?: --max-images-per-core \d$"):
+        memory.check_fits(base, batches, 2, "--max-images-per-core {}".format)

@@ -2,6 +2,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -559,3 +560,28 @@ def test_parameter_shapes_are_cached_per_config(tmp_path, monkeypatch):
     wider = dataclasses.replace(spec, unet=dataclasses.replace(spec.unet, cross_attention_dim=48))
     with pytest.raises(AssertionError, match="traced again"):  # another config is another entry
         wider.abstract_params()
+
+
+def test_a_refiner_shares_the_weights_it_has_of_the_base(tmp_path):
+    """The published SDXL refiner's VAE and second text encoder are the base's: the devices hold them
+    once. A refiner with weights of its own keeps them, and sharing changes no image."""
+    devices = jax.devices()[:1]
+    base = Pipeline.from_pretrained("tiny", devices=devices)
+    own = Pipeline.from_pretrained("tiny-refiner", devices=devices)
+    base.set_refiner(own)
+    assert own.params["vae"] is not base.params["vae"] and own.params["unet"] is not base.params["unet"]
+
+    folder = tmp_path / "refiner"  # saved as diffusers saves a refiner built with the base's vae and text_encoder_2
+    shutil.copytree(random_models.ensure_checkpoint("tiny-refiner"), folder)
+    for component in ("vae", "text_encoder_2"):
+        shutil.rmtree(folder / component)
+        shutil.copytree(random_models.ensure_checkpoint("tiny") / component, folder / component)
+    refiner = Pipeline.from_pretrained(str(folder), devices=devices)
+    picture = np.asarray(jax.random.uniform(jax.random.key(0), (32, 32, 3)) * 255, np.uint8)
+    before = refiner.generate("a cat", steps=3, image=picture, strength=0.6, output_type="np")
+    base.set_refiner(refiner)
+    assert refiner.params["vae"] is base.params["vae"]
+    assert refiner.params["text_encoder_2"] is base.params["text_encoder_2"]
+    assert refiner.params["unet"] is not base.params["unet"] and refiner.base_params is refiner.params
+    np.testing.assert_array_equal(refiner.generate("a cat", steps=3, image=picture, strength=0.6, output_type="np"),
+                                  before)

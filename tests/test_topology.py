@@ -73,3 +73,23 @@ def test_the_markdown_row_says_it_was_compiled_not_run(compiled):
     _, markdown = compiled
     assert markdown.startswith(topology.TOPOLOGY_MARKDOWN_HEADER)
     assert "compiled for v5e:2x2 on this CPU, not run" in markdown
+
+
+def test_a_refiner_shares_each_chip_with_the_model(tmp_path):
+    """Loaded beside the model, a refiner's parameters are on the chip while the model's programs run,
+    and the model's while the refiner's own program (from the model's latents) runs; the components
+    they share (the published pair's VAE and second text encoder) count once."""
+    out = tmp_path / "report.json"
+    args = ["bench", "--model", "tiny", "--refiner", "tiny-refiner", "--topology", "v5e:2x2", "--height", str(SIZE),
+            "--width", str(SIZE), "--batch", str(CHIPS), "--programs", topology.REFINE]
+    assert main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    base, refiner = (topology.model_spec(m) for m in ("tiny", "tiny-refiner"))
+    assert topology.shared_components(refiner, base) == report["shared_components"] == ["text_encoder_2", "vae"]
+    unet_bytes = [2 * sum(leaf.size for leaf in jax.tree.leaves(s.abstract_params()["unet"])) for s in (refiner, base)]
+    text_encoder = 2 * sum(leaf.size for leaf in jax.tree.leaves(base.abstract_params()["text_encoder"]))
+    assert {p["beside_bytes"] for p in report["programs"]} == {unet_bytes[1] + text_encoder}
+    assert topology.param_bytes(refiner, "bfloat16", base) == unet_bytes[0]  # beside each of the model's programs
+    assert report["compiled"] and _program(report, topology.REFINE, "whole")["attention"] == ["splash"]
+    assert report["bytes_per_chip"] == max(p["bytes"] + p["beside_bytes"] for p in report["programs"])
+    assert report["refiner"] == "tiny-refiner"

@@ -59,6 +59,7 @@ from .soak import SOAK_MARKDOWN_HEADER, format_soak_table, run_soak, soak_markdo
 from .speed import run_benchmark
 from .topology import (
     PROGRAMS,
+    REFINE,
     TOPOLOGY_MARKDOWN_HEADER,
     format_topology_table,
     run_topology_benchmark,
@@ -98,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --topology, the programs to compile, comma-separated (default: %(default)s)",
     )
     parser.add_argument(
+        "--refiner",
+        metavar="MODEL",
+        help=f"with --topology, a refiner loaded beside the model: it shares each chip, and adds the '{REFINE}' "
+        "program",
+    )
+    parser.add_argument(
         "--soak-clients",
         type=int,
         metavar="N",
@@ -115,6 +122,8 @@ def command(args: argparse.Namespace) -> None:
     def log(message: str) -> None:
         print(message, file=sys.stderr)
 
+    if args.refiner and not args.topology:
+        raise ValueError("--refiner goes with --topology: the refiner's fit beside the model is compiled, not run")
     if args.topology:
         result = run_topology_benchmark(
             args.model,
@@ -125,6 +134,7 @@ def command(args: argparse.Namespace) -> None:
             batch=args.batch,
             dtype=args.dtype or "bfloat16",
             programs=tuple(args.programs.split(",")),
+            refiner=args.refiner,
             log=log,
         )
         table, header, row = format_topology_table(result), TOPOLOGY_MARKDOWN_HEADER, topology_markdown_row(result)

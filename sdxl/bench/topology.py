@@ -43,6 +43,8 @@ MAX_STEPS = 100
 # The programs the demo runs at one size: where the loop starts (text-to-image, image-to-image,
 # inpainting), each with and without classifier-free guidance.
 PROGRAMS = ("text", "text-unguided", "image", "image-unguided", "inpaint", "inpaint-unguided")
+# With a refiner, the refiner's program too: it finishes the base's latents (`Pipeline._handoff`).
+REFINE = "refine"
 
 
 def model_spec(model: str) -> ModelSpec:
@@ -76,6 +78,33 @@ def program_named(name: str, spec: ModelSpec, height: int, width: int, batch: in
     )
 
 
+def refine_program(refiner: ModelSpec, height: int, width: int, batch: int, dtype) -> GenerateProgram:
+    """The refiner's program as the demo compiles it: from the base's latents, guided, to uint8 images."""
+    return GenerateProgram(
+        refiner, refiner.default_sampler, height, width, batch, jnp.dtype(dtype), MAX_STEPS, start_from="latents"
+    )
+
+
+def shared_components(spec: ModelSpec, beside: ModelSpec) -> list[str]:
+    """The components of `spec` that `beside` has too, of the same shapes. The demo holds such a
+    component once where the weights are equal too (`Pipeline.set_refiner`), as the published SDXL
+    refiner's VAE and second text encoder are the base's; the bench reads no weights, and counts it once."""
+    mine, theirs = spec.abstract_params(), beside.abstract_params()
+    return sorted(name for name in mine if name in theirs and _shapes(mine[name]) == _shapes(theirs[name]))
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda leaf: leaf.shape, tree)
+
+
+def param_bytes(spec: ModelSpec, dtype, beside: ModelSpec | None = None) -> int:
+    """A model's parameters on each chip (they are replicated), in `dtype`; with `beside`, less the
+    components the two share (`shared_components`)."""
+    shared = shared_components(spec, beside) if beside else []
+    held = [tree for name, tree in spec.abstract_params().items() if name not in shared]
+    return jnp.dtype(dtype).itemsize * sum(leaf.size for leaf in jax.tree.leaves(held))
+
+
 def hbm_bytes(device_kind: str) -> int | None:
     return next((gib * 2**30 for name, gib in HBM_GIB if name in device_kind), None)
 
@@ -90,6 +119,7 @@ def run_topology_benchmark(
     batch: int | None = None,
     dtype: str = "bfloat16",
     programs: tuple[str, ...] = PROGRAMS,
+    refiner: str | None = None,
     log=print,
 ) -> dict:
     """Compiles `programs` whole and in stages for the TPU slice `topology` ("v5e:2x2"); returns the report.
@@ -97,6 +127,9 @@ def run_topology_benchmark(
     Args:
       batch: images per call, a multiple of the slice's chips (default: one per chip).
       steps: the steps a generation takes, for the estimate of its seconds; programs take any count.
+      refiner: a refiner loaded beside the model (as `model_spec` reads it): its parameters share each
+        chip with every program of the model, and the model's with its own `REFINE` program, which
+        `programs` may then name (it is added to the default ones).
     """
     # libtpu locks a file so that one process drives a host's chips; compiling drives none, so a test
     # may compile while a bench does.
@@ -106,20 +139,34 @@ def run_topology_benchmark(
     batch = batch or chips
     if batch % chips:
         raise ValueError(f"--batch must be a multiple of the {chips} chips of {topology}, got {batch}")
-    if unknown := set(programs) - set(PROGRAMS):
-        raise ValueError(f"unknown programs {sorted(unknown)}; choose from {', '.join(PROGRAMS)}")
+    known = PROGRAMS + ((REFINE,) if refiner else ())
+    if refiner and programs == PROGRAMS:
+        programs = known
+    if unknown := set(programs) - set(known):
+        hint = f" ({REFINE} needs --refiner)" if REFINE in unknown else ""
+        raise ValueError(f"unknown programs {sorted(unknown)}; choose from {', '.join(known)}{hint}")
     spec, mesh = model_spec(model), batch_mesh(devices)
+    refiner_spec = refiner and model_spec(refiner)
     log(f"compiling {model} at {width}x{height}, {batch // chips} images per chip, for {topology} ({chips} chips)")
     compiled = []
     for name in programs:
-        program = program_named(name, spec, height, width, batch, dtype)
+        if name == REFINE:
+            program = refine_program(refiner_spec, height, width, batch, dtype)
+            beside = param_bytes(spec, dtype, refiner_spec)
+        else:
+            program = program_named(name, spec, height, width, batch, dtype)
+            beside = param_bytes(refiner_spec, dtype, spec) if refiner else 0
         executables = Executables(mesh)  # one program's at a time: SDXL's executables are large
         for stage in WHOLE + IN_STAGES:  # `denoise` and `finish` take what `prepare` returns: after it
-            compiled.append({"program": name, "stage": stage, **_compile(executables, program, stage)})
+            # `beside_bytes`: the other model's parameters, on the chip while this program runs.
+            compiled.append({"program": name, "stage": stage, "beside_bytes": beside,
+                             **_compile(executables, program, stage)})
             log(_program_line(compiled[-1]))
     return _report(
         compiled,
         model=model,
+        refiner=refiner,
+        shared=shared_components(spec, refiner_spec) if refiner else [],
         topology=topology,
         devices=devices,
         height=height,
@@ -156,10 +203,12 @@ def _compile(executables: Executables, program: GenerateProgram, stage: str) -> 
     return result
 
 
-def _report(compiled: list[dict], *, model, topology, devices, height, width, steps, batch, dtype) -> dict:
+def _report(
+    compiled: list[dict], *, model, refiner, shared, topology, devices, height, width, steps, batch, dtype
+) -> dict:
     kind = devices[0].device_kind
     ok = [c for c in compiled if c["compiled"]]
-    largest = max(ok, key=lambda c: c["bytes"], default=None)
+    largest = max(ok, key=lambda c: c["bytes"] + c["beside_bytes"], default=None)
 
     guided = next((c["program"] for c in compiled if not c["program"].endswith("-unguided")), None)
 
@@ -178,6 +227,8 @@ def _report(compiled: list[dict], *, model, topology, devices, height, width, st
         "chips": len(devices),
         "hosts": len({d.process_index for d in devices}),
         "model": model,
+        "refiner": refiner,
+        "shared_components": shared,
         "dtype": dtype,
         "height": height,
         "width": width,
@@ -185,7 +236,8 @@ def _report(compiled: list[dict], *, model, topology, devices, height, width, st
         "batch": batch,
         "images_per_chip": batch // len(devices),
         "attention": sorted({k for c in ok for k in c["attention"]}),
-        "bytes_per_chip": largest and largest["bytes"],
+        # The largest program with the other model's parameters beside it, where a refiner is loaded.
+        "bytes_per_chip": largest and largest["bytes"] + largest["beside_bytes"],
         "largest_program": largest and f"{largest['program']} {largest['stage']}",
         "hbm_bytes_per_chip": hbm_bytes(kind),
         "hbm_source": HBM_SOURCE,
@@ -196,7 +248,7 @@ def _report(compiled: list[dict], *, model, topology, devices, height, width, st
         "programs": compiled,
     }
     capacity = report["hbm_bytes_per_chip"]
-    report["fits"] = None if capacity is None else report["compiled"] and largest["bytes"] <= capacity
+    report["fits"] = None if capacity is None else report["compiled"] and report["bytes_per_chip"] <= capacity
     if all(e is not None and "estimated_s" in e for e in estimates):
         prepare, step, finish = (e["estimated_s"] for e in estimates)
         report["estimated_generation_s"] = prepare + steps * step + finish
@@ -212,14 +264,21 @@ def _program_line(c: dict) -> str:
     if not c["compiled"]:
         return what + f"not compiled: {c['error'].splitlines()[0]}"
     flops = "n/a" if c["flops"] is None else f"{c['flops'] / 1e12:.3g} TFLOP"
-    return what + f"{_gib(c['bytes'])} per chip (temporaries {_gib(c['temp_bytes'])}), {flops}"
+    beside = f" + {_gib(c['beside_bytes'])} of the other model's parameters" if c["beside_bytes"] else ""
+    return what + f"{_gib(c['bytes'])} per chip (temporaries {_gib(c['temp_bytes'])}){beside}, {flops}"
+
+
+def _models(r: dict) -> str:
+    if r["refiner"] is None:
+        return r["model"]
+    return f"{r['model']} + refiner {r['refiner']} (sharing {', '.join(r['shared_components']) or 'nothing'})"
 
 
 def format_topology_table(r: dict) -> str:
     flops = r["unet_flops_per_step"]
     lines = [
         f"compiled for {r['topology']} ({r['chips']}x {r['device']}, {r['hosts']} host(s)) on this CPU, not run",
-        f"{r['model']} {r['dtype']} at {r['width']}x{r['height']}, {r['images_per_chip']} images per chip, "
+        f"{_models(r)} {r['dtype']} at {r['width']}x{r['height']}, {r['images_per_chip']} images per chip, "
         f"{', '.join(r['attention']) or 'no'} attention",
         f"largest program: {r['largest_program']}, {_gib(r['bytes_per_chip'])} per chip of "
         f"{_gib(r['hbm_bytes_per_chip'])} ({'fits' if r['fits'] else 'does NOT fit'})",
@@ -247,7 +306,7 @@ def topology_markdown_row(r: dict) -> str:
         r["date"],
         r["machine"],
         f"{r['topology']} ({r['chips']}x {r['device']})",
-        f"{r['model']} {r['dtype']}, {', '.join(r['attention'])} attention",
+        f"{_models(r)} {r['dtype']}, {', '.join(r['attention'])} attention",
         f"{r['width']}x{r['height']}, {r['images_per_chip']}",
         f"{_gib(r['bytes_per_chip'])} / {_gib(r['hbm_bytes_per_chip'])}" + ("" if r["fits"] else " (does not fit)"),
         r["largest_program"] or "",
