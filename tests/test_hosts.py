@@ -16,6 +16,7 @@ import pytest
 from gradio_client import Client
 from PIL import Image
 
+from sdxl import hosts
 from sdxl.bench.soak import APP, free_port, running_app
 
 STARTUP_TIMEOUT = 300
@@ -120,3 +121,41 @@ def test_a_follower_started_differently_is_refused(tmp_path):
     assert "model 'shapes' where process 0 has 'tiny'" in leader.stderr, leader.stderr[-3000:]
     assert follower.returncode == 2
     assert "model 'shapes' where process 0 has 'tiny'" in follower_log.read_text()
+
+
+class _Store:
+    """The coordination service's key-value store as `hosts.Channel` uses it; a deleted key takes the
+    keys under it along, as the service's does."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set_bytes(self, key, value):
+        assert key not in self.values, f"{key} written twice"
+        self.values[key] = bytes(value)
+
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
+        return self.values[key]
+
+    def key_value_increment(self, key, amount):
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+    def key_value_delete(self, key):
+        for name in [k for k in self.values if k == key or k.startswith(key + "/")]:
+            del self.values[name]
+
+
+def test_a_message_of_many_chunks_reaches_every_follower_whole_and_is_then_deleted():
+    """A batch's pictures (image-to-image, ControlNets) are megabytes: more than one value of the store."""
+    store = _Store()
+    leader, followers = hosts.Channel(store, "render", 2), [hosts.Channel(store, "render", 2) for _ in range(2)]
+    pictures = np.random.default_rng(0).integers(0, 256, (4, 1024, 1024, 3), np.uint8)  # 12 MiB
+    leader.send({"pictures": pictures})
+    leader.send("the next message")
+    assert sum(key.startswith("sdxl/render/0") for key in store.values) > pictures.nbytes // hosts.CHUNK
+    np.testing.assert_array_equal(followers[0].receive()["pictures"], pictures)
+    assert "sdxl/render/0" in store.values  # until the other follower has read it too
+    np.testing.assert_array_equal(followers[1].receive()["pictures"], pictures)
+    assert not any(key.startswith("sdxl/render/0") for key in store.values)
+    assert [follower.receive() for follower in followers] == ["the next message"] * 2
