@@ -33,8 +33,10 @@ def bytes_beside_weights(compiled: jax.stages.Compiled) -> int:
     """What a compiled stage (its weights its first argument) holds on one device beside the weights."""
     memory = compiled.memory_analysis()
     (args, _), (shardings, _) = compiled.args_info, compiled.input_shardings
+    # An argument the program never reads has no sharding (None), and no buffer in the program.
+    infos, tree = jax.tree.flatten(args[1:])
     inputs = sum(math.prod(sharding.shard_shape(info.shape)) * np.dtype(info.dtype).itemsize
-                 for info, sharding in zip(jax.tree.leaves(args[1:]), jax.tree.leaves(shardings[1:])))
+                 for info, sharding in zip(infos, tree.flatten_up_to(shardings[1:])) if sharding is not None)
     return inputs + memory.output_size_in_bytes + memory.temp_size_in_bytes - memory.alias_size_in_bytes
 
 

@@ -4,6 +4,7 @@ sentence that names what fits. The CPU reports no memory, so the device's is giv
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from sdxl import memory
@@ -19,6 +20,16 @@ def pipe():
 def _batches(pipe):
     request = Request.from_prompt("a fox", num_images=1, height=64, width=64, steps=2)
     return lambda n: pipe.programs_for(request, n * pipe.num_devices)
+
+
+def test_what_a_program_holds_beside_the_weights_is_the_inputs_it_reads_its_outputs_and_temporaries():
+    """An input the program never reads (a stage's, say the VAE's weights in `denoise`) has no buffer in it."""
+    program = jax.jit(lambda weights, unread, x, y: jnp.tanh(weights @ x) + y)
+    compiled = program.lower(*(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in [(64, 64), (1000,), (64, 8), ()])
+                             ).compile()
+    held = compiled.memory_analysis()
+    expected = (64 * 8 + 1) * 4 + held.output_size_in_bytes + held.temp_size_in_bytes - held.alias_size_in_bytes
+    assert memory.bytes_beside_weights(compiled) == expected
 
 
 def test_bigger_batches_need_more_and_the_check_names_the_largest_that_fits(pipe, monkeypatch):

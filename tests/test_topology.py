@@ -53,7 +53,11 @@ def test_each_chip_holds_the_parameters_and_its_share_of_the_batch(compiled):
     # layouts pad small arrays to whole tiles, which the tiny model's many biases feel.
     assert param_bytes <= whole["argument_bytes"] < 1.5 * param_bytes
     assert whole["output_bytes"] >= IMAGES_PER_CHIP * SIZE * SIZE * 3  # uint8 images
-    assert report["bytes_per_chip"] == max(p["bytes"] for p in report["programs"])
+    # On the chip: the loaded weights, whichever program runs, and the largest program's own buffers.
+    assert report["weight_bytes_per_chip"] == param_bytes
+    assert report["bytes_per_chip"] == param_bytes + max(p["beside_weights_bytes"] for p in report["programs"])
+    assert whole["beside_weights_bytes"] >= whole["output_bytes"] + whole["temp_bytes"] - whole["alias_bytes"]
+    assert report["bytes_per_chip"] >= whole["bytes"] - (whole["argument_bytes"] - param_bytes)  # tiles' padding
     assert report["hbm_bytes_per_chip"] == 16 * 2**30 and report["fits"]
 
 
@@ -76,9 +80,9 @@ def test_the_markdown_row_says_it_was_compiled_not_run(compiled):
 
 
 def test_a_refiner_shares_each_chip_with_the_model(tmp_path):
-    """Loaded beside the model, a refiner's parameters are on the chip while the model's programs run,
-    and the model's while the refiner's own program (from the model's latents) runs; the components
-    they share (the published pair's VAE and second text encoder) count once."""
+    """Loaded beside the model, a refiner's weights are on each chip whichever program runs, the
+    components they share (the published pair's VAE and second text encoder) once; the refiner's own
+    program runs from the model's latents."""
     out = tmp_path / "report.json"
     args = ["bench", "--model", "tiny", "--refiner", "tiny-refiner", "--topology", "v5e:2x2", "--height", str(SIZE),
             "--width", str(SIZE), "--batch", str(CHIPS), "--programs", topology.REFINE]
@@ -86,10 +90,10 @@ def test_a_refiner_shares_each_chip_with_the_model(tmp_path):
     report = json.loads(out.read_text())
     base, refiner = (topology.model_spec(m) for m in ("tiny", "tiny-refiner"))
     assert topology.shared_components(refiner, base) == report["shared_components"] == ["text_encoder_2", "vae"]
-    unet_bytes = [2 * sum(leaf.size for leaf in jax.tree.leaves(s.abstract_params()["unet"])) for s in (refiner, base)]
-    text_encoder = 2 * sum(leaf.size for leaf in jax.tree.leaves(base.abstract_params()["text_encoder"]))
-    assert {p["beside_bytes"] for p in report["programs"]} == {unet_bytes[1] + text_encoder}
-    assert topology.param_bytes(refiner, "bfloat16", base) == unet_bytes[0]  # beside each of the model's programs
+    refiner_unet = 2 * sum(leaf.size for leaf in jax.tree.leaves(refiner.abstract_params()["unet"]))
+    assert topology.param_bytes(refiner, "bfloat16", base) == refiner_unet
+    assert report["weight_bytes_per_chip"] == topology.param_bytes(base, "bfloat16") + refiner_unet
     assert report["compiled"] and _program(report, topology.REFINE, "whole")["attention"] == ["splash"]
-    assert report["bytes_per_chip"] == max(p["bytes"] + p["beside_bytes"] for p in report["programs"])
+    beside = max(p["beside_weights_bytes"] for p in report["programs"])
+    assert report["bytes_per_chip"] == report["weight_bytes_per_chip"] + beside
     assert report["refiner"] == "tiny-refiner"

@@ -31,6 +31,7 @@ from ..attention import kernels_in
 from ..checkpoints import ModelSpec, random_models
 from ..compiled import IN_STAGES, WHOLE, Executables
 from ..mesh import batch_mesh
+from ..memory import bytes_beside_weights
 from ..program import GenerateProgram
 from .loading import machine_description
 
@@ -152,20 +153,18 @@ def run_topology_benchmark(
     for name in programs:
         if name == REFINE:
             program = refine_program(refiner_spec, height, width, batch, dtype)
-            beside = param_bytes(spec, dtype, refiner_spec)
         else:
             program = program_named(name, spec, height, width, batch, dtype)
-            beside = param_bytes(refiner_spec, dtype, spec) if refiner else 0
         executables = Executables(mesh)  # one program's at a time: SDXL's executables are large
         for stage in WHOLE + IN_STAGES:  # `denoise` and `finish` take what `prepare` returns: after it
-            # `beside_bytes`: the other model's parameters, on the chip while this program runs.
-            compiled.append({"program": name, "stage": stage, "beside_bytes": beside,
-                             **_compile(executables, program, stage)})
+            compiled.append({"program": name, "stage": stage, **_compile(executables, program, stage)})
             log(_program_line(compiled[-1]))
     return _report(
         compiled,
         model=model,
         refiner=refiner,
+        # Every model's weights stay on each chip whichever program runs, a component they share once.
+        weight_bytes=param_bytes(spec, dtype) + (param_bytes(refiner_spec, dtype, spec) if refiner else 0),
         shared=shared_components(spec, refiner_spec) if refiner else [],
         topology=topology,
         devices=devices,
@@ -195,6 +194,8 @@ def _compile(executables: Executables, program: GenerateProgram, stage: str) -> 
         # that reuse donated inputs' buffers.
         "bytes": sizes["argument"] + sizes["output"] + sizes["temp"] - sizes["alias"],
         **{f"{kind}_bytes": size for kind, size in sizes.items()},
+        # What the chip holds for the program beside the loaded weights, as the launch's fit check counts it.
+        "beside_weights_bytes": bytes_beside_weights(compiled),
         "flops": cost.get("flops"),
         "attention": sorted(kernels_in(compiled)),
     }
@@ -204,11 +205,11 @@ def _compile(executables: Executables, program: GenerateProgram, stage: str) -> 
 
 
 def _report(
-    compiled: list[dict], *, model, refiner, shared, topology, devices, height, width, steps, batch, dtype
+    compiled: list[dict], *, model, refiner, weight_bytes, shared, topology, devices, height, width, steps, batch, dtype
 ) -> dict:
     kind = devices[0].device_kind
     ok = [c for c in compiled if c["compiled"]]
-    largest = max(ok, key=lambda c: c["bytes"] + c["beside_bytes"], default=None)
+    largest = max(ok, key=lambda c: c["beside_weights_bytes"], default=None)
 
     guided = next((c["program"] for c in compiled if not c["program"].endswith("-unguided")), None)
 
@@ -236,8 +237,9 @@ def _report(
         "batch": batch,
         "images_per_chip": batch // len(devices),
         "attention": sorted({k for c in ok for k in c["attention"]}),
-        # The largest program with the other model's parameters beside it, where a refiner is loaded.
-        "bytes_per_chip": largest and largest["bytes"] + largest["beside_bytes"],
+        # The loaded weights (the model's and a refiner's) and the largest program's own buffers.
+        "weight_bytes_per_chip": weight_bytes,
+        "bytes_per_chip": largest and weight_bytes + largest["beside_weights_bytes"],
         "largest_program": largest and f"{largest['program']} {largest['stage']}",
         "hbm_bytes_per_chip": hbm_bytes(kind),
         "hbm_source": HBM_SOURCE,
@@ -264,8 +266,8 @@ def _program_line(c: dict) -> str:
     if not c["compiled"]:
         return what + f"not compiled: {c['error'].splitlines()[0]}"
     flops = "n/a" if c["flops"] is None else f"{c['flops'] / 1e12:.3g} TFLOP"
-    beside = f" + {_gib(c['beside_bytes'])} of the other model's parameters" if c["beside_bytes"] else ""
-    return what + f"{_gib(c['bytes'])} per chip (temporaries {_gib(c['temp_bytes'])}){beside}, {flops}"
+    return what + (f"{_gib(c['bytes'])} per chip (temporaries {_gib(c['temp_bytes'])}; "
+                   f"{_gib(c['beside_weights_bytes'])} beside the weights), {flops}")
 
 
 def _models(r: dict) -> str:
@@ -280,7 +282,8 @@ def format_topology_table(r: dict) -> str:
         f"compiled for {r['topology']} ({r['chips']}x {r['device']}, {r['hosts']} host(s)) on this CPU, not run",
         f"{_models(r)} {r['dtype']} at {r['width']}x{r['height']}, {r['images_per_chip']} images per chip, "
         f"{', '.join(r['attention']) or 'no'} attention",
-        f"largest program: {r['largest_program']}, {_gib(r['bytes_per_chip'])} per chip of "
+        f"weights {_gib(r['weight_bytes_per_chip'])} per chip, and the largest program beside them, "
+        f"{r['largest_program']}: {_gib(r['bytes_per_chip'])} per chip of "
         f"{_gib(r['hbm_bytes_per_chip'])} ({'fits' if r['fits'] else 'does NOT fit'})",
         "guided UNet per step: " + ("n/a" if flops is None else f"{flops / 1e12:.3g} TFLOP per chip"),
         f"compile: {r['compile_s']:.0f} s for {len(r['programs'])} programs",
