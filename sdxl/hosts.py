@@ -21,6 +21,14 @@ follower died: gloo notices the closed connection at once) names the hosts and e
 the coordination service notices a host that stops sending heartbeats (`HEARTBEAT_SECONDS`) and ends
 the others; a follower whose options, model or code differ from process 0's is refused at start
 (`Hosts.agree`), with the difference, and exit status 2.
+
+What the broadcasts cost is counted as they go: process 0's `HostsRunner.sent` holds, per kind of
+message, how many it sent, their bytes and the seconds it spent sending them; a follower's
+`Hosts.lag_seconds` adds up how long after process 0 sent each step's decision the follower had it
+(a step message carries the time it was sent; across hosts the offset of their clocks adds in), and
+`Hosts.wait_seconds` how long it waited for them, having finished the step first.
+With `SDXL_HOSTS_STATS=FILE`, each process rewrites FILE with its counters (JSON) after each batch
+(and process 0 after each compile it sends): `python -m sdxl bench --soak-hosts` reads them.
 """
 
 import dataclasses
@@ -32,6 +40,7 @@ import pickle
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -42,6 +51,7 @@ AGREE_SECONDS = 1800  # how long process 0 waits for every host to load the mode
 POLL_MS = 10_000  # a follower waits for the next message this long at a time
 CHUNK = 1 << 22  # the largest value written to the key-value store at once (bytes)
 PREFIX = "sdxl"
+STATS_VARIABLE = "SDXL_HOSTS_STATS"  # names a file each process rewrites with its counters (JSON)
 
 LOST_STATUS = 3  # the exit status when a host is lost
 REFUSED_STATUS = 2  # the exit status when the hosts disagree at start
@@ -104,13 +114,15 @@ class Channel:
         self.count += 1
         return key
 
-    def send(self, message) -> None:
+    def send(self, message) -> int:
+        """Writes `message` for the followers; returns the bytes written."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
         key = self._key()
         for i, chunk in enumerate(chunks[1:], 1):
             self.client.key_value_set_bytes(f"{key}/{i}", chunk)
         self.client.key_value_set_bytes(key, len(chunks).to_bytes(4, "little") + chunks[0])  # last: it is complete
+        return 4 + len(data)
 
     def receive(self):
         """The next message; waits as long as it takes (the demo may be idle for hours)."""
@@ -132,14 +144,35 @@ class Channel:
         return pickle.loads(data)
 
 
+@dataclasses.dataclass
+class Tally:
+    """Messages of one kind that process 0 sent: how many, their bytes (pickled, as written to the
+    key-value store, which every follower reads), and the seconds spent pickling and writing them."""
+
+    messages: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, size: int, seconds: float) -> None:
+        self.messages += 1
+        self.bytes += size
+        self.seconds += seconds
+
+
 class Hosts:
     """This process's place among the processes of one demo, and the runtime's client."""
 
-    def __init__(self, process_id: int, count: int, client):
+    def __init__(self, process_id: int, count: int, client, stats: Path | None = None):
         self.process_id, self.count, self.client = process_id, count, client
         self.names: dict[int, str] = {process_id: socket.gethostname()}  # filled in by `agree`
         self.renders = Channel(client, "render", count - 1)
         self.compiles = Channel(client, "compile", count - 1)
+        self.stats = stats  # where `report` writes this process's counters, if anywhere
+        self._reporting = threading.Lock()
+        # A follower's count of the batches it followed and of their step messages, with the seconds
+        # from each one's sending on process 0 to its reading here (the lag), and those spent waiting
+        # for it here (when this process had finished the step first).
+        self.batches, self.steps, self.lag_seconds, self.wait_seconds = 0, 0, 0.0, 0.0
 
     @property
     def leader(self) -> bool:
@@ -190,6 +223,19 @@ class Hosts:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         fail(f"lost {names} ({reason}); the demo stops: start every host again", LOST_STATUS)
 
+    def report(self, counters: Mapping[str, object]) -> None:
+        """Rewrites the `stats` file (if any) with `counters`, whole: a reader never sees half of it.
+        A file that cannot be written is logged, not raised: the demo serves on without it."""
+        if self.stats is None:
+            return
+        with self._reporting:
+            partial = self.stats.with_name(self.stats.name + ".partial")
+            try:
+                partial.write_text(json.dumps({"process": self.process_id, "processes": self.count, **counters}))
+                os.replace(partial, self.stats)
+            except OSError as e:
+                log.warning("could not write %s=%s: %s", STATS_VARIABLE, self.stats, e)
+
     # Process 0
 
     def runner(self, pipe):
@@ -227,10 +273,15 @@ class Hosts:
         import jax
 
         def on_step(done: int) -> bool:
-            kind, step, go_on = self.renders.receive()
-            if kind != "step" or step != done:
+            start = time.time()
+            message = self.renders.receive()
+            if message[:2] != ("step", done):
                 fail(f"{self.describe(self.process_id)} is out of step with process 0: expected step {done}, got "
-                     f"{kind} {step}", LOST_STATUS)
+                     f"{message[0]} {message[1]}", LOST_STATUS)
+            _, _, go_on, sent = message
+            now = time.time()
+            self.steps, self.lag_seconds, self.wait_seconds = (
+                self.steps + 1, self.lag_seconds + now - sent, self.wait_seconds + now - start)
             return go_on
 
         try:
@@ -239,34 +290,56 @@ class Hosts:
             self.lost(e)
         except Exception:  # process 0 failed the same way, before any collective, and told its users
             log.exception("a render failed")
+        self.batches += 1
+        self.report({"batches": self.batches, "steps": self.steps, "step_lag_seconds": self.lag_seconds,
+                     "step_wait_seconds": self.wait_seconds})
 
 
 class HostsRunner:
-    """`sdxl.serving.Runner` for several processes: each call is sent to the followers, then made here."""
+    """`sdxl.serving.Runner` for several processes: each call is sent to the followers, then made here.
+
+    `sent` counts what went to the followers, by kind: "render" (a batch's request), "step" (its
+    go-on-or-give-up at each progress report) and "compile"."""
 
     def __init__(self, pipe, hosts: Hosts):
         self.pipe, self.hosts = pipe, hosts
         self._sending = threading.Lock()  # the compile thread and the device worker both call
+        self._counting = threading.Lock()  # and both count, and report the counts
+        self.sent = {kind: Tally() for kind in ("render", "step", "compile")}
+
+    def _send(self, channel: Channel, message: tuple) -> None:
+        start = time.perf_counter()
+        size = channel.send(message)
+        with self._counting:
+            self.sent[message[0]].add(size, time.perf_counter() - start)
+
+    def _report(self) -> None:
+        with self._counting:
+            sent = {kind: dataclasses.asdict(tally) for kind, tally in self.sent.items()}
+        self.hosts.report({"sent": sent})
 
     def compile(self, programs) -> float:
         with self._sending:
-            self.hosts.compiles.send(("compile", list(programs)))
+            self._send(self.hosts.compiles, ("compile", list(programs)))
+        self._report()
         return self.pipe.compile(programs, progress=True)
 
     def render(self, request, on_step: Callable[[int], bool], on_preview):
         import jax
 
-        self.hosts.renders.send(("render", request, on_preview is not None))
+        self._send(self.hosts.renders, ("render", request, on_preview is not None))
 
         def step(done: int) -> bool:
             go_on = on_step(done) is not False
-            self.hosts.renders.send(("step", done, go_on))
+            self._send(self.hosts.renders, ("step", done, go_on, time.time()))  # its time: the followers' lag
             return go_on
 
         try:
             return self.pipe.render(request, on_step=step, on_preview=on_preview)
         except jax.errors.JaxRuntimeError as e:
             self.hosts.lost(e)
+        finally:
+            self._report()
 
 
 def join(where: Where, *, platform: str | None = None) -> Hosts | None:
@@ -284,7 +357,9 @@ def join(where: Where, *, platform: str | None = None) -> Hosts | None:
     else:
         jax.distributed.initialize(where.coordinator, num_processes=where.num_processes,
                                    process_id=where.process_id, **kwargs)
-    return Hosts(jax.process_index(), jax.process_count(), distributed.global_state.client)
+    stats = os.environ.get(STATS_VARIABLE)
+    return Hosts(jax.process_index(), jax.process_count(), distributed.global_state.client,
+                 Path(stats) if stats else None)
 
 
 def option_facts(options) -> dict:

@@ -37,6 +37,12 @@ FLOPs per step, compile times. It needs libtpu (`pip install "jax[tpu]"`) and no
 With `--soak-clients N`, it measures the demo under load instead (`soak.py`): `python app.py --model M`
 in a subprocess, N clients sending `--soak-requests` requests each at `--steps`, and
 `--soak-killed` more clients killed mid-request.
+
+With `--soak-hosts P` too, it runs that soak twice in one command and compares (`hosts.py`): against
+the demo as one process of `--devices` forced CPU devices (default 2 per process), then as P
+processes of `--devices`/P each (`app.py --coordinator ...`, gloo collectives), as several hosts
+serve one demo: images/s and latencies for each, their ratios, and what process 0's messages to the
+followers cost per request (bytes, its seconds, the followers' lag per step).
 """
 
 import argparse
@@ -45,6 +51,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoints.random_models import MEDIUM_SIZE
+from .hosts import HOSTS_MARKDOWN_HEADER, format_hosts_table, hosts_markdown_row, run_hosts_soak
 from .loading import run_load_benchmark
 from .report import (
     LOAD_MARKDOWN_HEADER,
@@ -76,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, help="images per call (default: one per device)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per median (default: %(default)s)")
-    parser.add_argument("--devices", type=int, help="use the first N devices (default: all)")
+    parser.add_argument(
+        "--devices", type=int, help="use the first N devices (default: all; with --soak-hosts, N forced CPU devices)"
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16, float32 on CPU")
     parser.add_argument("--compare", choices=["diffusers"], help="also time diffusers' pipeline on the same weights")
     parser.add_argument(
@@ -114,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--soak-killed", type=int, help="more soak clients, killed mid-request (default: a third of --soak-clients)"
     )
+    parser.add_argument(
+        "--soak-hosts",
+        type=int,
+        metavar="P",
+        help="with --soak-clients: soak the demo as 1 process of --devices forced CPU devices (default: 2 x P), "
+        "then as P processes (app.py --coordinator ...) sharing them, and compare",
+    )
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--markdown", help="append the results as a row to this Markdown file (e.g. BENCHMARKS.md)")
 
@@ -138,6 +154,13 @@ def command(args: argparse.Namespace) -> None:
             log=log,
         )
         table, header, row = format_topology_table(result), TOPOLOGY_MARKDOWN_HEADER, topology_markdown_row(result)
+    elif args.soak_hosts is not None and args.soak_clients is None:
+        raise ValueError("--soak-hosts compares soaks: give --soak-clients too")
+    elif args.soak_hosts is not None:
+        killed = args.soak_clients // 3 if args.soak_killed is None else args.soak_killed
+        result = run_hosts_soak(args.model, args.soak_clients, args.soak_requests, killed, args.steps,
+                                processes=args.soak_hosts, devices=args.devices or 2 * args.soak_hosts, log=log)
+        table, header, row = format_hosts_table(result), HOSTS_MARKDOWN_HEADER, hosts_markdown_row(result)
     elif args.soak_clients is not None:
         killed = args.soak_clients // 3 if args.soak_killed is None else args.soak_killed
         result = run_soak(args.model, args.soak_clients, args.soak_requests, killed, args.steps, log=log)

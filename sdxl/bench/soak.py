@@ -10,9 +10,14 @@ Reported: the latency percentiles of the completed requests (submit to images do
 lost requests (no answer within `REQUEST_TIMEOUT`), wrong images (not a decodable image of the
 requested size), how many of the killed clients' requests the demo gave up, and the server's
 resident memory before and after.
+
+The demo may also run on forced CPU devices, as one process or as several joined by
+jax.distributed (`running_demo(..., devices=D, processes=P)`: P processes of D/P devices each, as
+`sdxl.hosts` serves one demo from many hosts); `sdxl.bench.hosts` compares the two under the same load.
 """
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
+from ..hosts import STATS_VARIABLE
 from .loading import scratch_dir
 from .report import _aligned
 
@@ -69,30 +75,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _memory(pid: int) -> dict[str, int]:
-    """A process's current (VmRSS) and peak (VmHWM) resident memory in bytes."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0]) * 1024
+def _memory(pids: Sequence[int]) -> dict[str, int]:
+    """Processes' current (VmRSS) and peak (VmHWM) resident memory in bytes, summed."""
+    fields = dict(VmRSS=0, VmHWM=0)
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in fields:
+                fields[key] += int(value.split()[0]) * 1024
     return fields
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+def _cpu_seconds(pids: Sequence[int]) -> float:
+    """The CPU seconds processes have used, summed."""
+    ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14, 15
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _wait_until_idle(pid: int, timeout: float = STARTUP_TIMEOUT) -> None:
-    """Until the process uses under 5% of a core for a second: the demo compiles batch sizes and
+def _wait_until_idle(pids: Sequence[int], timeout: float = STARTUP_TIMEOUT) -> None:
+    """Until the processes use under 5% of a core each for a second: the demo compiles batch sizes and
     image-to-image in the background after it starts serving, which would count against the first
     requests' latencies and in the memory before the load."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        before = _cpu_seconds(pid)
+        before = _cpu_seconds(pids)
         time.sleep(1)
-        if _cpu_seconds(pid) - before < 0.05:
+        if _cpu_seconds(pids) - before < 0.05 * len(pids):
             return
     raise RuntimeError(f"the demo was still busy {timeout} s after it started serving")
 
@@ -120,13 +131,69 @@ def running_app(args: Sequence[str], log: Path, env: Mapping[str, str] | None = 
             process.wait()
 
 
+@dataclasses.dataclass
+class RunningDemo:
+    """A demo the soak started: its processes (process 0, which serves the page, first), its URL, the
+    file each process writes its output to, and the one each rewrites its `sdxl.hosts` counters to
+    (with several processes)."""
+
+    processes: list[subprocess.Popen]
+    url: str
+    logs: list[Path]
+    stats: list[Path]
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def output(self) -> str:
+        return "".join(log.read_text(errors="replace") for log in self.logs)
+
+    def counters(self) -> list[dict]:
+        """Each process's counters (`sdxl.hosts`) as it last wrote them; none before its first batch."""
+        return [json.loads(path.read_text()) if path.exists() else {} for path in self.stats]
+
+
 @contextlib.contextmanager
-def running_demo(model: str, scratch: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
-    """`python app.py --model MODEL`, as users start it: (the process, its URL, its log) once its page answers."""
-    log = scratch / "server.log"
+def running_demo(model: str, scratch: Path, devices: int | None = None,
+                 processes: int = 1) -> Iterator[RunningDemo]:
+    """`python app.py --model MODEL`, as users start it, once its page answers. With `devices`, on that
+    many forced CPU devices; with `processes` too, as that many processes of `devices / processes`
+    devices each, joined by jax.distributed (`app.py --coordinator ...`) as several hosts run it."""
+    if processes > 1 and (devices is None or devices % processes):
+        raise ValueError(f"{processes} processes need a number of devices they divide, got {devices}")
     env = os.environ | dict(GRADIO_TEMP_DIR=str(scratch / "gradio"), PYTHONUNBUFFERED="1")
-    with running_app(["--model", model], log, env) as (process, url):
-        yield process, url, log
+    if devices is not None:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).strip()
+        env |= dict(JAX_PLATFORMS="cpu",
+                    XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices // processes}".strip())
+    logs = [scratch / ("server.log" if i == 0 else f"follower-{i}.log") for i in range(processes)]
+    stats = [scratch / f"hosts-{i}.json" for i in range(processes)] if processes > 1 else []
+    coordinator = f"127.0.0.1:{free_port()}"
+
+    def options(i: int) -> list[str]:
+        hosts = ["--coordinator", coordinator, "--num-processes", str(processes), "--process-id", str(i)]
+        return ["--model", model, *(hosts if processes > 1 else [])]
+
+    def env_of(i: int) -> dict[str, str]:
+        return env | ({STATS_VARIABLE: str(stats[i])} if stats else {})
+
+    followers = []
+    try:
+        for i in range(1, processes):  # they serve nothing over HTTP, and wait for process 0 to start
+            with open(logs[i], "wb") as sink:
+                followers.append(subprocess.Popen([sys.executable, str(APP), *options(i)], cwd=APP.parent,
+                                                  env=env_of(i), stdout=sink, stderr=subprocess.STDOUT))
+        with running_app(options(0), logs[0], env_of(0)) as (process, url):
+            try:
+                yield RunningDemo([process, *followers], url, logs, stats)
+            finally:
+                if followers:  # JAX's preemption notifier catches SIGTERM in process 0: it would not stop
+                    process.kill()
+    finally:
+        for follower in followers:
+            follower.kill()
+            follower.wait()
 
 
 def _wait_until_serving(process: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
@@ -218,25 +285,28 @@ def _load(url: str, downloads: Path, clients: int, requests: int, killed: int, s
 
 
 def run_soak(model: str, clients: int, requests: int, killed: int, steps: int,
-             log: Callable[[str], None] = print) -> dict:
-    """Starts the demo, loads it, and measures it: the result's fields are described in BENCHMARKS.md."""
+             log: Callable[[str], None] = print, *, devices: int | None = None, processes: int = 1) -> dict:
+    """Starts the demo (`running_demo(model, devices=, processes=)`), loads it, and measures it: the
+    result's fields are described in BENCHMARKS.md. With several processes, `hosts_counters` has
+    each one's `sdxl.hosts` counters over the load (from before it to once the demo is idle again)."""
     if clients < 1 or requests < 1 or killed < 0:
         raise ValueError(f"a soak needs at least 1 client and 1 request each, and killed >= 0; got {clients}, "
                          f"{requests}, {killed}")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry call per simulated client
-    with scratch_dir() as scratch, running_demo(model, scratch) as (server, url, server_log):
-        log(f"{url} serves; waiting until its background compiles are done")
-        _wait_until_idle(server.pid)
-        before, cpu = _memory(server.pid)["VmRSS"], _cpu_seconds(server.pid)
+    with scratch_dir() as scratch, running_demo(model, scratch, devices, processes) as demo:
+        log(f"{demo.url} serves; waiting until its background compiles are done")
+        _wait_until_idle(demo.pids)
+        before, cpu, counters = _memory(demo.pids)["VmRSS"], _cpu_seconds(demo.pids), demo.counters()
         log(f"{clients} clients x {requests} requests, + {killed} killed mid-request")
         start, clients_cpu = time.perf_counter(), time.process_time()
-        outcomes, killed_states = _load(url, scratch / "downloads", clients, requests, killed, steps)
-        wall, cpu = time.perf_counter() - start, _cpu_seconds(server.pid) - cpu
+        outcomes, killed_states = _load(demo.url, scratch / "downloads", clients, requests, killed, steps)
+        wall, cpu = time.perf_counter() - start, _cpu_seconds(demo.pids) - cpu
         # On a machine with fewer cores than clients, the clients' CPU slows the demo they measure.
         clients_cpu = time.process_time() - clients_cpu
-        _wait_until_idle(server.pid)  # until the demo has given up the killed clients' requests
-        after = _memory(server.pid)
-        output = server_log.read_text(errors="replace")
+        _wait_until_idle(demo.pids)  # until the demo has given up the killed clients' requests
+        after = _memory(demo.pids)
+        counters = [_growth(b, a) for b, a in zip(counters, demo.counters())]
+        output = demo.output()
     return dict(
         date=datetime.date.today().isoformat(),
         machine=_cpu_description(),
@@ -248,7 +318,14 @@ def run_soak(model: str, clients: int, requests: int, killed: int, steps: int,
         rss_before_bytes=before, rss_after_bytes=after["VmRSS"], rss_growth_bytes=after["VmRSS"] - before,
         rss_peak_bytes=after["VmHWM"],
         server_tracebacks=output.count("Traceback (most recent call last)"),
+        processes=processes, **(dict(hosts_counters=counters) if processes > 1 else {}),
     )
+
+
+def _growth(before: dict, after: dict) -> dict:
+    """How much each count of `after` grew since `before` (nested as they are)."""
+    return {key: _growth(before.get(key, {}), value) if isinstance(value, dict) else value - before.get(key, 0)
+            for key, value in after.items() if key not in ("process", "processes")}
 
 
 def _cpu_description() -> str:
