@@ -31,6 +31,7 @@ With `SDXL_HOSTS_STATS=FILE`, each process rewrites FILE with its counters (JSON
 (and process 0 after each compile it sends): `python -m sdxl bench --soak-hosts` reads them.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 60  # a host silent this long is dead: the coordination service ends the others
 AGREE_SECONDS = 1800  # how long process 0 waits for every host to load the model and report it
+REFUSED_WAIT_SECONDS = 30  # how long process 0 waits for a refused follower to say so before it exits
+REFUSED_GRACE_SECONDS = 1  # and then for the follower's exit, which takes microseconds
 POLL_MS = 10_000  # a follower waits for the next message this long at a time
 CHUNK = 1 << 22  # the largest value written to the key-value store at once (bytes)
 PREFIX = "sdxl"
@@ -83,11 +86,13 @@ class Where:
         return None
 
 
-def fail(sentence: str, status: int) -> None:
-    """Ends this process with `sentence` on stderr. `os._exit`: the runtime's exit barrier would wait
-    for (or abort on) the hosts that are gone."""
+def fail(sentence: str, status: int, *, then: Callable[[], None] | None = None) -> None:
+    """Ends this process with `sentence` on stderr, after `then()` if given. `os._exit`: the runtime's
+    exit barrier would wait for (or abort on) the hosts that are gone."""
     print(f"error: {sentence}", file=sys.stderr, flush=True)
     logging.shutdown()
+    if then is not None:
+        then()
     os._exit(status)
 
 
@@ -201,14 +206,32 @@ class Hosts:
             self.names[other] = theirs[other]["host"]
         expected = json.loads(mine)["facts"] if self.leader else theirs[0]["facts"]
         got = {other: t["facts"] for other, t in theirs.items()} | {self.process_id: json.loads(mine)["facts"]}
+        refusals = {}
         for other, facts_of_other in sorted(got.items()):
             differences = [f"{key} {facts_of_other.get(key)!r} where process 0 has {expected.get(key)!r}"
                            for key in sorted(set(expected) | set(facts_of_other))
                            if facts_of_other.get(key) != expected.get(key)]
             if differences:
-                fail(f"{self.describe(other)} was started differently from process 0 ({what}: "
-                     f"{'; '.join(differences)}); start every host with the same options, model files and code",
-                     REFUSED_STATUS)
+                refusals[other] = (f"{self.describe(other)} was started differently from process 0 ({what}: "
+                                   f"{'; '.join(differences)}); start every host with the same options, model "
+                                   "files and code")
+        if not refusals:
+            return
+        # Each refused follower says so itself, then exits; process 0 waits for that before it exits,
+        # since its going (with the coordination service it runs) aborts the followers still running.
+        refused = f"{PREFIX}/agree/{what}/refused"
+        if self.leader:
+            for other in refusals:
+                with contextlib.suppress(jax.errors.JaxRuntimeError):
+                    self.client.blocking_key_value_get(f"{refused}/{other}", REFUSED_WAIT_SECONDS * 1000)
+            time.sleep(REFUSED_GRACE_SECONDS)  # for the followers' own exits, which follow at once
+            fail(next(iter(refusals.values())), REFUSED_STATUS)
+
+        def said_so():
+            with contextlib.suppress(jax.errors.JaxRuntimeError):  # process 0 may be going already
+                self.client.key_value_set(f"{refused}/{self.process_id}", "1")
+
+        fail(refusals[self.process_id], REFUSED_STATUS, then=said_so)
 
     def lost(self, error: BaseException) -> None:
         """Ends this process after a collective failed: another process is gone, and the hosts can no
