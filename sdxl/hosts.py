@@ -374,6 +374,8 @@ def join(where: Where, *, platform: str | None = None) -> Hosts | None:
     from jax._src import distributed
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives between processes
+    # Its SIGTERM handler holds a process for a training job's checkpoint; a demo asked to stop stops.
+    jax.config.update("jax_enable_preemption_service", False)
     kwargs = dict(heartbeat_timeout_seconds=HEARTBEAT_SECONDS)
     if where.coordinator == "auto":
         jax.distributed.initialize(**kwargs)

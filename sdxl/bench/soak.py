@@ -185,11 +185,7 @@ def running_demo(model: str, scratch: Path, devices: int | None = None,
                 followers.append(subprocess.Popen([sys.executable, str(APP), *options(i)], cwd=APP.parent,
                                                   env=env_of(i), stdout=sink, stderr=subprocess.STDOUT))
         with running_app(options(0), logs[0], env_of(0)) as (process, url):
-            try:
-                yield RunningDemo([process, *followers], url, logs, stats)
-            finally:
-                if followers:  # JAX's preemption notifier catches SIGTERM in process 0: it would not stop
-                    process.kill()
+            yield RunningDemo([process, *followers], url, logs, stats)
     finally:
         for follower in followers:
             follower.kill()
