@@ -86,6 +86,21 @@ class Where:
         return None
 
 
+def detected() -> Where:
+    """Where no process options are given: on a Cloud TPU VM of a slice of several hosts, `Where("auto")`,
+    so that plain `python app.py` on every host joins them as JAX detects them; else one process.
+    Other clusters (SLURM, Kubernetes) take `--coordinator auto`: detecting those queries them."""
+    import jax  # noqa: F401  (importing it finds out whether this is a Cloud TPU VM)
+    from jax._src import cloud_tpu_init
+    from jax._src.clusters import cloud_tpu_cluster
+
+    if cloud_tpu_init.running_in_cloud_tpu_vm:
+        for cluster in (cloud_tpu_cluster.GkeTpuCluster, cloud_tpu_cluster.GceTpuCluster):
+            if cluster.is_env_present():
+                return Where("auto") if cluster.get_process_count() > 1 else Where()
+    return Where()
+
+
 def fail(sentence: str, status: int, *, then: Callable[[], None] | None = None) -> None:
     """Ends this process with `sentence` on stderr, after `then()` if given. `os._exit`: the runtime's
     exit barrier would wait for (or abort on) the hosts that are gone."""

@@ -173,10 +173,11 @@ def add_demo_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
     hosts = parser.add_argument_group(
         "several hosts", "run the same command on every host, each with its --process-id: process 0 serves the page "
         "and the API, the others follow its requests, and every host's devices render one batch. With none of the "
-        "three, one process")
+        "three, one process; on a TPU pod slice's hosts, the slice's processes, as JAX detects them")
     hosts.add_argument("--coordinator", default=variable.get("SDXL_COORDINATOR"), metavar="HOST:PORT",
                        help="where process 0 runs JAX's coordination service, reachable from every host; auto: "
-                       "detect it and the other two (a TPU pod slice, SLURM)" + variable.named("SDXL_COORDINATOR"))
+                       "detect it and the other two (SLURM, Kubernetes, a TPU pod slice)"
+                       + variable.named("SDXL_COORDINATOR"))
     hosts.add_argument("--num-processes", type=_integer_from(1), default=variable.get("SDXL_NUM_PROCESSES"),
                        help="how many processes (hosts)" + variable.named("SDXL_NUM_PROCESSES"))
     hosts.add_argument("--process-id", type=_integer_from(0), default=variable.get("SDXL_PROCESS_ID"),
@@ -252,10 +253,13 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
 
 
 def _join_hosts(options: argparse.Namespace) -> "multihost.Hosts | None":
-    """With `--coordinator`, this process among the others (`sdxl.hosts.join`), started alike (or it
-    ends with the difference, status 2); None for one process."""
+    """With `--coordinator` (or on a TPU pod slice's hosts: `sdxl.hosts.detected`), this process among
+    the others (`sdxl.hosts.join`), started alike (or it ends with the difference, status 2); None for
+    one process."""
     where = multihost.Where(getattr(options, "coordinator", None), getattr(options, "num_processes", None),
                             getattr(options, "process_id", None))
+    if where == multihost.Where():
+        where = multihost.detected()  # a TPU pod slice's hosts, with none of the three options
     problem = where.problem()
     if problem:
         multihost.fail(problem, 2)

@@ -159,3 +159,17 @@ def test_a_message_of_many_chunks_reaches_every_follower_whole_and_is_then_delet
     np.testing.assert_array_equal(followers[1].receive()["pictures"], pictures)
     assert not any(key.startswith("sdxl/render/0") for key in store.values)
     assert [follower.receive() for follower in followers] == ["the next message"] * 2
+
+
+def test_plain_app_py_joins_the_hosts_of_a_tpu_pod_slice_and_runs_alone_elsewhere(monkeypatch):
+    """On a Cloud TPU VM, JAX's own cluster detection says how many hosts the slice has."""
+    from jax._src import cloud_tpu_init
+    from jax._src.clusters import cloud_tpu_cluster
+
+    assert hosts.detected() == hosts.Where()  # this machine: no TPU VM
+    monkeypatch.setattr(cloud_tpu_init, "running_in_cloud_tpu_vm", True)
+    for cluster, present in ((cloud_tpu_cluster.GkeTpuCluster, False), (cloud_tpu_cluster.GceTpuCluster, True)):
+        monkeypatch.setattr(cluster, "is_env_present", classmethod(lambda cls, present=present: present))
+    for count, where in ((4, hosts.Where("auto")), (1, hosts.Where())):  # a v5e-16's 4 hosts; a v5e-8
+        monkeypatch.setattr(cloud_tpu_cluster.GceTpuCluster, "get_process_count", classmethod(lambda cls, n=count: n))
+        assert hosts.detected() == where and where.problem() is None
