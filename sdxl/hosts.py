@@ -48,6 +48,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 60  # a host silent this long is dead: the coordination service ends the others
+JOIN_SECONDS = 300  # how long the processes wait for one another at start, by default
 AGREE_SECONDS = 1800  # how long process 0 waits for every host to load the model and report it
 REFUSED_WAIT_SECONDS = 30  # how long process 0 waits for a refused follower to say so before it exits
 REFUSED_GRACE_SECONDS = 1  # and then for the follower's exit, which takes microseconds
@@ -380,9 +381,10 @@ class HostsRunner:
             self._report()
 
 
-def join(where: Where, *, platform: str | None = None) -> Hosts | None:
-    """Joins the processes `where` names (None for one process). Call before anything touches JAX's
-    devices. Refuses (exit status 2) processes started with other options than process 0's."""
+def join(where: Where, *, join_seconds: int = JOIN_SECONDS) -> Hosts | None:
+    """Joins the processes `where` names (None for one process), or ends this one with a sentence
+    (status 3) when they have not all joined within `join_seconds`. Call before anything touches
+    JAX's devices."""
     if not where.distributed:
         return None
     import jax
@@ -391,12 +393,25 @@ def join(where: Where, *, platform: str | None = None) -> Hosts | None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives between processes
     # Its SIGTERM handler holds a process for a training job's checkpoint; a demo asked to stop stops.
     jax.config.update("jax_enable_preemption_service", False)
-    kwargs = dict(heartbeat_timeout_seconds=HEARTBEAT_SECONDS)
+    # JAX's own time limit aborts the process with its words: ours ends it first, with a sentence.
+    kwargs = dict(heartbeat_timeout_seconds=HEARTBEAT_SECONDS, initialization_timeout=join_seconds + 60)
+    if where.coordinator == "auto":
+        late = f"this host did not join the slice's other hosts within {join_seconds} s"
+    elif where.process_id == 0:
+        late = (f"not all {where.num_processes} processes joined process 0 at {where.coordinator} within "
+                f"{join_seconds} s")
+    else:
+        late = f"process {where.process_id} could not join process 0 at {where.coordinator} within {join_seconds} s"
+    watchdog = threading.Timer(join_seconds, fail, (f"{late}; the demo stops: start every host (--join-timeout "
+                                                    "gives them longer)", LOST_STATUS))
+    watchdog.daemon = True
+    watchdog.start()
     if where.coordinator == "auto":
         jax.distributed.initialize(**kwargs)
     else:
         jax.distributed.initialize(where.coordinator, num_processes=where.num_processes,
                                    process_id=where.process_id, **kwargs)
+    watchdog.cancel()
     stats = os.environ.get(STATS_VARIABLE)
     return Hosts(jax.process_index(), jax.process_count(), distributed.global_state.client,
                  Path(stats) if stats else None)

@@ -182,6 +182,10 @@ def add_demo_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
                        help="how many processes (hosts)" + variable.named("SDXL_NUM_PROCESSES"))
     hosts.add_argument("--process-id", type=_integer_from(0), default=variable.get("SDXL_PROCESS_ID"),
                        help="this process's number, 0 (serves) to N-1" + variable.named("SDXL_PROCESS_ID"))
+    hosts.add_argument("--join-timeout", type=_integer_from(1),
+                       default=variable.get("SDXL_JOIN_TIMEOUT", str(multihost.JOIN_SECONDS)), metavar="SECONDS",
+                       help="how long the hosts wait for one another at start before they stop with a sentence "
+                       "(default: %(default)s)" + variable.named("SDXL_JOIN_TIMEOUT"))
 
 
 def demo_parser(description: str) -> argparse.ArgumentParser:
@@ -263,7 +267,7 @@ def _join_hosts(options: argparse.Namespace) -> "multihost.Hosts | None":
     problem = where.problem()
     if problem:
         multihost.fail(problem, 2)
-    hosts = multihost.join(where)
+    hosts = multihost.join(where, join_seconds=getattr(options, "join_timeout", multihost.JOIN_SECONDS))
     if hosts is not None:
         hosts.agree("options", multihost.option_facts(options))
         print(f"{hosts.describe(hosts.process_id)} of {hosts.count}: "

@@ -173,3 +173,17 @@ def test_plain_app_py_joins_the_hosts_of_a_tpu_pod_slice_and_runs_alone_elsewher
     for count, where in ((4, hosts.Where("auto")), (1, hosts.Where())):  # a v5e-16's 4 hosts; a v5e-8
         monkeypatch.setattr(cloud_tpu_cluster.GceTpuCluster, "get_process_count", classmethod(lambda cls, n=count: n))
         assert hosts.detected() == where and where.problem() is None
+
+
+def test_hosts_that_do_not_all_join_in_time_stop_with_a_sentence(tmp_path):
+    """Process 0 alone, its follower never started: it stops within --join-timeout, status 3, saying so."""
+    coordinator = f"localhost:{free_port()}"
+    started = time.monotonic()
+    alone = subprocess.run(
+        [sys.executable, str(APP), "--model", "tiny", *_hosts_args(coordinator, 0), "--join-timeout", "3",
+         "--port", str(free_port())],
+        cwd=APP.parent, env=_env(tmp_path, 2), capture_output=True, text=True, timeout=STARTUP_TIMEOUT,
+    )
+    assert alone.returncode == hosts.LOST_STATUS, alone.stderr[-3000:]
+    assert f"error: not all 2 processes joined process 0 at {coordinator} within 3 s" in alone.stderr
+    assert time.monotonic() - started < 60
