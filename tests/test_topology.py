@@ -85,9 +85,10 @@ def test_a_refiner_shares_each_chip_with_the_model(tmp_path):
     program runs from the model's latents."""
     out = tmp_path / "report.json"
     args = ["bench", "--model", "tiny", "--refiner", "tiny-refiner", "--topology", "v5e:2x2", "--height", str(SIZE),
-            "--width", str(SIZE), "--batch", str(CHIPS), "--programs", topology.REFINE]
+            "--width", str(SIZE), "--batch", str(CHIPS), "--programs", topology.REFINE, "--stages", "whole"]
     assert main([*args, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert [(p["program"], p["stage"]) for p in report["programs"]] == [(topology.REFINE, "whole")]
     base, refiner = (topology.model_spec(m) for m in ("tiny", "tiny-refiner"))
     assert topology.shared_components(refiner, base) == report["shared_components"] == ["text_encoder_2", "vae"]
     refiner_unet = 2 * sum(leaf.size for leaf in jax.tree.leaves(refiner.abstract_params()["unet"]))
@@ -97,3 +98,9 @@ def test_a_refiner_shares_each_chip_with_the_model(tmp_path):
     beside = max(p["beside_weights_bytes"] for p in report["programs"])
     assert report["bytes_per_chip"] == report["weight_bytes_per_chip"] + beside
     assert report["refiner"] == "tiny-refiner"
+
+
+def test_an_unknown_stage_is_refused_before_compiling(capsys):
+    args = ["bench", "--model", "tiny", "--topology", "v5e:2x2", "--stages", "whole,decode"]
+    assert main(args) == 2
+    assert "unknown stages ['decode']; choose from whole, prepare, denoise, finish" in capsys.readouterr().err

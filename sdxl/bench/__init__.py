@@ -67,6 +67,7 @@ from .speed import run_benchmark
 from .topology import (
     PROGRAMS,
     REFINE,
+    STAGES,
     TOPOLOGY_MARKDOWN_HEADER,
     format_topology_table,
     run_topology_benchmark,
@@ -106,6 +107,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--programs",
         default=",".join(PROGRAMS),
         help="with --topology, the programs to compile, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--stages",
+        default=",".join(STAGES),
+        help="with --topology, which stages of each program to compile, comma-separated (default: %(default)s)",
     )
     parser.add_argument(
         "--refiner",
@@ -151,6 +157,7 @@ def command(args: argparse.Namespace) -> None:
             dtype=args.dtype or "bfloat16",
             programs=tuple(args.programs.split(",")),
             refiner=args.refiner,
+            stages=tuple(args.stages.split(",")),
             log=log,
         )
         table, header, row = format_topology_table(result), TOPOLOGY_MARKDOWN_HEADER, topology_markdown_row(result)

@@ -46,6 +46,8 @@ MAX_STEPS = 100
 PROGRAMS = ("text", "text-unguided", "image", "image-unguided", "inpaint", "inpaint-unguided")
 # With a refiner, the refiner's program too: it finishes the base's latents (`Pipeline._handoff`).
 REFINE = "refine"
+# Each program compiled whole, and as the prepare/denoise/finish chain that progress reports run.
+STAGES = WHOLE + IN_STAGES
 
 
 def model_spec(model: str) -> ModelSpec:
@@ -121,6 +123,7 @@ def run_topology_benchmark(
     dtype: str = "bfloat16",
     programs: tuple[str, ...] = PROGRAMS,
     refiner: str | None = None,
+    stages: tuple[str, ...] = STAGES,
     log=print,
 ) -> dict:
     """Compiles `programs` whole and in stages for the TPU slice `topology` ("v5e:2x2"); returns the report.
@@ -131,6 +134,8 @@ def run_topology_benchmark(
       refiner: a refiner loaded beside the model (as `model_spec` reads it): its parameters share each
         chip with every program of the model, and the model's with its own `REFINE` program, which
         `programs` may then name (it is added to the default ones).
+      stages: which of each program's stages to compile and report (at SDXL's size each takes minutes
+        to tens of minutes here): the whole program, and the staged ones that progress reports run.
     """
     # libtpu locks a file so that one process drives a host's chips; compiling drives none, so a test
     # may compile while a bench does.
@@ -146,6 +151,8 @@ def run_topology_benchmark(
     if unknown := set(programs) - set(known):
         hint = f" ({REFINE} needs --refiner)" if REFINE in unknown else ""
         raise ValueError(f"unknown programs {sorted(unknown)}; choose from {', '.join(known)}{hint}")
+    if unknown := set(stages) - set(STAGES):
+        raise ValueError(f"unknown stages {sorted(unknown)}; choose from {', '.join(STAGES)}")
     spec, mesh = model_spec(model), batch_mesh(devices)
     refiner_spec = refiner and model_spec(refiner)
     log(f"compiling {model} at {width}x{height}, {batch // chips} images per chip, for {topology} ({chips} chips)")
@@ -156,7 +163,8 @@ def run_topology_benchmark(
         else:
             program = program_named(name, spec, height, width, batch, dtype)
         executables = Executables(mesh)  # one program's at a time: SDXL's executables are large
-        for stage in WHOLE + IN_STAGES:  # `denoise` and `finish` take what `prepare` returns: after it
+        # `denoise` and `finish` take what `prepare` returns: after it (compiled for them if not asked for).
+        for stage in (s for s in STAGES if s in stages):
             compiled.append({"program": name, "stage": stage, **_compile(executables, program, stage)})
             log(_program_line(compiled[-1]))
     return _report(
