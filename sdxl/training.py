@@ -32,6 +32,7 @@ other data, feed your own batches to the same steps.
 import argparse
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import flax.serialization
@@ -148,11 +149,14 @@ def save(path: Path, state: dict) -> None:
     os.replace(partial, path)
 
 
-def restore(path: Path, state: dict) -> dict:
-    """The state saved at `path` (shaped like `state`), or `state` when there is none."""
+def restore(path: Path, new_state: Callable[[], dict]) -> dict:
+    """The state saved at `path`, or `new_state()` when there is none.
+
+    A saved state is read into `new_state`'s shapes alone: initializing the models' parameters takes
+    most of a minute on a CPU, for nothing on a resume."""
     if not path.is_file():
-        return state
-    state = flax.serialization.from_bytes(state, path.read_bytes())
+        return new_state()
+    state = flax.serialization.from_bytes(jax.eval_shape(new_state), path.read_bytes())
     print(f"resumed {path} at step {int(state['step'])}", flush=True)
     return state
 
@@ -171,8 +175,12 @@ def vae_loss(params: dict, images: jax.Array, key: jax.Array, kl_weight: float) 
 
 def train_vae(args: argparse.Namespace, path: Path) -> dict:
     tx = optimizer(args.vae_lr)
-    params = init_vae(jax.random.key(args.seed))
-    state = restore(path, {"step": jnp.int32(0), "params": params, "opt": tx.init(params)})
+
+    def new_state():
+        params = init_vae(jax.random.key(args.seed))
+        return {"step": jnp.int32(0), "params": params, "opt": tx.init(params)}
+
+    state = restore(path, new_state)
 
     @jax.jit
     def step(state, images, key):
@@ -238,10 +246,13 @@ def diffusion_loss(params, latents, ids, keep, key, snr_gamma: float = 5.0):
 def train_diffusion(args, out: Path, vae_params: dict, scaling_factor: float, initial: dict | None = None) -> dict:
     """Phase 2, from `initial` parameters (fine-tuning) or from random ones."""
     tx = optimizer(args.lr)
-    params = initial or init_diffusion(jax.random.key(args.seed + 1))
-    state = {"step": jnp.int32(0), "params": params, "opt": tx.init(params), "ema": params}
+
+    def new_state():
+        params = initial or init_diffusion(jax.random.key(args.seed + 1))
+        return {"step": jnp.int32(0), "params": params, "opt": tx.init(params), "ema": params}
+
     path = out / "checkpoints" / "diffusion.msgpack"
-    state = restore(path, state)
+    state = restore(path, new_state)
     tokenizer_folder = out / "tokenizer"
     shapes.write_tokenizer(tokenizer_folder)
     tokenizer = load_tokenizer(tokenizer_folder)
@@ -289,7 +300,7 @@ def train_decoder(args, out: Path, vae_params: dict, diffusion_params: dict, sca
     frozen = {k: v for k, v in vae_params.items() if k not in DECODER_PARAMS}
     trained = {k: vae_params[k] for k in DECODER_PARAMS}
     path = out / "checkpoints" / "decoder.msgpack"
-    state = restore(path, {"step": jnp.int32(0), "params": trained, "opt": tx.init(trained)})
+    state = restore(path, lambda: {"step": jnp.int32(0), "params": trained, "opt": tx.init(trained)})
 
     @jax.jit
     def step(state, images, key):
