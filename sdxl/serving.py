@@ -149,6 +149,8 @@ class DeviceQueue:
             raise ValueError(f"at most {self.max_batch_images} images per request, got {len(request)}")
         request = self.pipe.tokenized(request)  # here, in the submitting thread, not in the device worker
         ticket = Ticket(request, owner)
+        # Said from the start, not once the worker next looks: the first update a client gets is true.
+        ticket.compiling = not self.pipe.is_compiled(self.pipe.programs_for(request), progress=True)
         with self._changed:
             if len(self._waiting) >= self.max_queued:
                 raise QueueFullError(f"the queue is full ({self.max_queued} requests waiting); try again shortly")
