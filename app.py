@@ -20,20 +20,23 @@ import numpy as np
 from PIL import Image
 from starlette.middleware import Middleware
 
-from sdxl import CheckpointError, control_maps, grid, images, launch, lora
-from sdxl.controlnet_union import CONTROL_MODES, describe_mode
-from sdxl.demo import Control, DemoService
-from sdxl.grid import GridPlan
-from sdxl.http_errors import HttpErrors
-from sdxl.images import image_count
-from sdxl.request import (
+from sdxl import CheckpointError
+from sdxl.checkpoints import lora
+from sdxl.engine import control_maps, images
+from sdxl.engine.images import image_count
+from sdxl.engine.request import (
     DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request, default_control_scale,
     default_strength,
 )
-from sdxl.prompt_syntax import A1111_EMPHASIS_NAMES, EMPHASIS_MODES
-from sdxl.sampling import SAMPLER_NAMES
-from sdxl.serving import QueueFullError
-from sdxl.styles import NO_STYLE, STYLES
+from sdxl.models.controlnet_union import CONTROL_MODES, describe_mode
+from sdxl.prompts.styles import NO_STYLE, STYLES
+from sdxl.prompts.syntax import A1111_EMPHASIS_NAMES, EMPHASIS_MODES
+from sdxl.sampling.samplers import SAMPLER_NAMES
+from sdxl.serving import grid, launch
+from sdxl.serving.demo import Control, DemoService
+from sdxl.serving.grid import GridPlan
+from sdxl.serving.http_errors import HttpErrors
+from sdxl.serving.queue import QueueFullError
 
 # Uploads decode to at most this many pixels: PIL refuses twice as many, and warns above it.
 Image.MAX_IMAGE_PIXELS = images.MAX_IMAGE_PIXELS
@@ -45,7 +48,7 @@ EXAMPLES = [
     ["a castle floating above the clouds", "Fantasy art"],
 ]
 
-log = logging.getLogger("sdxl.demo")
+log = logging.getLogger("sdxl.serving.demo")
 
 # Gradio notices that a client has gone only when a handler yields: handlers that wait yield "no
 # change" this often.
@@ -379,7 +382,7 @@ def _checked_by_the_service(field):
     that do not name the field ("Value 0 is less than minimum value 1."), and text sent for a number
     makes its check raise a TypeError that reaches the client as a generic error; a list sent for a
     prompt would be rendered as its Python text. The values go unchanged to the service's
-    validation instead (`sdxl.request`), whose one-sentence message names the field and what it
+    validation instead (`sdxl.engine.request`), whose one-sentence message names the field and what it
     allows. (Replaced on the instance, not subclassed: Gradio writes a .pyi stub beside any module
     that subclasses a component.)"""
     field.preprocess = lambda payload: payload

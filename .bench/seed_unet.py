@@ -2,10 +2,10 @@
 (BENCHMARKS.md, "The seed's UNet, compiled the same way").
 
 Either the seed's UNet (diffusers-Flax 0.39 `FlaxUNet2DConditionModel`, bf16, split_head_dim=True,
-NCHW latents) or ours (`sdxl.unet.UNet2DConditionModel`, bf16, NHWC latents, attention as traced for
+NCHW latents) or ours (`sdxl.models.unet.UNet2DConditionModel`, bf16, NHWC latents, attention as traced for
 the TPU mesh), from SDXL base 1.0's UNet config, with abstract bfloat16 parameters replicated over
 the 4 chips and the batch (2 latents per guided image) split over them, as
-`sdxl/bench/topology.py` and `sdxl/compiled.py` build the mesh and shardings.
+`sdxl/bench/topology.py` and `sdxl/engine/compiled.py` build the mesh and shardings.
 
 The seed's needs diffusers with Flax, which diffusers dropped after 0.39, in a virtual environment of
 its own; ours runs in the project's (from the repository root):
@@ -71,7 +71,7 @@ def our_unet(config: dict):
     """Our UNet: (apply, abstract params, layout)."""
     sys.path.insert(0, ROOT)
     from sdxl.config import config_from_dict
-    from sdxl.unet import UNet2DConditionModel, UNetConfig, abstract_params
+    from sdxl.models.unet import UNet2DConditionModel, UNetConfig, abstract_params
 
     cfg = config_from_dict(UNetConfig, config)
     model = UNet2DConditionModel(cfg, dtype=DTYPE)
@@ -102,9 +102,9 @@ def main():
     config = json.load(open(CONFIG))
     devices = topologies.get_topology_desc(TOPOLOGY, "tpu").devices
     chips = len(devices)
-    mesh = Mesh(np.array(list(devices)), ("batch",))  # sdxl.mesh.batch_mesh
-    replicated = NamedSharding(mesh, PartitionSpec())  # sdxl.mesh.replicated
-    by_image = NamedSharding(mesh, PartitionSpec("batch"))  # sdxl.mesh.by_image
+    mesh = Mesh(np.array(list(devices)), ("batch",))  # sdxl.engine.mesh.batch_mesh
+    replicated = NamedSharding(mesh, PartitionSpec())  # sdxl.engine.mesh.replicated
+    by_image = NamedSharding(mesh, PartitionSpec("batch"))  # sdxl.engine.mesh.by_image
     batch = 2 * args.images_per_chip * chips  # unconditional + conditional latents of each image
     log(f"{args.model} UNet, {args.images_per_chip} images per chip = batch {batch} over {chips}x "
         f"{devices[0].device_kind} ({TOPOLOGY}); jax {jax.__version__}")
@@ -137,7 +137,7 @@ def main():
 
     fn = jax.jit(apply, out_shardings=by_image)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):  # as sdxl/compiled.py: kernels see the TPU mesh (splash for ours)
+    with jax.set_mesh(mesh):  # as sdxl/engine/compiled.py: kernels see the TPU mesh (splash for ours)
         traced = fn.trace(params, *inputs)
         t1 = time.perf_counter()
         lowered = traced.lower()
@@ -163,7 +163,7 @@ def main():
     hlo = compiled.as_text()
     with gzip.open(f"{args.out}/{name}.hlo.txt.gz", "wt") as f:
         f.write(hlo)
-    attention = sorted(set(re.findall(r"/(xla|splash|cudnn)_attention/", hlo)))  # sdxl.attention.kernels_in
+    attention = sorted(set(re.findall(r"/(xla|splash|cudnn)_attention/", hlo)))  # sdxl.models.attention.kernels_in
     result = {
         "compiled": True,
         "model": args.model,

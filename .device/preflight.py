@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdxl import attention
+from sdxl.models import attention
 
 print("devices", jax.devices(), "jax", jax.__version__, flush=True)
 

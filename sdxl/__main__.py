@@ -8,16 +8,18 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bench, control_maps, images, launch, memory, training
+from . import bench, training
 from .checkpoints import CheckpointError, random_models
-from .controlnet_union import control_mode, describe_modes
-from .images import contact_sheet, image_count, save_png, to_pil
-from .pipeline import NonFiniteImageError
-from .request import (
+from .engine import control_maps, images, memory
+from .engine.images import contact_sheet, image_count, save_png, to_pil
+from .engine.pipeline import NonFiniteImageError
+from .engine.request import (
     DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, default_control_scale,
     default_strength, guidance_scale, integer, number, required_prompt, split_scale,
 )
-from .sampling import SAMPLERS
+from .models.controlnet_union import control_mode, describe_modes
+from .sampling.samplers import SAMPLERS
+from .serving import launch
 
 
 def generate_command(args: argparse.Namespace) -> None:

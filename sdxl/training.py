@@ -6,7 +6,7 @@ With the defaults it reproduces the shipped `assets/shapes` weights: about 3.5 h
 a 2-core CPU (another CPU, or other library versions, may round differently along the way).
     python -m sdxl train-shapes --init MODEL --out DIR ...   # fine-tune a shapes model instead
 
-Up to three phases, each a jitted optax step over batches that `sdxl.shapes` renders on the fly:
+Up to three phases, each a jitted optax step over batches that `sdxl.checkpoints.shapes` renders on the fly:
 
 1. The VAE: L1 reconstruction of a posterior sample, plus a small KL term towards N(0, 1).
 2. Both text encoders and the UNet together, on the frozen VAE's scaled latents, with the epsilon
@@ -41,12 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import schedulers, shapes
+from .checkpoints import shapes
+from .checkpoints.tokenizer import load_tokenizer, tokenize
 from .config import config_from_dict
-from .clip import CLIPTextModel
-from .tokenizer import load_tokenizer, tokenize
-from .unet import UNet2DConditionModel
-from .vae import AutoencoderKL
+from .models.clip import CLIPTextModel
+from .models.unet import UNet2DConditionModel
+from .models.vae import AutoencoderKL
+from .sampling import schedulers
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 

@@ -1,7 +1,7 @@
 """The test oracle: the conditioning AUTOMATIC1111's webui (1.10) computes for a prompt, built on transformers'
 torch CLIP encoders.
 
-A transcription in spirit of webui's own steps, written apart from sdxl.prompt_syntax (which it must not
+A transcription in spirit of webui's own steps, written apart from sdxl.prompts.syntax (which it must not
 import) so that the two can be held against each other:
 
 - modules/prompt_parser.py `parse_prompt_attention`: the bracket syntax into [text, weight] pairs;

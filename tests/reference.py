@@ -11,7 +11,7 @@ from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionMod
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from sdxl.checkpoints import random_models
-from sdxl.tokenizer import write_byte_level_tokenizer
+from sdxl.checkpoints.tokenizer import write_byte_level_tokenizer
 
 SCHEDULER_JSON = "scheduler/scheduler_config.json"
 

@@ -1,4 +1,4 @@
-"""The webui oracle (tests/a1111_reference.py) checked on its own, then held against sdxl.prompt_syntax.
+"""The webui oracle (tests/a1111_reference.py) checked on its own, then held against sdxl.prompts.syntax.
 
 Tiny random CLIP encoders stand in for the real ones; the tokenizers are the real SDXL ones.
 """
@@ -13,8 +13,8 @@ import torch
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 import a1111_reference as ref
-from sdxl import prompt_syntax as ps
-from sdxl.program import emphasized
+from sdxl.engine.program import emphasized
+from sdxl.prompts import syntax as ps
 
 CONFIGS = Path(__file__).parents[1] / "sdxl" / "configs" / "sdxl-base-1.0"
 WEBUI_EMPHASIS = ps.A1111_EMPHASIS_NAMES  # ours -> webui's
@@ -133,10 +133,10 @@ def test_oracle_none_emphasis_reads_the_prompt_literally(sdxl):
     torch.testing.assert_close(z, plain_encoding(prompt, tokenizers, models)[0], rtol=0, atol=1e-6)
 
 
-# --- sdxl.prompt_syntax against the oracle ---
+# --- sdxl.prompts.syntax against the oracle ---
 
 def ours(prompt, tokenizers, models, emphasis="original", negative=False):
-    """The conditioning built from sdxl.prompt_syntax's chunks and the program's `emphasized`, with the torch
+    """The conditioning built from sdxl.prompts.syntax's chunks and the program's `emphasized`, with the torch
     encoders."""
     tokenizer = tokenizers[0]
     tokenize = lambda texts: tokenizer(texts, truncation=False, add_special_tokens=False)["input_ids"]  # noqa: E731

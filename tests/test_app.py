@@ -30,9 +30,8 @@ from gradio_client.utils import Status, StatusUpdate
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
-from sdxl import lora
 from sdxl.bench.soak import free_port, running_app
-from sdxl.checkpoints import resolve
+from sdxl.checkpoints import lora, resolve
 from sdxl.checkpoints.random_models import write_checkpoint, write_controlnet
 
 # gradio_client reads these in this process: no telemetry calls to the Hub from the tests.
@@ -883,8 +882,8 @@ def test_the_page_builds_for_one_image_a_call():
     import jax
 
     import app
-    from sdxl.demo import DemoService
-    from sdxl.pipeline import Pipeline
+    from sdxl.serving.demo import DemoService
+    from sdxl.engine.pipeline import Pipeline
 
     pipe = Pipeline.from_pretrained("tiny", devices=jax.devices()[:1])
     blocks = app.create_demo(app.Handlers(DemoService(pipe, model_label="tiny", max_images_per_core=1)))

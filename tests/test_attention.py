@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sdxl import attention
+from sdxl.models import attention
 
 
 def _qkv(batch, q_length, kv_length, heads, head_dim, dtype=jnp.float32):

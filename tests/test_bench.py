@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from sdxl import controlnet, unet
 from sdxl.bench import report, speed
 from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec, random_models
 from sdxl.config import config_from_dict
-from sdxl.pipeline import Pipeline
+from sdxl.engine.pipeline import Pipeline
+from sdxl.models import controlnet, unet
 
 
 def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):

@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 from fake_hub import SD15_FILES, SDXL_BASE_FILES, FakeHub, fake_repo, hub_at
 
-from sdxl.checkpoints import (
-    BUILTIN_CONFIGS, CheckpointError, HubUnavailableError, ModelSpec, known, locate, random_models,
-)
+from sdxl.checkpoints import BUILTIN_CONFIGS, CheckpointError, HubUnavailableError, ModelSpec, locate, random_models
 from sdxl.checkpoints.folder import choose_weight_files, weight_variant
-from sdxl.pipeline import Pipeline
-from sdxl.weights import flatten
+from sdxl.checkpoints.weights import flatten
+from sdxl.engine.pipeline import Pipeline
+from sdxl.serving import known
 
 SDXL_REPO = "stabilityai/stable-diffusion-xl-base-1.0"
 SD15_REPO = "stable-diffusion-v1-5/stable-diffusion-v1-5"

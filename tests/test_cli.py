@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sdxl import lora
-from sdxl.checkpoints import random_models, resolve
+from sdxl.checkpoints import lora, random_models, resolve
 
 ROOT = Path(__file__).parents[1]
 
@@ -67,7 +66,7 @@ def test_a_refiner_that_cannot_continue_the_model_exits_nonzero_with_one_line_re
 
 
 def test_an_empty_prompt_is_refused_with_the_demos_sentence():
-    from sdxl.demo import DemoService, Settings
+    from sdxl.serving.demo import DemoService, Settings
 
     with pytest.raises(ValueError) as refused:
         DemoService._styled(Settings(prompt=""))

@@ -1,4 +1,4 @@
-"""Parity of sdxl.clip with transformers' CLIPTextModel / CLIPTextModelWithProjection."""
+"""Parity of sdxl.models.clip with transformers' CLIPTextModel / CLIPTextModelWithProjection."""
 
 import math
 
@@ -9,10 +9,10 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from sdxl import clip
 from sdxl.checkpoints import BUILTIN_CONFIGS
+from sdxl.checkpoints.weights import load_params
 from sdxl.config import config_from_dict, config_from_file, read_json
-from sdxl.weights import load_params
+from sdxl.models import clip
 
 VOCAB = 1000
 LENGTH = 77

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec
+from sdxl.checkpoints.tokenizer import load_tokenizer, tokenize
 from sdxl.config import read_json
-from sdxl.tokenizer import load_tokenizer, tokenize
 
 FOLDERS = ["sdxl-base-1.0", "sdxl-refiner-1.0", "sd-1.5", "sd-2.1", "sd-2.1-base"]
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from sdxl import control_maps
+from sdxl.engine import control_maps
 
 
 def _box() -> np.ndarray:

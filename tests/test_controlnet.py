@@ -27,11 +27,11 @@ from safetensors.torch import save_file
 
 from reference import diffusers_images, inpainting_mask, picture, randomize_, sd_pipeline, sdxl_pipeline
 from test_lora import kohya_file
-from sdxl import controlnet as controlnet_model
 from sdxl.checkpoints import BUILTIN_CONFIGS, CheckpointError, ModelSpec, controlnets, single_file
+from sdxl.checkpoints.weights import checkpoint_key, flatten
 from sdxl.config import config_from_dict
-from sdxl.pipeline import Pipeline
-from sdxl.weights import checkpoint_key, flatten
+from sdxl.engine.pipeline import Pipeline
+from sdxl.models import controlnet as controlnet_model
 
 HEIGHT, WIDTH = 64, 96
 PROMPTS = ["a red cube on a table", "a blue sphere floating over grass"]

@@ -14,10 +14,10 @@ from PIL import Image
 from fake_hub import FakeHub, fake_repo, hub_at
 from reference import diffusers_images, randomize_, sdxl_pipeline
 from sdxl.checkpoints import CheckpointError, controlnets
-from sdxl.compilation import CompileCounter
-from sdxl.controlnet_union import CONTROL_MODES, control_mode
-from sdxl.pipeline import Pipeline
-from sdxl.request import Request
+from sdxl.engine.compilation import CompileCounter
+from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.request import Request
+from sdxl.models.controlnet_union import CONTROL_MODES, control_mode
 
 HEIGHT, WIDTH = 64, 96
 STEPS = 5
@@ -119,7 +119,7 @@ def test_the_model_matches_diffusers_however_the_rows_are_grouped(sdxl):
 
 def test_union_generations_match_diffusers_in_each_mode(sdxl):
     """Each image as diffusers renders it alone: its transformer attends across the rows of the batch
-    (`sdxl.controlnet_union`'s docstring), which for one image are that image's own."""
+    (`sdxl.models.controlnet_union`'s docstring), which for one image are that image's own."""
     _, ref, union, pipe = sdxl
     ref_pipe = StableDiffusionXLControlNetUnionPipeline(**ref.components, controlnet=union)
     cases = [

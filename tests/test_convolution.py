@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from sdxl import convolution
-from sdxl.layers import STEP_INVARIANTS, Conv3x3
+from sdxl.models import convolution
+from sdxl.models.layers import STEP_INVARIANTS, Conv3x3
 
 
 def torch_conv3x3(x: np.ndarray, kernel: np.ndarray) -> np.ndarray:

@@ -1,13 +1,13 @@
-"""The demo's requests, built from a visitor's settings without a server (`sdxl.demo`)."""
+"""The demo's requests, built from a visitor's settings without a server (`sdxl.serving.demo`)."""
 
 import pytest
 from PIL import Image
 
-from sdxl import lora
-from sdxl.demo import DemoService, Settings, fit_to_sizes, lora_parameters
-from sdxl.pipeline import Pipeline
-from sdxl.request import MAX_SEED
-from sdxl.styles import STYLES
+from sdxl.checkpoints import lora
+from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.request import MAX_SEED
+from sdxl.prompts.styles import STYLES
+from sdxl.serving.demo import DemoService, Settings, fit_to_sizes, lora_parameters
 
 
 @pytest.fixture(scope="module")

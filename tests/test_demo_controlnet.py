@@ -1,4 +1,4 @@
-"""The demo's ControlNet panel as requests (`sdxl.demo.Control`), without a server: maps made at the
+"""The demo's ControlNet panel as requests (`sdxl.serving.demo.Control`), without a server: maps made at the
 output's size, settings per image, grids over the scale in one call, PNG parameters as A1111's
 ControlNet extension writes them, and bad input refused with a sentence."""
 
@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sdxl import grid, images
 from sdxl.checkpoints import resolve
 from sdxl.checkpoints.random_models import write_controlnet
-from sdxl.control_maps import canny
-from sdxl.demo import Control, DemoService, Settings, control_parameters
-from sdxl.pipeline import Pipeline
+from sdxl.engine import images
+from sdxl.engine.control_maps import canny
+from sdxl.engine.pipeline import Pipeline
+from sdxl.serving import grid
+from sdxl.serving.demo import Control, DemoService, Settings, control_parameters
 
 
 @pytest.fixture(scope="module")

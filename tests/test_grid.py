@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image, PngImagePlugin
 
-from sdxl import grid
+from sdxl.serving import grid
 
 
 def test_values_are_comma_separated_or_one_per_line_with_ranges_for_seeds_and_steps():

@@ -1,4 +1,4 @@
-"""One demo over two hosts (`sdxl/hosts.py`): two app processes of 2 CPU devices each, joined by
+"""One demo over two hosts (`sdxl/serving/hosts.py`): two app processes of 2 CPU devices each, joined by
 jax.distributed with gloo collectives, render the images one process renders on 4 devices; a
 follower started differently is refused, and a follower that dies ends the demo with a sentence."""
 
@@ -16,8 +16,8 @@ import pytest
 from gradio_client import Client
 from PIL import Image
 
-from sdxl import hosts
 from sdxl.bench.soak import APP, free_port, running_app
+from sdxl.serving import hosts
 
 STARTUP_TIMEOUT = 300
 CALL_TIMEOUT = 180

@@ -1,4 +1,4 @@
-"""The API's HTTP answers (`sdxl.http_errors`), in front of a stand-in for Gradio's routes."""
+"""The API's HTTP answers (`sdxl.serving.http_errors`), in front of a stand-in for Gradio's routes."""
 
 import json
 
@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from sdxl.http_errors import HttpErrors
+from sdxl.serving.http_errors import HttpErrors
 
 
 async def gradio(request: Request) -> JSONResponse:

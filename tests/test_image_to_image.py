@@ -31,9 +31,9 @@ from PIL import Image
 
 from reference import diffusers_images, inpainting_mask, picture, sd_pipeline, sdxl_pipeline
 from sdxl.checkpoints import CheckpointError, random_models
-from sdxl.compilation import CompileCounter
-from sdxl.pipeline import Pipeline
-from sdxl.request import Request
+from sdxl.engine.compilation import CompileCounter
+from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.request import Request
 
 HEIGHT, WIDTH = 64, 96
 PROMPTS = ["a red cube on a table", "a blue sphere floating over grass"]

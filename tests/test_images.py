@@ -1,8 +1,8 @@
-"""PNG parameters as webui writes and reads them (`sdxl.images`)."""
+"""PNG parameters as webui writes and reads them (`sdxl.engine.images`)."""
 
 import pytest
 
-from sdxl import images
+from sdxl.engine import images
 
 
 @pytest.mark.parametrize("sampler, schedule, ours", [

@@ -3,7 +3,8 @@ import re
 
 import pytest
 
-from sdxl import launch, shapes
+from sdxl.checkpoints import shapes
+from sdxl.serving import launch
 from tests.fake_hub import hub_at
 
 
@@ -49,7 +50,7 @@ def test_the_shapes_models_notice_says_it_knows_only_its_english_words(tmp_path,
 def test_the_demo_refuses_an_images_per_core_that_does_not_fit_before_it_serves(tmp_path, monkeypatch):
     """On a device that reports its memory, the launch measures the largest batch of each kind it
     serves (text, image-to-image, inpainting) and refuses one that cannot fit, naming what does."""
-    from sdxl import memory
+    from sdxl.engine import memory
 
     measured = []
 

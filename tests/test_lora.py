@@ -15,12 +15,11 @@ import safetensors.numpy
 import torch
 from reference import diffusers_images, random_latents, sd_pipeline, sdxl_pipeline
 
-from sdxl import lora
-from sdxl.checkpoints import CheckpointError, random_models
+from sdxl.checkpoints import CheckpointError, lora, random_models
 from sdxl.checkpoints.single_file import unet_original
-from sdxl.compilation import CompileCounter
-from sdxl.pipeline import Pipeline
-from sdxl.weights import flatten
+from sdxl.checkpoints.weights import flatten
+from sdxl.engine.compilation import CompileCounter
+from sdxl.engine.pipeline import Pipeline
 
 HEIGHT, WIDTH = 64, 64
 PROMPTS = ["a red cube on a table", "a blue sphere floating over grass"]
@@ -98,7 +97,7 @@ def kohya_file(path, ref, *, sgm: bool, seed: int, te1_prefix="lora_te1_", text_
 
 def _unet_config(ref):
     from sdxl.config import config_from_dict
-    from sdxl.unet import UNetConfig
+    from sdxl.models.unet import UNetConfig
 
     return config_from_dict(UNetConfig, dict(ref.unet.config))
 

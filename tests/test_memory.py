@@ -1,4 +1,4 @@
-"""The fit check (`sdxl.memory`): the compiled programs' bytes against a device's memory, and the
+"""The fit check (`sdxl.engine.memory`): the compiled programs' bytes against a device's memory, and the
 sentence that names what fits. The CPU reports no memory, so the device's is given here."""
 
 import dataclasses
@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sdxl import memory
-from sdxl.pipeline import Pipeline
-from sdxl.request import Request
+from sdxl.engine import memory
+from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.request import Request
 
 
 @pytest.fixture(scope="module")

@@ -27,17 +27,18 @@ from jax._src.cudnn import fused_attention_stablehlo
 
 import two_hosts
 from reference import diffusers_images, random_latents, sdxl_pipeline
-from sdxl import inputs, unet
 from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec, random_models
-from sdxl.compilation import CompileCounter
-from sdxl.compiled import Executables
-from sdxl.layers import STEP_INVARIANTS
-from sdxl.mesh import batch_mesh
-from sdxl.pipeline import Pipeline
-from sdxl.program import GenerateProgram, per_image_keys
-from sdxl.request import Request
-from sdxl.sampling import step_noise
-from sdxl.schedulers import TCD_GAMMA
+from sdxl.engine import inputs
+from sdxl.engine.compilation import CompileCounter
+from sdxl.engine.compiled import Executables
+from sdxl.engine.mesh import batch_mesh
+from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.program import GenerateProgram, per_image_keys
+from sdxl.engine.request import Request
+from sdxl.models import unet
+from sdxl.models.layers import STEP_INVARIANTS
+from sdxl.sampling.samplers import step_noise
+from sdxl.sampling.schedulers import TCD_GAMMA
 
 HEIGHT, WIDTH = 64, 96  # non-square, and a multiple of the tiny model's latent factor (16)
 PROMPTS = ["a red cube on a table", "a blue sphere floating over grass"]

@@ -2,11 +2,11 @@ import jax
 import numpy as np
 import pytest
 
-from sdxl import previews, shapes
-from sdxl.checkpoints import resolve
-from sdxl.pipeline import Pipeline
-from sdxl.program import GenerateProgram
-from sdxl.request import Request
+from sdxl.checkpoints import resolve, shapes
+from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.program import GenerateProgram
+from sdxl.engine.request import Request
+from sdxl.models import previews
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""sdxl.prompt_syntax: prompts read as AUTOMATIC1111's webui reads them (parsing, chunking, LoRA tags)."""
+"""sdxl.prompts.syntax: prompts read as AUTOMATIC1111's webui reads them (parsing, chunking, LoRA tags)."""
 
 import re
 from pathlib import Path
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from transformers import CLIPTokenizer
 
-from sdxl import prompt_syntax as ps
+from sdxl.prompts import syntax as ps
 
 CONFIGS = Path(__file__).parents[1] / "sdxl" / "configs" / "sdxl-base-1.0"
 

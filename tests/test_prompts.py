@@ -11,11 +11,12 @@ import torch
 
 import a1111_reference as webui
 from reference import diffusers_images, random_latents, sd_pipeline, sdxl_pipeline
-from sdxl import lora, prompt_syntax
-from sdxl.compilation import CompileCounter
-from sdxl.pipeline import Pipeline
-from sdxl.program import emphasized
-from sdxl.request import Request
+from sdxl.checkpoints import lora
+from sdxl.engine.compilation import CompileCounter
+from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.program import emphasized
+from sdxl.engine.request import Request
+from sdxl.prompts import syntax as prompt_syntax
 
 HEIGHT, WIDTH, STEPS = 64, 96, 3
 EMPHASIS_NAMES = {"original": "Original", "no-norm": "No norm", "none": "None"}

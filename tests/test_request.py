@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec
-from sdxl.request import MAX_SEED, Request
+from sdxl.engine.request import MAX_SEED, Request
 
 SPEC = ModelSpec.from_folder(BUILTIN_CONFIGS / "sdxl-base-1.0")  # latent factor 32, 4 latent channels
 
@@ -77,7 +77,7 @@ def test_loras_are_checked_sorted_and_part_of_the_batch_key():
 
 
 def test_a_sampler_is_taken_by_its_name_or_its_label_and_refused_with_both():
-    from sdxl.request import sampler_name
+    from sdxl.engine.request import sampler_name
 
     assert sampler_name("DPM++ 2M") == sampler_name("dpmpp_2m") == "dpmpp_2m"
     assert sampler_name("euler A") == "euler_ancestral"

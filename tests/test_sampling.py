@@ -17,10 +17,10 @@ from diffusers import (
 from diffusers.schedulers import scheduling_euler_ancestral_discrete
 from test_schedulers import SD15_SCHEDULER_CONFIG, SDXL_SCHEDULER_CONFIG
 
-from sdxl import sampling
 from sdxl.config import config_from_dict
-from sdxl.sampling import SAMPLERS, denoised_from_model_output
-from sdxl.schedulers import SchedulerConfig
+from sdxl.sampling import samplers as sampling
+from sdxl.sampling.samplers import SAMPLERS, denoised_from_model_output
+from sdxl.sampling.schedulers import SchedulerConfig
 
 SHAPE = (2, 8, 8, 4)  # [B, H, W, C]
 MAX_STEPS = 30

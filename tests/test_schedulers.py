@@ -14,10 +14,10 @@ from diffusers import (
     EulerDiscreteScheduler,
 )
 
-from sdxl import schedulers
 from sdxl.checkpoints import random_models
 from sdxl.config import config_from_dict, config_from_file, read_json
-from sdxl.schedulers import SchedulerConfig
+from sdxl.sampling import schedulers
+from sdxl.sampling.schedulers import SchedulerConfig
 
 SDXL_SCHEDULER_JSON = Path(__file__).parent.parent / "sdxl/configs/sdxl-base-1.0/scheduler/scheduler_config.json"
 SDXL_SCHEDULER_CONFIG = read_json(SDXL_SCHEDULER_JSON)

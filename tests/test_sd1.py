@@ -15,9 +15,8 @@ from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from reference import diffusers_images, random_latents, sd_pipeline
-from sdxl.checkpoints import random_models
-from sdxl.checkpoints import locate
-from sdxl.pipeline import Pipeline
+from sdxl.checkpoints import locate, random_models
+from sdxl.engine.pipeline import Pipeline
 
 ROOT = Path(__file__).parents[1]
 HEIGHT, WIDTH = 96, 64  # portrait, where tests/test_pipeline.py's SDXL size is landscape

@@ -7,10 +7,10 @@ import threading
 import numpy as np
 import pytest
 
-from sdxl import lora
-from sdxl.pipeline import Pipeline
-from sdxl.request import Request
-from sdxl.serving import DeviceQueue, Runner
+from sdxl.checkpoints import lora
+from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.request import Request
+from sdxl.serving.queue import DeviceQueue, Runner
 
 HEIGHT, WIDTH, STEPS = 64, 64, 2
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from sdxl import shapes
-from sdxl.checkpoints import known
+from sdxl.checkpoints import shapes
+from sdxl.serving import known
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "shapes"
 PALETTE = np.array(list(shapes.COLORS.values()), np.float64)
@@ -135,7 +135,7 @@ def test_captions_follow_the_grammar_and_batches_are_seeded():
 
 
 def test_tokenizer_has_a_token_per_word(tmp_path):
-    from sdxl.tokenizer import load_tokenizer
+    from sdxl.checkpoints.tokenizer import load_tokenizer
 
     shapes.write_tokenizer(tmp_path)
     tokenizer = load_tokenizer(tmp_path)

@@ -21,8 +21,8 @@ from test_sd1 import SD2_CONFIGS
 from sdxl.checkpoints import BUILTIN_CONFIGS, CheckpointError, ModelSpec, random_models, resolve
 from sdxl.checkpoints.folder import stored_weights
 from sdxl.checkpoints.single_file import key_map, write_single_file
-from sdxl.pipeline import Pipeline
-from sdxl.weights import SafetensorsFile
+from sdxl.checkpoints.weights import SafetensorsFile
+from sdxl.engine.pipeline import Pipeline
 
 ROOT = Path(__file__).parents[1]
 HEIGHT, WIDTH = 64, 64

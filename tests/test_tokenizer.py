@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from transformers import CLIPTokenizer
 
-from sdxl.tokenizer import load_tokenizer, tokenize, write_byte_level_tokenizer
-from sdxl.weights import CheckpointError
+from sdxl.checkpoints.tokenizer import load_tokenizer, tokenize, write_byte_level_tokenizer
+from sdxl.checkpoints.weights import CheckpointError
 
 
 def test_byte_level_tokenizer_pads_to_length_and_flags_truncation(tmp_path):

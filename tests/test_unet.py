@@ -1,4 +1,4 @@
-"""Parity of sdxl.unet with diffusers' UNet2DConditionModel, on tiny random models saved to disk."""
+"""Parity of sdxl.models.unet with diffusers' UNet2DConditionModel, on tiny random models saved to disk."""
 
 import dataclasses
 
@@ -11,9 +11,9 @@ import torch
 from diffusers import UNet2DConditionModel as TorchUNet
 
 from sdxl.checkpoints import BUILTIN_CONFIGS
+from sdxl.checkpoints.weights import flatten, load_params
 from sdxl.config import config_from_dict, config_from_file, read_json
-from sdxl.unet import UNet2DConditionModel, UNetConfig, abstract_params
-from sdxl.weights import flatten, load_params
+from sdxl.models.unet import UNet2DConditionModel, UNetConfig, abstract_params
 
 POOLED_DIM = 16
 TIME_EMBED_DIM = 8

@@ -1,4 +1,4 @@
-"""Parity of sdxl.vae.AutoencoderKL with diffusers' AutoencoderKL on a tiny random model."""
+"""Parity of sdxl.models.vae.AutoencoderKL with diffusers' AutoencoderKL on a tiny random model."""
 
 import math
 
@@ -10,9 +10,9 @@ from diffusers import AutoencoderKL as TorchAutoencoderKL
 from safetensors.numpy import load_file, save_file
 
 from sdxl.checkpoints import BUILTIN_CONFIGS
+from sdxl.checkpoints.weights import CheckpointError, load_params
 from sdxl.config import config_from_dict, config_from_file, read_json
-from sdxl.vae import AutoencoderKL, VAEConfig, abstract_params, rename_key
-from sdxl.weights import CheckpointError, load_params
+from sdxl.models.vae import AutoencoderKL, VAEConfig, abstract_params, rename_key
 
 # Three levels (two down/upsamplers), channel changes on both skip paths, two resnets per block.
 TINY_CONFIG = dict(

@@ -7,11 +7,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors.numpy import load_file, save_file
 
-from sdxl.checkpoints import random_models
-from sdxl.checkpoints import ModelSpec, load_weights
-from sdxl.mesh import place
-from sdxl.pipeline import Pipeline
-from sdxl.weights import CheckpointError, SafetensorsFile
+from sdxl.checkpoints import ModelSpec, load_weights, random_models
+from sdxl.checkpoints.weights import CheckpointError, SafetensorsFile
+from sdxl.engine.mesh import place
+from sdxl.engine.pipeline import Pipeline
 
 UNET = "unet/diffusion_pytorch_model.safetensors"
 

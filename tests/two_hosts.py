@@ -15,7 +15,7 @@ import numpy as np
 def render(pipe, request: dict) -> dict[str, np.ndarray]:
     """`request` {prompt, seed, steps, guidance_scale, height, width} as 4 images, by the one-program
     `generate` and by `render` with progress reports (the demo's path), with the steps it reported."""
-    from sdxl.request import Request
+    from sdxl.engine.request import Request
 
     n, size = 4, dict(height=request["height"], width=request["width"])
     images = pipe.generate(
@@ -39,7 +39,7 @@ def main(process_id: str, num_processes: str, port: str, checkpoint: str, out: s
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives between processes
     jax.distributed.initialize(f"localhost:{port}", num_processes=int(num_processes), process_id=int(process_id))
-    from sdxl.pipeline import Pipeline
+    from sdxl.engine.pipeline import Pipeline
 
     pipe = Pipeline.from_pretrained(checkpoint, dtype="float32", max_steps=8)
     assert pipe.num_devices == 2 * int(num_processes) and jax.local_device_count() == 2

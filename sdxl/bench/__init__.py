@@ -54,23 +54,13 @@ from ..checkpoints.random_models import MEDIUM_SIZE
 from .hosts import HOSTS_MARKDOWN_HEADER, format_hosts_table, hosts_markdown_row, run_hosts_soak
 from .loading import run_load_benchmark
 from .report import (
-    LOAD_MARKDOWN_HEADER,
-    MARKDOWN_HEADER,
-    append_markdown,
-    format_load_table,
-    format_table,
-    load_markdown_row,
+    LOAD_MARKDOWN_HEADER, MARKDOWN_HEADER, append_markdown, format_load_table, format_table, load_markdown_row,
     markdown_row,
 )
 from .soak import SOAK_MARKDOWN_HEADER, format_soak_table, run_soak, soak_markdown_row
 from .speed import run_benchmark
 from .topology import (
-    PROGRAMS,
-    REFINE,
-    STAGES,
-    TOPOLOGY_MARKDOWN_HEADER,
-    format_topology_table,
-    run_topology_benchmark,
+    PROGRAMS, REFINE, STAGES, TOPOLOGY_MARKDOWN_HEADER, format_topology_table, run_topology_benchmark,
     topology_markdown_row,
 )
 

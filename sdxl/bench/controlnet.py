@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import controlnet, unet
 from ..checkpoints import controlnets as controlnet_checkpoints
 from ..checkpoints.spec import ModelSpec
-from ..layers import STEP_INVARIANTS
-from ..mesh import place, replicated
-from ..pipeline import Pipeline
-from ..request import Request
-from ..weights import flatten
+from ..checkpoints.weights import flatten
+from ..engine.mesh import place, replicated
+from ..engine.pipeline import Pipeline
+from ..engine.request import Request
+from ..models import controlnet, unet
+from ..models.layers import STEP_INVARIANTS
 from . import counting
 
 

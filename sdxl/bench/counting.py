@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import jax
 
-from ..mesh import batch_mesh
+from ..engine.mesh import batch_mesh
 
 PLATFORMS = ("cpu",)
 
@@ -37,7 +37,7 @@ def xla_attention() -> Iterator[None]:
 
 @contextlib.contextmanager
 def on_host() -> Iterator[None]:
-    """Traces in this block pick the kernels of the host's CPU (`sdxl.attention.target_platform`),
+    """Traces in this block pick the kernels of the host's CPU (`sdxl.models.attention.target_platform`),
     XLA's attention included."""
     with xla_attention(), jax.set_mesh(host_mesh()):
         yield

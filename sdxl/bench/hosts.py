@@ -4,12 +4,12 @@ One command runs the same soak (`soak.py`: N clients of `--soak-requests` reques
 `--soak-killed` more killed mid-request) twice, on D forced CPU devices (`--devices`, default 2 per
 process): first against the demo as one process of D devices, then as P processes of D/P devices
 each, joined by jax.distributed with gloo collectives (`app.py --coordinator ...`), as several hosts
-serve one demo (`sdxl.hosts`). The same model, clients, seeds and steps in both, so their ratios
+serve one demo (`sdxl.serving.hosts`). The same model, clients, seeds and steps in both, so their ratios
 are the comparison; the absolute times move with the machine's load between the two.
 
 Reported for each: images/s and latency percentiles (p50, p90, p99, max), and their ratios (P
 processes over one). For the P processes, what process 0's messages to the followers cost during
-the load, from the counters `sdxl.hosts` keeps (written where `SDXL_HOSTS_STATS` names): their
+the load, from the counters `sdxl.serving.hosts` keeps (written where `SDXL_HOSTS_STATS` names): their
 bytes (written once to the coordination service's key-value store, which each follower reads) and
 the seconds process 0 spent pickling and writing them, per completed request and per message of
 each kind (a batch's request, each step's go-on-or-give-up), and their share of the load's wall

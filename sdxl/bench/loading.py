@@ -23,8 +23,8 @@ import numpy as np
 
 from ..checkpoints import locate, random_models, resolve
 from ..checkpoints.folder import weight_files
-from ..pipeline import Pipeline
-from ..weights import flatten
+from ..checkpoints.weights import flatten
+from ..engine.pipeline import Pipeline
 
 
 def resolve_model(name: str, scratch: Path, dtype: str) -> Path:

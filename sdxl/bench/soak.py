@@ -13,7 +13,7 @@ resident memory before and after.
 
 The demo may also run on forced CPU devices, as one process or as several joined by
 jax.distributed (`running_demo(..., devices=D, processes=P)`: P processes of D/P devices each, as
-`sdxl.hosts` serves one demo from many hosts); `sdxl.bench.hosts` compares the two under the same load.
+`sdxl.serving.hosts` serves one demo from many hosts); `sdxl.bench.hosts` compares the two under the same load.
 """
 
 import contextlib
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
-from ..hosts import STATS_VARIABLE
+from ..serving.hosts import STATS_VARIABLE
 from .loading import scratch_dir
 from .report import _aligned
 
@@ -134,7 +134,7 @@ def running_app(args: Sequence[str], log: Path, env: Mapping[str, str] | None = 
 @dataclasses.dataclass
 class RunningDemo:
     """A demo the soak started: its processes (process 0, which serves the page, first), its URL, the
-    file each process writes its output to, and the one each rewrites its `sdxl.hosts` counters to
+    file each process writes its output to, and the one each rewrites its `sdxl.serving.hosts` counters to
     (with several processes)."""
 
     processes: list[subprocess.Popen]
@@ -150,7 +150,7 @@ class RunningDemo:
         return "".join(log.read_text(errors="replace") for log in self.logs)
 
     def counters(self) -> list[dict]:
-        """Each process's counters (`sdxl.hosts`) as it last wrote them; none before its first batch."""
+        """Each process's counters (`sdxl.serving.hosts`) as it last wrote them; none before its first batch."""
         return [json.loads(path.read_text()) if path.exists() else {} for path in self.stats]
 
 
@@ -284,7 +284,7 @@ def run_soak(model: str, clients: int, requests: int, killed: int, steps: int,
              log: Callable[[str], None] = print, *, devices: int | None = None, processes: int = 1) -> dict:
     """Starts the demo (`running_demo(model, devices=, processes=)`), loads it, and measures it: the
     result's fields are described in BENCHMARKS.md. With several processes, `hosts_counters` has
-    each one's `sdxl.hosts` counters over the load (from before it to once the demo is idle again)."""
+    each one's `sdxl.serving.hosts` counters over the load (from before it to once the demo is idle again)."""
     if clients < 1 or requests < 1 or killed < 0:
         raise ValueError(f"a soak needs at least 1 client and 1 request each, and killed >= 0; got {clients}, "
                          f"{requests}, {killed}")

@@ -12,17 +12,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from .. import attention, convolution, lora, unet
-from ..checkpoints import random_models
-from ..compilation import CompileCounter, enable_compilation_cache
-from ..compiled import Executables
-from ..prompts import TOKENS_PER_CHUNK
-from ..request import DEFAULT_GUIDANCE_SCALE, Request
-from . import controlnet as control
-from . import counting
+from ..checkpoints import lora, random_models
+from ..engine.compilation import CompileCounter, enable_compilation_cache
+from ..engine.compiled import Executables
+from ..engine.request import DEFAULT_GUIDANCE_SCALE, Request
+from ..models import attention, convolution, unet
+from ..prompts.tokens import TOKENS_PER_CHUNK
+from . import controlnet as control, counting
 from .loading import (
-    bf16_bytes, default_dtype, in_fresh_process, load_on_devices, memory_status, process_start_time, scratch_dir,
-    disk_and_fresh_memory_loads, load_ratios, machine_description, measure_load, resolve_model,
+    bf16_bytes, default_dtype, disk_and_fresh_memory_loads, in_fresh_process, load_on_devices, load_ratios,
+    machine_description, measure_load, memory_status, process_start_time, resolve_model, scratch_dir,
 )
 
 PROMPT = "a photograph of an astronaut riding a horse on the moon, detailed, sharp focus"
@@ -71,7 +70,7 @@ def unet_flops(
 
     The pipeline's denoising loop is a `while` loop with a traced trip count, whose body XLA's cost
     analysis counts once; this is the body's main cost, to count the other steps. It is traced in
-    the pipeline's `dtype`, which picks the convolution algorithm (`sdxl.convolution`).
+    the pipeline's `dtype`, which picks the convolution algorithm (`sdxl.models.convolution`).
     """
     model = unet.UNet2DConditionModel(config, dtype)
 
@@ -409,9 +408,9 @@ def _first_run(pipe, request: Request, log: Callable[[str], None], started: floa
         compile_s=compile_s,
         first_image_s=first_image_s,
         flops=generation_flops(pipe, request),
-        # read off the compiled program (sdxl.attention)
+        # read off the compiled program (sdxl.models.attention)
         attention="+".join(sorted(attention.kernels_in(whole_program(pipe, request)))),
-        convolution="+".join(sorted(unet_convolution)),  # its resnets' (sdxl.convolution)
+        convolution="+".join(sorted(unet_convolution)),  # its resnets' (sdxl.models.convolution)
         progress_compile_s=pipe.warmup(height, width, batch, SAMPLER, progress=True),
     )
 

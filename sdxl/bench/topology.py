@@ -5,9 +5,9 @@ gives the slice's devices, and a program lowered over a mesh of them goes throug
 compiler, Mosaic for the splash kernels included. What comes back is XLA's plan for one chip: its
 buffers (`memory_analysis`) and its operations (`cost_analysis`), which tell whether a size and batch
 fit a chip before one is rented. Nothing runs and no weights are read: the programs are those the
-demo compiles (`sdxl.compiled.Executables`, from `GenerateProgram` fields alone), over the mesh it
-would use (`sdxl.mesh.batch_mesh` over every chip of the slice, several hosts' included), with the
-attention kernels of the slice's platform (`sdxl.attention.target_platform`).
+demo compiles (`sdxl.engine.compiled.Executables`, from `GenerateProgram` fields alone), over the mesh it
+would use (`sdxl.engine.mesh.batch_mesh` over every chip of the slice, several hosts' included), with the
+attention kernels of the slice's platform (`sdxl.models.attention.target_platform`).
 
 XLA's cost model estimates seconds for some programs (`optimal_seconds`) and gives a negative number
 for others (the whole program, whose loop it cannot bound); only positive estimates are kept. They
@@ -27,19 +27,19 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from ..attention import kernels_in
 from ..checkpoints import ModelSpec, random_models
-from ..compiled import IN_STAGES, WHOLE, Executables
-from ..mesh import batch_mesh
-from ..memory import bytes_beside_weights
-from ..program import GenerateProgram
+from ..engine.compiled import IN_STAGES, WHOLE, Executables
+from ..engine.memory import bytes_beside_weights
+from ..engine.mesh import batch_mesh
+from ..engine.program import GenerateProgram
+from ..models.attention import kernels_in
 from .loading import machine_description
 
 # Per-chip HBM in GiB from Google Cloud's TPU system architecture pages (v4, v5e, v5p, v6e), matched
 # in order against `device_kind`: libtpu's topology devices do not report their memory.
 HBM_GIB = (("TPU v4", 32), ("TPU v5 lite", 16), ("TPU v5", 95), ("TPU v6 lite", 32))
 HBM_SOURCE = "Google Cloud TPU docs, system architecture (per-chip HBM)"
-# The demo's padded schedule length (`sdxl.launch.load`), a field of every program it compiles.
+# The demo's padded schedule length (`sdxl.serving.launch.load`), a field of every program it compiles.
 MAX_STEPS = 100
 # The programs the demo runs at one size: where the loop starts (text-to-image, image-to-image,
 # inpainting), each with and without classifier-free guidance.

@@ -6,6 +6,10 @@
 - `single_file.py`: one safetensors file in the original (SGM / A1111) layout, mapped key by key.
 - `hub.py`: the Hugging Face Hub: downloading what a pipeline reads, or finding it in the cache.
 - `random_models.py`: the built-in random models ("tiny", "tiny-sd1", "medium", published configs).
+- `weights.py`: safetensors files read and written, every key and shape checked.
+- `tokenizer.py`: a checkpoint's CLIP tokenizers.
+- `lora.py`: LoRA files in every shared format, read and applied to the weights.
+- `shapes.py`: the built-in `shapes` model's world: its captions, pictures and configs.
 
 `resolve` turns whatever a user names (a folder, a single file, a built-in name, a Hub repo id or
 file) into a `Checkpoint`: its spec, the folder of its configs and tokenizers, and its weights.
@@ -16,16 +20,16 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import previews
-from ..weights import CheckpointError, SafetensorsFile, load_params
+from ..models import previews
 from . import hub, random_models, single_file
 from .folder import load_weights
 from .hub import HubUnavailableError
 from .random_models import BUILTIN_CONFIGS
 from .spec import ModelSpec
+from .weights import CheckpointError, SafetensorsFile, load_params
 
 # Models trained in this project and shipped with it (their model cards say how): their folders, and
-# the projections of their latents to RGB that their live previews use (`sdxl.previews`).
+# the projections of their latents to RGB that their live previews use (`sdxl.models.previews`).
 TRAINED_MODELS = {"shapes": Path(__file__).parents[2] / "assets" / "shapes"}
 TRAINED_PREVIEW_FACTORS = {TRAINED_MODELS["shapes"]: previews.SHAPES_FACTORS}
 
@@ -54,7 +58,8 @@ class Checkpoint:
 
     @property
     def preview_factors(self) -> tuple:
-        """How its live previews project latents to RGB (`sdxl.previews`): a trained model's own, else its family's."""
+        """How its live previews project latents to RGB (`sdxl.models.previews`): a trained model's own,
+        else its family's."""
         return TRAINED_PREVIEW_FACTORS.get(self.folder) or previews.factors_for(self.spec)
 
     def load(self, dtype, put: Callable) -> dict:

@@ -9,7 +9,7 @@ A source is what diffusers' `ControlNetModel.from_pretrained` and `from_single_f
   beside it or, without one, SDXL's published ControlNet config (as A1111 users hold
   `diffusers_xl_canny_full.safetensors`).
 
-Both of diffusers' kinds load: `ControlNetModel` and `ControlNetUnionModel` (`sdxl.controlnet_union`,
+Both of diffusers' kinds load: `ControlNetModel` and `ControlNetUnionModel` (`sdxl.models.controlnet_union`,
 SDXL only). xinsir's Union repo holds two: `diffusion_pytorch_model.safetensors` with `config.json`
 (6 modes), which its folder or repo id loads, and `diffusion_pytorch_model_promax.safetensors` with
 `config_promax.json` (8 modes), which loads when the file is named: a file `<name>_<suffix>.safetensors`
@@ -24,13 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import config_from_dict, read_json
-from ..controlnet import ControlNetConfig, abstract_params
-from ..controlnet_union import ControlNetUnionConfig, rename_key
-from ..weights import CheckpointError, SafetensorsFile, load_params
+from ..models.controlnet import ControlNetConfig, abstract_params
+from ..models.controlnet_union import ControlNetUnionConfig, rename_key
 from . import hub, single_file
 from .folder import weight_files
 from .random_models import BUILTIN_CONFIGS
 from .spec import ModelSpec, cached_shapes
+from .weights import CheckpointError, SafetensorsFile, load_params
 
 # The configs of ControlNet files that come without one, by family (see `sdxl/configs/README.md`).
 DEFAULT_CONFIGS = {"sd1": "controlnet-sd-1.5", "sdxl": "controlnet-sdxl-1.0"}

@@ -5,7 +5,7 @@
     tokenizer/vocab.json, ...             the CLIP tokenizers' files
     scheduler/scheduler_config.json
 
-Loading checks every key and shape of every component (`sdxl.weights.load_params`).
+Loading checks every key and shape of every component (`sdxl.checkpoints.weights.load_params`).
 """
 
 import re
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import clip, vae
 from ..config import read_json
-from ..weights import CheckpointError, StoredTensor, load_params, stored_tensors
+from ..models import clip, vae
+from .weights import CheckpointError, StoredTensor, load_params, stored_tensors
 
 # The components whose weights a pipeline loads (a safety checker, say, is never run).
 WEIGHT_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae")

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ..weights import CheckpointError
 from .folder import WEIGHT_COMPONENTS, choose_weight_files
 from .spec import ModelSpec
+from .weights import CheckpointError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

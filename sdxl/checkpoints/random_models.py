@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import cache_root, config_from_dict, read_json
-from ..tokenizer import write_byte_level_tokenizer
-from ..weights import checkpoint_key, flatten, torch_axes, write_params
 from . import single_file
 from .folder import WEIGHT_COMPONENTS
 from .spec import ModelSpec
+from .tokenizer import write_byte_level_tokenizer
+from .weights import checkpoint_key, flatten, torch_axes, write_params
 
 # Published configs, shipped with the package (see the folder's README for their source and licence).
 BUILTIN_CONFIGS = Path(__file__).parents[1] / "configs"
@@ -356,7 +356,7 @@ def controlnet_config(spec: ModelSpec):
     UNet's encoder fields, and a conditioning embedding with one stride-2 convolution per halving of
     the VAE's (diffusers' default (16, 32, 96, 256) for its 8x VAEs). For SDXL base 1.0 this is the
     published SDXL ControlNet config (`sdxl/configs/controlnet-sdxl-1.0`)."""
-    from ..controlnet import ControlNetConfig  # the model imports the checkpoints
+    from ..models.controlnet import ControlNetConfig  # the model imports the checkpoints
 
     fields = {f.name for f in dataclasses.fields(ControlNetConfig)}
     values = {k: v for k, v in dataclasses.asdict(spec.unet).items() if k in fields}
@@ -375,7 +375,7 @@ def write_controlnet(folder: Path, spec: ModelSpec, *, dtype="float32", seed: in
     Returns:
       `folder`.
     """
-    from ..controlnet import abstract_params
+    from ..models.controlnet import abstract_params
 
     config = controlnet_config(spec)
     folder = Path(folder)

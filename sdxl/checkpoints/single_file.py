@@ -30,15 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..clip import CLIPTextConfig
-from ..controlnet import ControlNetConfig
-from ..unet import UNetConfig
-from ..vae import VAEConfig
-from ..weights import (
+from ..models.clip import CLIPTextConfig
+from ..models.controlnet import ControlNetConfig
+from ..models.unet import UNetConfig
+from ..models.vae import VAEConfig
+from .spec import ModelSpec
+from .weights import (
     SAFETENSORS_DTYPES, CheckpointError, SafetensorsFile, StoredTensor, checkpoint_key, flatten, load_stored, nbytes,
     torch_axes,
 )
-from .spec import ModelSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,12 +11,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from .. import clip, controlnet, layers, unet, vae
 from ..config import cache_root, config_from_dict, read_json
-from ..sampling import sampler_for_scheduler
-from ..schedulers import SchedulerConfig
-from ..weights import CheckpointError, flatten, unflatten
+from ..models import clip, controlnet, layers, unet, vae
+from ..sampling.samplers import sampler_for_scheduler
+from ..sampling.schedulers import SchedulerConfig
 from .folder import read_model_index
+from .weights import CheckpointError, flatten, unflatten
 
 # The text encoders in the order the UNet's context concatenates them.
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")

@@ -1,0 +1,222 @@
+"""`Pipeline.generate`: one prompt's images in diffusers' terms, for people who come from its pipelines.
+
+It builds a `Request` from diffusers' arguments (text-to-image, image-to-image, inpainting, the
+SDXL refiner's two uses) and renders it; everything else about a request is `Pipeline.render`'s.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from . import images
+from .request import (
+    DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_control_scale, default_strength,
+)
+
+
+def generate(
+    pipe,
+    prompt: str | Sequence[str],
+    negative_prompt: str | Sequence[str] = "",
+    *,
+    seed: int = 0,
+    steps: int = DEFAULT_STEPS,
+    guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
+    height: int | None = None,
+    width: int | None = None,
+    num_images: int | None = None,
+    sampler: str | None = None,
+    latents: np.ndarray | None = None,
+    image=None,
+    mask_image=None,
+    strength: float | None = None,
+    denoising_start: float | None = None,
+    denoising_end: float | None = None,
+    aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[0],
+    negative_aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[1],
+    refine_from: float | None = None,
+    emphasis: str = "original",
+    padding_mask_crop: int | None = None,
+    control_image=None,
+    controlnet_conditioning_scale: float | Sequence[float] | None = None,
+    control_guidance_start: float | Sequence[float] = 0.0,
+    control_guidance_end: float | Sequence[float] = 1.0,
+    control_mode: int | str | Sequence | None = None,
+    output_type: str = "pil",
+):
+    """Images (seed, 0), (seed, 1), ...: image i depends only on (seed, i), whatever the device count.
+
+    As diffusers' StableDiffusion[XL]Pipeline, with `image` its Img2ImgPipeline, with `image` and
+    `mask_image` its InpaintPipeline (an inpainting UNet, or any other, which keeps the unmasked
+    region after every step). Where the arguments differ from diffusers':
+
+    Args:
+      prompt, negative_prompt: a string for every image, or a list with one per image, read as webui
+        reads them (`sdxl.prompts.syntax`): (weights:1.2), BREAK, up to 8 chunks of 75 tokens, and in
+        the prompt `<lora:NAME:SCALE>` tags naming LoRAs given to `set_loras`. An empty negative prompt
+        is none: SDXL's conditioning is then zeros (force_zeros_for_empty_prompt).
+      num_images: default the prompt or image list's length, else one image per device.
+      sampler: a name in `sampling.SAMPLERS`; default the one that reproduces the checkpoint's scheduler.
+      latents: [N, C, h, w] noise in diffusers' layout, replacing the seeded noise.
+      image: a PIL image or [H, W, 3] array (uint8, or floats in [0, 1]), or one per image, at a size
+        the model renders; or the latents a base model returned (`output_type="latent"`), which
+        `denoising_start` continues.
+      strength: default as diffusers': image-to-image 0.3 for SDXL and 0.8 for SD 1.x/2.x,
+        inpainting 0.9999 and 1.
+      refine_from: finish with the refiner (`Pipeline.set_refiner`) from this fraction of the noise:
+        diffusers' two handoff calls as one.
+      emphasis: how weights apply: "original" (webui's default, each chunk keeps its mean), "no-norm",
+        or "none" (brackets read as text).
+      control_image: with ControlNets loaded (`Pipeline.from_pretrained(controlnet=...)`), the image that
+        steers them (as the `control_image` of diffusers' ControlNet img2img and inpainting pipelines,
+        the `image` of its text-to-image one): for one ControlNet an image or one per image, for
+        several a list with one such entry per ControlNet. Resized to the output with Lanczos, as
+        diffusers resizes; by default the output has its size (rounded down to a size the model renders).
+      controlnet_conditioning_scale, control_guidance_start, control_guidance_end: as diffusers', a
+        number for every ControlNet or a list with one per ControlNet. The scale defaults as diffusers'
+        pipelines do: 1 from text, 0.8 for image-to-image, for inpainting 1 (SDXL) or 0.5 (SD 1.x/2.x).
+      control_mode: what a ControlNet Union's control image is (required for one; plain ControlNets
+        ignore it): a mode of `sdxl.models.controlnet_union.CONTROL_MODES`, its number or a name (3 or
+        "canny"), for every ControlNet, or a list with one per ControlNet (diffusers' `[3]` for one
+        Union). One mode per Union: several conditions to one Union at once are not supported.
+      output_type: "pil", "np" (float32 [N, H, W, 3] in [0, 1]) or "latent" ([N, h, w, C] left on the devices).
+
+    Raises:
+      ValueError: an argument is out of range, in one sentence.
+      NonFiniteImageError: the output holds NaN/inf.
+    """
+    if output_type not in ("pil", "np", "latent"):
+        raise ValueError(f'output_type must be "pil", "np" or "latent", got {output_type!r}')
+    if padding_mask_crop is not None:
+        raise ValueError(
+            "padding_mask_crop is not implemented: crop the image and the mask around the masked region "
+            "(plus a margin) to a size the model renders, inpaint that, and paste the result back"
+        )
+    start_latents = None
+    if isinstance(image, jax.Array) and image.ndim == 4 and image.shape[-1] == pipe.spec.vae.latent_channels:
+        start_latents, image = image, None
+    image, mask_image = _per_image(image, images.pixels), _per_image(mask_image, images.mask)
+    controls = [_per_image(entry, images.pixels) for entry in _per_controlnet(control_image, len(pipe.controlnets))]
+    if num_images is None:
+        lists = [p for p in (prompt, negative_prompt) if not isinstance(p, str)]
+        given = [len(a) for a in (latents, start_latents, image, *controls) if a is not None and len(a) > 1]
+        num_images = len(lists[0]) if lists else (given[0] if given else pipe.num_devices)
+    image, mask_image = (_repeated(a, num_images) for a in (image, mask_image))
+    size = _size_of(pipe.spec, image, start_latents) or _fitting(pipe.spec, controls) or (pipe.spec.native_size,) * 2
+    height, width = size[0] if height is None else height, size[1] if width is None else width
+    control_settings = {}
+    if control_mode is not None and not controls:
+        raise ValueError("control_mode says what a ControlNet Union's control image is: give control_image too")
+    if controls:
+        k = len(controls)
+        if controlnet_conditioning_scale is None:
+            controlnet_conditioning_scale = default_control_scale(
+                pipe.spec, image=image is not None, inpainting=mask_image is not None
+            )
+        control_settings = dict(
+            control_images=tuple(
+                _repeated(np.stack([images.resized(c, int(height), int(width)) for c in stack]), num_images)
+                for stack in controls
+            ),
+            control_scales=(_numbers(controlnet_conditioning_scale, k, "controlnet_conditioning_scale"),) * num_images,
+            control_starts=(_numbers(control_guidance_start, k, "control_guidance_start"),) * num_images,
+            control_ends=(_numbers(control_guidance_end, k, "control_guidance_end"),) * num_images,
+            control_modes=None if control_mode is None else (_modes(control_mode, k),) * num_images,
+        )
+    if strength is None:
+        strength = default_strength(pipe.spec, inpainting=mask_image is not None)
+    request = Request.from_prompt(
+        prompt, negative_prompt, num_images=num_images, seed=seed, guidance_scale=guidance_scale, steps=steps,
+        height=height, width=width, sampler=sampler,
+        noise=None if latents is None else np.asarray(latents, np.float32).transpose(0, 2, 3, 1),
+    )
+    request = dataclasses.replace(
+        request, images=image, masks=mask_image, strength=strength, denoising_start=denoising_start,
+        denoising_end=denoising_end, start_latents=start_latents,
+        aesthetic_scores=(aesthetic_score, negative_aesthetic_score), refine_from=refine_from, emphasis=emphasis,
+        **control_settings,
+    )
+    result = pipe.render(request, output_type=output_type)
+    result.raise_if_not_finite()
+    return images.to_pil(result.images) if output_type == "pil" else result.images
+
+
+def _size_of(spec, image: np.ndarray | None, start_latents) -> tuple[int, int] | None:
+    """(height, width) of the images to start from, if any. Raises ValueError for a size the model cannot render."""
+    if start_latents is not None:
+        return tuple(d * spec.vae.downscale_factor for d in start_latents.shape[1:3])
+    if image is None:
+        return None
+    size, f = image.shape[1:3], spec.latent_factor
+    if size[0] % f or size[1] % f:
+        fitting = f"{max(f, size[1] // f * f)}x{max(f, size[0] // f * f)}"
+        raise ValueError(
+            f"the image is {size[1]}x{size[0]} (width x height); this model renders sizes in multiples of {f}: "
+            f"crop or resize it, to {fitting} for example"
+        )
+    return size
+
+
+def _per_controlnet(control_image, k: int) -> list:
+    """One entry (an image, or a list of them) per ControlNet, from diffusers' `control_image`.
+
+    Raises:
+      ValueError: a control image without ControlNets, ControlNets without one, or another count.
+    """
+    if control_image is None:
+        if k:
+            raise ValueError(f"this pipeline has {k} ControlNet(s): give a control image (control_image=)")
+        return []
+    if not k:
+        raise ValueError("control_image needs a ControlNet: load one with Pipeline.from_pretrained(controlnet=...)")
+    if k == 1:
+        return [control_image]
+    if not isinstance(control_image, list | tuple) or len(control_image) != k:
+        raise ValueError(f"control_image: give a list with one entry per ControlNet ({k})")
+    return list(control_image)
+
+
+def _numbers(value, k: int, label: str) -> tuple[float, ...]:
+    """A number for each of `k` ControlNets, from one number or a list of `k`."""
+    values = list(value) if isinstance(value, list | tuple) else [value] * k
+    if len(values) != k:
+        raise ValueError(f"{label}: give one number, or a list of one per ControlNet ({k}), got {len(values)}")
+    return tuple(values)
+
+
+def _modes(value, k: int) -> tuple:
+    """A control mode for each of `k` ControlNets, from one mode or a list of `k` (each may be diffusers'
+    one-element list). Raises ValueError for several modes to one ControlNet."""
+    values = list(value) if isinstance(value, list | tuple) else [value] * k
+    if k == 1 and len(values) > 1 or any(isinstance(v, list | tuple) and len(v) != 1 for v in values):
+        raise ValueError(
+            "control_mode: one mode per ControlNet; several conditions to one ControlNet Union at once (a multi-hot "
+            "control type) are not supported, but the same Union loaded twice takes one condition each"
+        )
+    if len(values) != k:
+        raise ValueError(f"control_mode: give one mode, or a list of one per ControlNet ({k}), got {len(values)}")
+    return tuple(v[0] if isinstance(v, list | tuple) else v for v in values)
+
+
+def _fitting(spec, controls: list[np.ndarray]) -> tuple[int, int] | None:
+    """The first control image's size, rounded down to a size the model renders."""
+    if not controls:
+        return None
+    f = spec.latent_factor
+    return tuple(max(f, d // f * f) for d in controls[0].shape[1:3])
+
+
+def _repeated(stack: np.ndarray | None, n: int) -> np.ndarray | None:
+    """One image or mask for all `n` images: [1, ...] repeated to [n, ...]."""
+    return stack if stack is None or len(stack) != 1 else np.repeat(stack, n, axis=0)
+
+
+def _per_image(given, read) -> np.ndarray | None:
+    """An image or mask for every image ([1, ...]) or a list or stack of them ([N, ...]), each read by `read`."""
+    if given is None:
+        return None
+    if isinstance(given, list | tuple) or (isinstance(given, np.ndarray) and given.ndim == 4):
+        return np.stack([read(item) for item in given])
+    return read(given)[None]

@@ -1,0 +1,174 @@
+"""A request's arrays as a compiled program takes them (`sdxl.engine.program.Inputs`), defined once.
+
+`host_inputs` builds them from a validated, tokenized request; `placed` puts them on the mesh, per
+image or whole (`PER_CALL_INPUTS`); `abstract_inputs` gives the shapes compiling needs, from the
+same function run on a `placeholder` request of the program's shapes.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ..prompts.tokens import Tokens
+from ..sampling.samplers import SAMPLERS
+from ..sampling.schedulers import Schedule, SchedulerConfig
+from . import mesh as meshes
+from .program import PER_CALL_INPUTS, GenerateProgram, Inputs
+from .request import Request, control_defaults
+
+
+def schedule(program: GenerateProgram, steps: int) -> Schedule:
+    """The program's sampler's noise schedule for `steps` steps, padded to its `max_steps`."""
+    return _padded_schedule(program.sampler, program.spec.scheduler, steps, program.max_steps)
+
+
+@functools.lru_cache(maxsize=256)
+def _padded_schedule(sampler: str, config: SchedulerConfig, steps: int, max_steps: int) -> Schedule:
+    return SAMPLERS[sampler].schedule(config, steps, max_steps)
+
+
+def steps_run(program: GenerateProgram, request: Request) -> tuple[int, int]:
+    """The steps first..stop-1 of the request's schedule that run, as diffusers picks them: a
+    strength skips the first steps (`get_timesteps`), `denoising_start` the steps at or above its
+    timestep cutoff, and `denoising_end` stops before the steps below its own.
+
+    Raises:
+      ValueError: no step is left to run.
+    """
+    steps = request.steps
+    timesteps = np.asarray(schedule(program, steps).timesteps)[:steps]
+    train_steps = program.spec.scheduler.num_train_timesteps
+
+    def cutoff(fraction: float) -> int:
+        return int(round(train_steps - fraction * train_steps))
+
+    first, stop = 0, steps
+    if request.start_from == "image":
+        first = steps - min(int(steps * request.strength), steps)
+    elif request.denoising_start is not None:
+        first = steps - int((timesteps < cutoff(request.denoising_start)).sum())
+    if request.denoising_end is not None:
+        stop = first + int((timesteps[first:] >= cutoff(request.denoising_end)).sum())
+    if stop <= first:
+        raise ValueError(
+            f"denoising_start {request.denoising_start} and denoising_end {request.denoising_end} leave none of "
+            f"the {steps} steps to run; move them apart or add steps"
+        )
+    return first, stop
+
+
+def host_inputs(program: GenerateProgram, request: Request, steps: tuple[int, int]) -> Inputs:
+    """The arrays of a validated, tokenized request that `program` renders, running `steps`
+    (`steps_run`), each image's padded to the program's batch by repeating the last image's."""
+    spec, n = program.spec, len(request)
+
+    def per_image(values, dtype):
+        if isinstance(values, jax.Array):  # already on the devices (a base model's latents)
+            values = values.astype(dtype)
+            return values if n == program.batch else values[np.minimum(np.arange(program.batch), n - 1)]
+        values = np.asarray(values, dtype=dtype)
+        return values if n == program.batch else np.concatenate([values, np.repeat(values[-1:], program.batch - n, 0)])
+
+    tokens = request.tokens
+    zero_negative = [spec.force_zeros_for_empty_prompt and not p for p in request.negative_prompts]
+    time_ids = None
+    if spec.is_sdxl:
+        score, negative_score = request.aesthetic_scores
+        pair = [spec.time_ids(request.height, request.width, s) for s in (negative_score, score)]
+        time_ids = per_image(np.broadcast_to(np.array(pair, np.float32), (n, *np.shape(pair))), np.float32)
+    start = {}
+    if program.start_from == "image":
+        # diffusers' inpainting starts from noise alone at strength 1; its image-to-image never does.
+        from_noise = request.masks is not None and request.strength == 1
+        start = {"image": per_image(_unit(request.images), np.float32), "from_noise": np.bool_(from_noise)}
+    elif program.start_from == "latents":
+        start = {"image": per_image(request.start_latents, np.float32)}
+    control = {}
+    if program.controlnets:
+        control = {
+            "control_images": tuple(per_image(_unit(image), np.float32) for image in request.control_images),
+            **{name: per_image(getattr(request, name), np.float32)
+               for name in ("control_scales", "control_starts", "control_ends")},
+        }
+        if program.control_modes:  # a plain ControlNet's column is unread
+            modes = [[0 if m is None else m for m in per_controlnet] for per_controlnet in request.control_modes]
+            control["control_modes"] = per_image(modes, np.int32)
+    first, stop = steps
+    return Inputs(
+        ids=per_image(tokens.ids, np.int32),
+        weights=per_image(tokens.weights, np.float32),
+        rescale=per_image(tokens.rescale, np.bool_),
+        chunks=per_image(tokens.chunks, np.int32) if program.chunks > 1 else None,
+        zero_negative=per_image(zero_negative, np.bool_),
+        time_ids=time_ids,
+        seeds=per_image(request.seeds, np.uint32),
+        image_index=per_image(request.image_index, np.uint32),
+        guidance_scale=per_image(request.guidance_scales, np.float32),
+        schedule=schedule(program, request.steps),
+        num_steps=np.int32(request.steps),
+        first_step=np.int32(first),
+        stop_step=np.int32(stop),
+        noise=per_image(request.noise, np.float32) if program.given_noise else None,
+        mask=per_image(request.masks[..., None], np.float32) if program.inpaint else None,
+        **start,
+        **control,
+    )
+
+
+def _unit(pixels: np.ndarray) -> np.ndarray:
+    """Images as float32 in [0, 1], from uint8 or already so."""
+    return pixels / np.float32(255) if pixels.dtype == np.uint8 else pixels
+
+
+def placed(inputs: Inputs, mesh: Mesh) -> Inputs:
+    """Host inputs as global arrays on the mesh: per-image ones split by image, the others whole."""
+    return _by_field(inputs, mesh, meshes.place)
+
+
+def abstract_inputs(program: GenerateProgram, mesh: Mesh) -> Inputs:
+    """The program's inputs as shapes, dtypes and shardings: what compiling it needs."""
+    arrays = host_inputs(program, placeholder(program), (0, 1))
+    return _by_field(arrays, mesh, lambda a, sharding: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding))
+
+
+def _by_field(inputs: Inputs, mesh: Mesh, leaf) -> Inputs:
+    by_image, whole = meshes.by_image(mesh), meshes.replicated(mesh)
+    return inputs.replace(**{
+        field.name: jax.tree.map(
+            lambda a, name=field.name: leaf(a, whole if name in PER_CALL_INPUTS else by_image),
+            getattr(inputs, field.name),
+        )
+        for field in dataclasses.fields(inputs)
+    })
+
+
+def placeholder(program: GenerateProgram) -> Request:
+    """A request of the program's shapes whose values do not matter, tokenized. Its pixel arrays are
+    views of one zero, so that a large batch allocates nothing."""
+    spec, n = program.spec, program.batch
+
+    def zeros(*shape):
+        return np.broadcast_to(np.float32(0), shape)
+
+    shape = (n, 2, len(spec.text_encoders), program.chunks * spec.max_tokens)
+    tokens = Tokens(np.zeros(shape, np.int32), np.ones(shape, np.float32), np.ones((n, 2), np.int32), np.ones(n, bool))
+    guidance = 2.0 if program.guided else 1.0
+    request = Request(("",) * n, ("",) * n, (0,) * n, (0,) * n, (guidance,) * n, 1, program.height, program.width,
+                      program.sampler, tokens=tokens)
+    latents = zeros(n, *spec.latent_shape(program.height, program.width))
+    controls = {}
+    if program.controlnets:
+        images = tuple(zeros(n, program.height, program.width, c.conditioning_channels) for c in program.controlnets)
+        controls = {"control_images": images, **control_defaults(n, len(images))}
+    return dataclasses.replace(
+        request,
+        noise=latents if program.given_noise else None,
+        images=zeros(n, program.height, program.width, 3) if program.start_from == "image" else None,
+        masks=zeros(n, program.height, program.width) if program.inpaint else None,
+        start_latents=latents if program.start_from == "latents" else None,
+        denoising_start=0.5 if program.start_from == "latents" else None,
+        **controls,
+    )

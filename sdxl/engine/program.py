@@ -1,0 +1,505 @@
+"""The pure program of generation: every stage a function of arrays, compiled by `sdxl.engine.pipeline`.
+
+`GenerateProgram` holds only static, hashable fields (the model's spec, the sampler, the image size,
+the dtype), so it can be a static argument of `jax.jit`; its methods are the stages. The array
+inputs of one batch travel together as `Inputs`; the denoising loop's state as `State`.
+
+The whole generation runs as one program (`whole`): text encoding, the denoising loop
+(`lax.fori_loop` over a traced step count), VAE decoding and the conversion to uint8. For progress
+reports the same stages compile separately (`prepare`, then `denoise` over a few steps at a time,
+then `finish`), so the host learns how far the loop is without callbacks inside it: host callbacks
+would keep JAX from writing the program to the persistent compilation cache on multi-device machines.
+
+`GenerateProgram` is the one compile key: its fields are everything static (the batch and image
+sizes, the sampler, where the loop starts from, which optional inputs there are). Prompts, seeds,
+guidance scales, the number of steps and the stretch of them that runs are array inputs, so
+changing them reuses the compiled program.
+
+Where the loop starts (`GenerateProgram.start_from`), as diffusers' SDXL pipelines start:
+- "noise": text-to-image, from noise times the schedule's `init_noise_sigma`.
+- "image": image-to-image and inpainting, from the VAE's encoding of an image, noised to the level
+  of the first step that runs (`Inputs.first_step`; a strength picks it on the host).
+- "latents": the second expert of a base-plus-refiner run, from another run's latents as they are.
+
+ControlNets (`GenerateProgram.controlnets`) steer the UNet at every step with the residuals they
+compute from a control image, each image's scaled by its own scale between its own start and end:
+inputs, so that changing them never recompiles. A ControlNet Union (`sdxl.models.controlnet_union`) also
+reads each image's control mode, an input too.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ..checkpoints import ModelSpec
+from ..models import clip, controlnet, controlnet_union, previews, unet, vae
+from ..models.layers import STEP_INVARIANTS
+from ..sampling.samplers import SAMPLERS, Sampler, add_noise, denoised_from_model_output, run_steps
+from ..sampling.schedulers import Schedule
+from .mesh import BATCH_AXIS
+
+
+# The stages, by their method names: the whole generation, or its three parts for progress reports.
+STAGES = ("whole", "prepare", "denoise", "finish")
+START_FROM = ("noise", "image", "latents")
+# As diffusers' `output_type`: uint8 pixels (as PIL images hold them), float32 in [0, 1], or the latents undecoded.
+OUTPUT_TYPES = ("pil", "np", "latent")
+
+
+@struct.dataclass
+class Inputs:
+    """One batch's array inputs, B images (padded to a multiple of the device count)."""
+
+    # [B, 2, E, K * 77] int32 token ids, K chunks (`sdxl.prompts.tokens.Tokens`); axis 1 is (negative, positive),
+    # axis 2 the text encoders; and each token's weight, float32.
+    ids: jax.Array
+    weights: jax.Array
+    rescale: jax.Array  # [B] bool: weighted chunks keep their mean (webui's "original" emphasis)
+    # [B, 2] int32: each prompt's chunks, those after them unread; None when every prompt has the one chunk.
+    chunks: jax.Array | None
+    zero_negative: jax.Array  # [B] bool: all-zero negative conditioning (SDXL's empty negative prompt)
+    time_ids: jax.Array | None  # [B, 2, K] float32 SDXL's size (and aesthetic score) ids, (negative, positive)
+    seeds: jax.Array  # [B] uint32; image b's noise depends only on (seeds[b], image_index[b])
+    image_index: jax.Array  # [B] uint32
+    guidance_scale: jax.Array  # [B] float32 classifier-free guidance weights
+    schedule: Schedule  # the sampler's padded noise schedule
+    num_steps: jax.Array  # scalar int32, at most the schedule's length
+    # Scalar int32: the steps first_step..stop_step-1 of the num_steps-step schedule run (0 and
+    # num_steps for text-to-image; a later first step for image-to-image, an earlier stop for a base
+    # model that hands its latents to a refiner).
+    first_step: jax.Array
+    stop_step: jax.Array
+    noise: jax.Array | None  # optional [B, h, w, C] float32 latents that replace the sampled noise
+    # start_from "image": [B, H, W, 3] float32 in [0, 1], the images to start from; start_from
+    # "latents": [B, h, w, C] float32, the sampler's state to continue.
+    image: jax.Array | None = None
+    # Inpainting: [B, H, W, 1] float32, 1 where the image is repainted and 0 where it is kept.
+    mask: jax.Array | None = None
+    # start_from "image": scalar bool, start from noise alone all the same (diffusers' inpainting at strength 1).
+    from_noise: jax.Array | None = None
+    # ControlNets: one [B, H, W, C] float32 control image in [0, 1] per ControlNet; and [B, K] each
+    # image's conditioning scale per ControlNet, and the fractions of the steps that run between which
+    # it steers (diffusers' `control_guidance_start` and `control_guidance_end`).
+    control_images: tuple | None = None
+    control_scales: jax.Array | None = None
+    control_starts: jax.Array | None = None
+    control_ends: jax.Array | None = None
+    # [B, K] int32 each image's control mode per ControlNet, read by the ControlNet Unions only; None
+    # where none is a Union (`GenerateProgram.control_modes`).
+    control_modes: jax.Array | None = None
+
+
+# The inputs every device reads whole; the others are per image, split over the devices with the batch.
+PER_CALL_INPUTS = ("schedule", "num_steps", "first_step", "stop_step", "from_noise")
+
+
+@struct.dataclass
+class State:
+    """The denoising loop's state: what every step reads alike, and the sampler's carry it advances."""
+
+    cond: dict  # the UNet's text conditioning, [2B, ...] as (negative, positive) pairs
+    carry: Any  # the sampler's loop state (`sdxl.sampling.samplers`)
+    keys: jax.Array | None  # [B] PRNG keys for the noise a stochastic sampler adds, else None
+    known: "Known | None" = None  # inpainting: what the mask keeps
+
+
+@struct.dataclass
+class Known:
+    """What inpainting keeps of the image, in latents (h x w, as the UNet sees them)."""
+
+    mask: jax.Array  # [B, h, w, 1] 1 where the image is repainted (the pixel mask, nearest-sampled)
+    latents: jax.Array | None  # [B, h, w, C] the whole image's scaled latents (4-channel UNets blend them back)
+    noise: jax.Array | None  # [B, h, w, C] the starting noise, which re-noises `latents` at each step
+    masked_latents: jax.Array | None  # [B, h, w, C] the kept pixels' latents (9-channel inpainting UNets' input)
+
+
+def encode_text(
+    spec: ModelSpec, params: dict, ids: jax.Array, weights: jax.Array, rescale: jax.Array, dtype
+) -> tuple[jax.Array, jax.Array | None]:
+    """Text conditioning as webui computes it chunk by chunk; for an unweighted prompt of one chunk,
+    as the diffusers pipelines do.
+
+    Args:
+      ids, weights: [B, E, K * 77] token ids and their weights, one row per text encoder, K chunks.
+      rescale: [B] bool, whether weighted chunks keep their mean (`emphasized`).
+
+    Returns:
+      context: [B, K * 77, D] cross-attention states, the chunks' side by side. SDXL: both encoders'
+        penultimate hidden states, concatenated; SD 1.x/2.x: the single encoder's last (final-normed) one.
+      pooled: [B, P] the last encoder's projected pooled output of the first chunk, unweighted (SDXL), else None.
+    """
+    batch, _, length = ids.shape
+    chunks = length // spec.max_tokens
+    per_chunk = jnp.repeat(rescale, chunks)
+    states, pooled = [], None
+    for e, (name, config) in enumerate(zip(spec.text_encoder_names, spec.text_encoders)):
+        encoder = clip.CLIPTextModel(config, dtype=dtype)
+        out = encoder.apply({"params": params[name]}, ids[:, e].reshape(batch * chunks, -1))
+        hidden = out.hidden_states[-2] if spec.is_sdxl else out.last_hidden_state  # [B * K, 77, D_e]
+        weighted = emphasized(hidden, weights[:, e].reshape(batch * chunks, -1), per_chunk)
+        states.append(weighted.reshape(batch, length, -1))
+        if out.text_embeds is not None:
+            pooled = out.text_embeds.reshape(batch, chunks, -1)[:, 0]
+    return jnp.concatenate(states, axis=-1), (pooled if spec.is_sdxl else None)
+
+
+def emphasized(hidden: jax.Array, weights: jax.Array, rescale: jax.Array) -> jax.Array:
+    """webui's emphasis: each token's states times its weight, then, where `rescale` ("original"; not
+    "no-norm"), the chunk scaled so that its mean over every token and feature, BOS and padding
+    included, is what it was. "none" is all weights 1 (`sdxl.prompts.syntax.prompt_pieces`).
+
+    Args: hidden [C, 77, D] one chunk per row; weights [C, 77]; rescale [C] bool.
+    """
+    weighted = hidden * weights[..., None].astype(hidden.dtype)
+    mean, weighted_mean = (x.astype(jnp.float32).mean(axis=(1, 2)) for x in (hidden, weighted))
+    factor = jnp.where(rescale, mean / weighted_mean, 1.0)
+    return weighted * factor[:, None, None].astype(hidden.dtype)
+
+
+def one_image_per_device_at_a_time(fn, images: jax.Array):
+    """`fn` of a batch, applied to one image per device at a time, in turn.
+
+    The VAE's activations at full resolution are the largest a program holds: 4 images of 1024x1024
+    decoded at once need 14 GiB of temporaries per chip, more than a v5e's 16 GiB leaves beside SDXL's
+    weights. Taking one image per device each turn keeps every device busy, and no image moves: the
+    batch axis is split over the mesh in blocks, and each turn takes one image of each block.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = 1 if mesh.empty else mesh.shape[BATCH_AXIS]
+    per_device = images.shape[0] // devices
+    if per_device <= 1:
+        return fn(images)
+    turns = images.reshape(devices, per_device, *images.shape[1:]).swapaxes(0, 1)  # [per_device, devices, ...]
+    out = jax.lax.map(fn, turns)
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(images.shape[0], *x.shape[2:]), out)
+
+
+def unscaled_latents(spec: ModelSpec, latents: jax.Array) -> jax.Array:
+    """The VAE's latents from the diffusion model's, [B, h, w, C], as the diffusers pipelines undo the
+    scaling: SDXL with the VAE's per-channel `latents_mean` and `latents_std` where it has them
+    (Playground v2.5), else (and SD 1.x/2.x always) dividing by `scaling_factor`."""
+    mean, std = _latent_statistics(spec)
+    return latents * std / spec.vae.scaling_factor + mean
+
+
+def scaled_latents(spec: ModelSpec, latents: jax.Array) -> jax.Array:
+    """The diffusion model's latents from the VAE's: `unscaled_latents` undone."""
+    mean, std = _latent_statistics(spec)
+    return (latents - mean) * spec.vae.scaling_factor / std
+
+
+def _latent_statistics(spec: ModelSpec) -> tuple:
+    config = spec.vae
+    if spec.is_sdxl and config.latents_mean is not None and config.latents_std is not None:
+        return jnp.asarray(config.latents_mean), jnp.asarray(config.latents_std)
+    return 0.0, 1.0
+
+
+def per_image_keys(seeds: jax.Array, image_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The PRNG keys of each image, from its (seed, index) alone.
+
+    Args:
+      seeds, image_index: [B] uint32.
+
+    Returns:
+      ([B] keys for the starting noise, [B] keys for the noise a stochastic sampler adds).
+    """
+    keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.key(seed), index))(seeds, image_index)
+    noise_keys = jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys)
+    sampler_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys)
+    return noise_keys, sampler_keys
+
+
+def _interleave(negative: jax.Array, positive: jax.Array) -> jax.Array:
+    """[B, ...] x2 -> [2B, ...] as (neg_0, pos_0, neg_1, pos_1, ...).
+
+    Keeping each image's two guidance branches adjacent keeps them on the same device, so the
+    batched CFG call needs no cross-device traffic.
+    """
+    return jnp.stack([negative, positive], axis=1).reshape(-1, *negative.shape[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateProgram:
+    """What one compiled program is specialised to; its methods are the pure stages of generation.
+
+    Work that every step would repeat alike, the UNet's step invariants (`sdxl.models.layers.STEP_INVARIANTS`:
+    cross-attention's keys and values of the text, and the transformed kernels of the convolutions
+    that use Winograd), is `prepare`'s output and every `denoise` call's input. `whole` leaves it
+    to XLA's loop-invariant code motion, which hoists it out of the program's loop (a test checks on
+    the CPU), and so saves tracing the UNet a second time.
+
+    Without guidance (`guided=False`: no image of the batch has a guidance scale above 1, where
+    diffusers uses the conditional prediction alone, or an LCM UNet that takes the scale as an
+    embedding) the UNet sees only the prompts, one pass per step on B latents instead of 2B; the
+    negative prompts' ids are then not read.
+
+    `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"][, "controlnets"]} parameter
+    tree, in `dtype`; "controlnets" holds one tree per entry of `controlnets`.
+    """
+
+    spec: ModelSpec
+    sampler: str  # a name in `sampling.SAMPLERS`
+    height: int
+    width: int
+    batch: int  # images per call: a multiple of the device count
+    dtype: jnp.dtype
+    max_steps: int  # the schedules' padded length: the most steps a call may run
+    output_type: str = "pil"  # one of `OUTPUT_TYPES`
+    guided: bool = True  # classifier-free guidance: the UNet also sees the negative prompts
+    start_from: str = "noise"  # one of `START_FROM`
+    inpaint: bool = False  # `Inputs.mask` says what to repaint; the rest is kept (`Known`)
+    given_noise: bool = False  # `Inputs.noise` replaces the seeded starting noise
+    chunks: int = 1  # the prompts' chunks of 77 tokens (`sdxl.prompts.tokens.CHUNK_COUNTS`)
+    # `previews.project`'s (matrix, bias) for the previews `denoise` returns; None: the family's.
+    preview_factors: tuple | None = None
+    # `Inputs.control_images` steer the UNet through these (a `ControlNetUnionConfig` is a Union's).
+    controlnets: tuple[controlnet.ControlNetConfig, ...] = ()
+
+    @property
+    def control_modes(self) -> bool:
+        """Whether a ControlNet is a Union, which reads `Inputs.control_modes`."""
+        return any(isinstance(config, controlnet_union.ControlNetUnionConfig) for config in self.controlnets)
+
+    def initial_state(self, params, inputs: Inputs) -> State:
+        """Text conditioning, the starting latents and the sampler's state."""
+        spec = self.spec
+        if self.guided:  # [2B]: (negative, positive) pairs, a zeroed negative where asked
+            rows = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])  # noqa: E731
+            keep = _interleave(~inputs.zero_negative, jnp.ones_like(inputs.zero_negative))
+            rescale = _interleave(inputs.rescale, inputs.rescale)
+        else:  # [B]: the prompts alone
+            rows = lambda x: None if x is None else x[:, 1]  # noqa: E731
+            keep, rescale = jnp.ones(inputs.ids.shape[0], bool), inputs.rescale
+        time_ids = rows(inputs.time_ids)
+        context, pooled = encode_text(spec, params, rows(inputs.ids), rows(inputs.weights), rescale, self.dtype)
+        cond = {"encoder_hidden_states": context * keep[:, None, None].astype(context.dtype)}
+        if inputs.chunks is not None:  # shorter prompts attend to their own chunks only
+            cond["encoder_lengths"] = rows(inputs.chunks) * spec.max_tokens
+        if spec.is_sdxl:
+            cond["text_embeds"] = pooled * keep[:, None].astype(pooled.dtype)
+            cond["time_ids"] = time_ids
+        if spec.unet.time_cond_proj_dim is not None:  # an LCM UNet: the guidance scale as an embedding
+            w = inputs.guidance_scale - 1
+            cond["timestep_cond"] = unet.guidance_scale_embedding(w, spec.unet.time_cond_proj_dim)
+
+        noise_keys, sampler_keys = per_image_keys(inputs.seeds, inputs.image_index)
+        noise = inputs.noise
+        if noise is None:
+            shape = spec.latent_shape(self.height, self.width)
+            noise = jax.vmap(lambda key: jax.random.normal(key, shape))(noise_keys)
+        method = SAMPLERS[self.sampler]
+        schedule = inputs.schedule
+        from_noise = noise.astype(jnp.float32) * schedule.init_noise_sigma
+        known = None
+        if self.start_from == "noise":
+            latents = from_noise
+        elif self.start_from == "latents":
+            latents = inputs.image
+        else:
+            encoded = self.encode(params, inputs.image * 2 - 1)
+            # scheduler.add_noise at the first step that runs.
+            latents = add_noise(method, encoded, noise, schedule.sigmas[inputs.first_step])
+            if inputs.from_noise is not None:
+                latents = jnp.where(inputs.from_noise, from_noise, latents)
+            if self.inpaint:
+                known = self._known(params, inputs, encoded, noise)
+        stochastic = method.stochastic
+        return State(cond, method.init(latents), sampler_keys if stochastic else None, known)
+
+    def encode(self, params, images: jax.Array) -> jax.Array:
+        """[B, H, W, 3] images in [-1, 1] -> [B, h, w, C] the diffusion model's latents.
+
+        The posterior's mean: diffusers samples the posterior with the call's generator, but the
+        published VAEs' posteriors are narrow, and the mean keeps an image's encoding the same
+        for every seed. As diffusers' SDXL pipelines, a VAE that says it overflows in float16
+        (`force_upcast`) encodes in float32.
+        """
+        spec = self.spec
+        dtype = jnp.float32 if spec.is_sdxl and spec.vae.force_upcast else self.dtype
+        encoder = vae.AutoencoderKL(spec.vae, dtype=dtype)
+        mean, _ = one_image_per_device_at_a_time(
+            lambda x: encoder.apply({"params": params["vae"]}, x, method=encoder.encode), images.astype(dtype)
+        )
+        return scaled_latents(spec, mean.astype(self.dtype).astype(jnp.float32))
+
+    def _known(self, params, inputs: Inputs, encoded: jax.Array, noise: jax.Array) -> Known:
+        """What the mask keeps, as diffusers' inpainting pipelines prepare it: the mask at the
+        latents' size (torch's nearest interpolation: every f-th pixel), and either the masked image's
+        latents (a 9-channel UNet's extra input) or the image's latents and noise (a 4-channel UNet's
+        known region, blended back after every step)."""
+        f = self.spec.vae.downscale_factor
+        mask = inputs.mask[:, ::f, ::f]
+        if self.spec.unet.in_channels > self.spec.vae.latent_channels:
+            masked = self.encode(params, (inputs.image * 2 - 1) * (inputs.mask < 0.5))
+            return Known(mask, None, None, masked)
+        return Known(mask, encoded, noise.astype(jnp.float32), None)
+
+    def prepare(self, params, inputs: Inputs) -> tuple[State, dict]:
+        """The initial state and the step invariants: {"unet": the UNet's, "controlnets": each ControlNet's}."""
+        state = self.initial_state(params, inputs)
+        batch = len(state.cond["encoder_hidden_states"])  # 2B with guidance, else B
+        h, w, _ = self.spec.latent_shape(self.height, self.width)
+        zeros = jnp.zeros(batch)
+        # The models' outputs are unused, so the compiled program keeps only what computes the invariants.
+        x_in = jnp.zeros((batch, h, w, self.spec.unet.in_channels), self.dtype)
+        _, unet_invariants = self._unet().apply(
+            {"params": params["unet"]}, x_in, zeros, **state.cond, mutable=[STEP_INVARIANTS]
+        )
+        x_in = jnp.zeros((batch, h, w, self.spec.vae.latent_channels), self.dtype)
+        controlnet_invariants = tuple(
+            model.apply({"params": p}, x_in, zeros, conditioning_scale=zeros, **steering,
+                        **_controlnet_cond(state.cond), mutable=[STEP_INVARIANTS])[1]
+            for model, p, steering in zip(self._controlnets(), params.get("controlnets", ()), self._steering(inputs))
+        )
+        return state, {"unet": unet_invariants, "controlnets": controlnet_invariants}
+
+    def _unet(self) -> unet.UNet2DConditionModel:
+        return unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
+
+    def _controlnets(self) -> list:
+        return [config.model(self.dtype) for config in self.controlnets]
+
+    def _steering(self, inputs: Inputs) -> list[dict]:
+        """Each ControlNet's own inputs as the model's batch holds them (both halves with guidance):
+        its control images, and a Union's control modes (and how many rows each image has)."""
+        pair = (lambda x: _interleave(x, x)) if self.guided else (lambda x: x)  # noqa: E731
+        steering = []
+        for k, (config, image) in enumerate(zip(self.controlnets, inputs.control_images or ())):
+            steering.append({"controlnet_cond": pair(image.astype(self.dtype))})
+            if isinstance(config, controlnet_union.ControlNetUnionConfig):
+                rows = 2 if self.guided else 1
+                steering[-1].update(control_mode=pair(inputs.control_modes[:, k]), rows_per_image=rows)
+        return steering
+
+    def _control(self, params, invariants: dict, cond: dict, inputs: Inputs) -> Callable[..., dict]:
+        """`control(x_in, t, step)`: the UNet's extra inputs from the ControlNets at loop iteration
+        `step`: their residuals, each scaled by its image's scale where `step` lies between its start
+        and end, and summed (as diffusers' MultiControlNet). {} without ControlNets.
+
+        diffusers' keep mask: a ControlNet steers the i-th of the n model evaluations that run unless
+        i / n < start or (i + 1) / n > end (n counts to the schedule's end, past a `denoising_end`).
+        """
+        if not self.controlnets:
+            return lambda x_in, t, step: {}
+        evaluations = SAMPLERS[self.sampler].evaluations
+        first = evaluations(inputs.first_step)
+        count = (evaluations(inputs.num_steps) - first).astype(jnp.float32)
+        steering = self._steering(inputs)
+        models = self._controlnets()
+        step_invariants = invariants.get("controlnets") or ({},) * len(models)  # none in `whole`: XLA hoists them
+        variables = [{"params": p, **i} for p, i in zip(params["controlnets"], step_invariants)]
+        controlnet_cond = _controlnet_cond(cond)
+
+        def control(x_in, t, step) -> dict:
+            done = (step - first).astype(jnp.float32)
+            keep = ~((done / count < inputs.control_starts) | ((done + 1) / count > inputs.control_ends))  # [B, K]
+            scales = inputs.control_scales * keep
+            x_control = x_in[..., : self.spec.vae.latent_channels]  # without an inpainting UNet's extra channels
+            down, mid = None, None
+            for k, model in enumerate(models):
+                scale = _interleave(scales[:, k], scales[:, k]) if self.guided else scales[:, k]
+                residuals, middle = model.apply(
+                    variables[k], x_control, t, conditioning_scale=scale, **steering[k], **controlnet_cond
+                )
+                down = residuals if down is None else [a + b for a, b in zip(down, residuals)]
+                mid = middle if mid is None else mid + middle
+            return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+
+        return control
+
+    def denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop) -> tuple[Any, jax.Array]:
+        """Sampler iterations start..stop-1 (one model evaluation each; `Sampler.evaluations` of the
+        step count in all) with the guided UNet as the denoiser. Returns the new carry, and [B, h, w, 3]
+        uint8 previews: the last step's clean-latent prediction through `previews.project`."""
+        denoised = jnp.zeros_like(SAMPLERS[self.sampler].finish(state.carry))
+        carry, denoised = self._denoise(params, invariants, state, inputs, start, stop, denoised)
+        factors = self.preview_factors or previews.factors_for(self.spec)
+        return carry, previews.project(denoised, factors)
+
+    def _denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop, denoised=None) -> Any:
+        """The denoising loop over iterations start..stop-1: the new carry (and given `denoised`, the
+        last denoised prediction: `sampling.run_steps`)."""
+        model, variables = self._unet(), {"params": params["unet"], **invariants.get("unet", {})}
+        control = self._control(params, invariants, state.cond, inputs)
+        g = inputs.guidance_scale[:, None, None, None]
+        known = state.known
+        extra = None  # a 9-channel inpainting UNet's mask and masked-image latents, after the latents
+        if known is not None and known.masked_latents is not None:
+            extra = jnp.concatenate([known.mask, known.masked_latents], axis=-1)
+            extra = _interleave(extra, extra) if self.guided else extra
+
+        def denoiser(x, sigma, timestep, step):
+            batch = x.shape[0]
+            x_in = x / jnp.sqrt(sigma**2 + 1)
+            if self.guided:
+                x_in = _interleave(x_in, x_in)
+            if extra is not None:
+                x_in = jnp.concatenate([x_in, extra], axis=-1)
+            x_in = x_in.astype(self.dtype)
+            t = jnp.broadcast_to(timestep, (len(x_in),))
+            out = model.apply(variables, x_in, t, **state.cond, **control(x_in, t, step)).astype(jnp.float32)
+            if self.guided:
+                out = out.reshape(batch, 2, *out.shape[1:])
+                uncond, positive = out[:, 0], out[:, 1]
+                # diffusers skips guidance for scales <= 1 and uses the conditional prediction alone.
+                out = jnp.where(g > 1, uncond + g * (positive - uncond), positive)
+            return denoised_from_model_output(x, out, sigma, self.spec.scheduler.prediction_type)
+
+        method = SAMPLERS[self.sampler]
+        if known is not None and known.latents is not None:
+            method = _blending_known(method, known, method.evaluations(inputs.stop_step))
+        return run_steps(
+            method, denoiser, state.carry, inputs.schedule, inputs.num_steps, start, stop, state.keys, denoised=denoised
+        )
+
+    def finish(self, params, state: State) -> tuple[jax.Array, jax.Array]:
+        """VAE decoding. Returns images [B, H, W, 3] (uint8, or float32 in [0, 1]), or the latents
+        [B, h, w, C] undecoded; and finite [B]."""
+        latents = SAMPLERS[self.sampler].finish(state.carry)
+        if self.output_type == "latent":
+            return latents, jnp.isfinite(latents).all(axis=(1, 2, 3))
+        latents = unscaled_latents(self.spec, latents)
+        # diffusers' SDXL pipeline decodes in float32 a float16 VAE that says it overflows (force_upcast).
+        upcast = self.spec.is_sdxl and self.spec.vae.force_upcast and self.dtype == jnp.float16
+        dtype = jnp.float32 if upcast else self.dtype
+        decoder = vae.AutoencoderKL(self.spec.vae, dtype=dtype)
+        images = one_image_per_device_at_a_time(
+            lambda x: decoder.apply({"params": params["vae"]}, x, method=decoder.decode), latents.astype(dtype)
+        )
+        images = images.astype(jnp.float32)
+        finite = jnp.isfinite(images).all(axis=(1, 2, 3))
+        images = jnp.clip(images / 2 + 0.5, 0.0, 1.0)
+        if self.output_type == "pil":
+            images = jnp.round(images * 255).astype(jnp.uint8)
+        return images, finite
+
+    def whole(self, params, inputs: Inputs) -> tuple[jax.Array, jax.Array]:
+        """All stages in one program."""
+        state = self.initial_state(params, inputs)
+        evaluations = SAMPLERS[self.sampler].evaluations
+        carry = self._denoise(params, {}, state, inputs, evaluations(inputs.first_step), evaluations(inputs.stop_step))
+        return self.finish(params, state.replace(carry=carry))
+
+
+def _controlnet_cond(cond: dict) -> dict:
+    """What a ControlNet reads of the UNet's conditioning: all but an LCM UNet's guidance embedding."""
+    return {name: value for name, value in cond.items() if name != "timestep_cond"}
+
+
+def _blending_known(method: Sampler, known: Known, stop) -> Sampler:
+    """`method` with diffusers' inpainting step for a 4-channel UNet: after every step, the kept region
+    is the image's latents noised to the level the step reached (clean after the last, stop - 1)."""
+
+    def step(denoiser, schedule, num_steps, i, carry, keys):
+        carry = method.step(denoiser, schedule, num_steps, i, carry, keys)
+        sigma = jnp.where(i < stop - 1, schedule.sigmas[i + 1], 0.0)
+        kept = add_noise(method, known.latents, known.noise, sigma)
+        latents = (1 - known.mask) * kept + known.mask * method.finish(carry)
+        return method.with_latents(carry, latents)
+
+    return method._replace(step=step)

@@ -1,0 +1,218 @@
+"""The building blocks every model file shares, with PyTorch's numerics and diffusers' parameter names.
+
+The linear, convolution and norm layers; the resnet, attention and resampling blocks that both the
+UNet and the VAE are made of (diffusers keeps them in its shared `resnet.py`, `attention_processor.py`
+and `upsampling.py`/`downsampling.py`); and the step-invariant cache the denoising loop uses.
+
+Flax's `nn.Dense` keeps its kernel as [in, out]; PyTorch's `Linear.weight` is [out, in]. Keeping
+the stored layout means a checkpoint's linear weights (88% of SDXL's parameters) load without a
+transpose, which on a CPU host cost more than reading the file. XLA contracts either layout
+at the same speed: `x @ weight.T` is a GEMM with a transposed operand, which is also what PyTorch runs.
+Conv kernels (12%) keep `nn.Conv`'s HWIO layout, which the loader transposes to.
+"""
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import convolution
+from .attention import dot_product_attention
+
+# The Flax collection of values that every denoising step would compute alike: `Conv3x3`'s
+# Winograd-domain kernels and cross-attention's keys and values of the text. A caller that runs the
+# model many times on the same weights and text (the pipeline's denoising steps) makes it mutable
+# once, then passes it to every call.
+STEP_INVARIANTS = "step_invariants"
+
+
+def step_invariant(module: nn.Module, name: str, compute: Callable[[], jax.Array]) -> jax.Array:
+    """The value `module` keeps as `name` in `STEP_INVARIANTS` if the caller gave it, else `compute()`
+    (stored there when the caller made the collection mutable)."""
+    value = module.get_variable(STEP_INVARIANTS, name)
+    if value is None:
+        with jax.named_scope(STEP_INVARIANTS):  # in op names, for profiles and the tests
+            value = compute()
+        if module.is_mutable_collection(STEP_INVARIANTS):
+            module.put_variable(STEP_INVARIANTS, name, value)
+    return value
+
+
+def quick_gelu(x: jax.Array) -> jax.Array:
+    """The sigmoid approximation of gelu that OpenAI CLIP was trained with (and the blocks built like CLIP's)."""
+    return x * jax.nn.sigmoid(1.702 * x)
+
+
+class Linear(nn.Module):
+    """torch.nn.Linear: y = x @ weight.T + bias, with `weight` [out, in] as the checkpoint stores it."""
+
+    features: int
+    use_bias: bool = True
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        init = nn.initializers.lecun_normal(in_axis=1, out_axis=0)
+        weight = self.param("weight", init, (self.features, x.shape[-1]), jnp.float32)
+        y = jax.lax.dot_general(x.astype(self.dtype), weight.astype(self.dtype), (((x.ndim - 1,), (1,)), ((), ())))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(self.dtype)
+        return y
+
+
+class Conv3x3(nn.Module):
+    """torch.nn.Conv2d(kernel_size=3, padding=1) over NHWC maps, with `nn.Conv`'s parameters
+    (`kernel` [3, 3, in, out]), by the algorithm that `sdxl.models.convolution` picks for the shape."""
+
+    features: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (3, 3, x.shape[-1], self.features), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        if convolution.implementation(*x.shape[1:], self.dtype) == "winograd":
+            transformed = step_invariant(self, "kernel", lambda: convolution.winograd_kernel(kernel))
+            y = convolution.winograd_conv3x3(x, transformed)
+        else:
+            y = convolution.direct_conv3x3(x, kernel)
+        return y + bias.astype(self.dtype)
+
+
+class GroupNorm(nn.Module):
+    """torch's GroupNorm over NHWC maps, statistics in float32 with the two-pass variance.
+
+    Two-pass, as torch computes it: the residual stream (and the VAE decoder's activations) reach
+    the hundreds, where E[x^2] - E[x]^2 loses precision. Each channel is summed over (H, W) first
+    and the channels of a group after: XLA:CPU reduces [B, H, W, C] over (H, W) about 9x faster than
+    Flax's [B, H, W, G, C/G] over (H, W, C/G), which made GroupNorm a tenth of a CPU generation.
+    """
+
+    num_groups: int
+    epsilon: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        channels = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (channels,), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (channels,), jnp.float32)
+        spatial = tuple(range(1, x.ndim - 1))
+        count = math.prod(x.shape[a] for a in spatial) * (channels // self.num_groups)
+
+        def per_channel_group_mean(values):  # [B, ..., C] -> [B, 1, ..., 1, C]
+            sums = values.sum(spatial).reshape(x.shape[0], self.num_groups, -1).sum(-1) / count
+            per_channel = jnp.repeat(sums, channels // self.num_groups, axis=-1)
+            return per_channel.reshape(x.shape[:1] + (1,) * len(spatial) + (channels,))
+
+        x = x.astype(jnp.float32)
+        centered = x - per_channel_group_mean(x)
+        inv_std = jax.lax.rsqrt(per_channel_group_mean(jnp.square(centered)) + self.epsilon)
+        return (centered * (inv_std * scale.astype(jnp.float32)) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+def group_norm(num_groups: int, epsilon: float, dtype, name: str) -> GroupNorm:
+    return GroupNorm(num_groups=num_groups, epsilon=epsilon, dtype=dtype, name=name)
+
+
+def resize_nearest(x: jax.Array, size: tuple[int, int]) -> jax.Array:
+    """Nearest-neighbour resize of [B, H, W, C] to [B, *size, C] with torch's index rule floor(i * in / out)."""
+    for axis, out in zip((1, 2), size):
+        n = x.shape[axis]
+        if out == 2 * n:
+            x = jnp.repeat(x, 2, axis=axis)
+        else:
+            x = jnp.take(x, (np.arange(out) * n) // out, axis=axis)
+    return x
+
+
+class ResnetBlock2D(nn.Module):
+    """Pre-norm residual block; the time embedding, if any, is added between its two convs.
+
+    Without a time embedding (the VAE's resnets) the block has no `time_emb_proj` layer, as
+    diffusers' `ResnetBlock2D` with `temb_channels=None`.
+    """
+
+    out_channels: int
+    norm_num_groups: int
+    norm_eps: float
+    output_scale_factor: float = 1.0
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, temb=None):  # [B, H, W, C_in], [B, D_t] or None -> [B, H, W, out_channels]
+        h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm1")(x))
+        h = Conv3x3(self.out_channels, dtype=self.dtype, name="conv1")(h)
+        if temb is not None:
+            temb = Linear(self.out_channels, dtype=self.dtype, name="time_emb_proj")(nn.silu(temb))
+            h = h + temb[:, None, None, :]
+        h = nn.silu(group_norm(self.norm_num_groups, self.norm_eps, self.dtype, "norm2")(h))
+        h = Conv3x3(self.out_channels, dtype=self.dtype, name="conv2")(h)
+        if x.shape[-1] != self.out_channels:
+            x = nn.Conv(self.out_channels, (1, 1), dtype=self.dtype, name="conv_shortcut")(x)
+        return (x + h) / self.output_scale_factor
+
+
+class Context(NamedTuple):
+    """What cross-attention attends to: the text's token states, and how many of them each image's
+    prompt has (a prompt of fewer chunks than the batch's longest); None: all of them."""
+
+    states: jax.Array  # [B, S, D]
+    lengths: jax.Array | None = None  # [B] int32
+
+
+class Attention(nn.Module):
+    """Multi-head attention of `x` over `context` (over itself when `context` is None).
+
+    The UNet's query/key/value projections have no bias; the VAE's do (`qkv_bias`).
+    """
+
+    num_heads: int
+    qkv_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, context: Context | None = None):  # [B, T, C], [B, S, D] -> [B, T, C]
+        batch, length, channels = x.shape
+        head_dim = channels // self.num_heads
+
+        def project(name, inputs):  # -> [B, T or S, heads, head_dim]
+            y = Linear(channels, use_bias=self.qkv_bias, dtype=self.dtype, name=name)(inputs)
+            return y.reshape(batch, -1, self.num_heads, head_dim)
+
+        lengths = None
+        if context is None:
+            key, value = project("to_k", x), project("to_v", x)
+        else:  # the text's keys and values: the same in every denoising step
+            key = step_invariant(self, "key", lambda: project("to_k", context.states))
+            value = step_invariant(self, "value", lambda: project("to_v", context.states))
+            lengths = context.lengths
+        out = dot_product_attention(project("to_q", x), key, value, lengths)
+        return Linear(channels, dtype=self.dtype, name="to_out.0")(out.reshape(batch, length, channels))
+
+
+class Downsample2D(nn.Module):
+    """Stride-2 3x3 conv; padding 0 means padding only the bottom and right edges."""
+
+    padding: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):  # [B, H, W, C] -> [B, ceil(H/2), ceil(W/2), C]
+        padding = ((0, 1), (0, 1)) if self.padding == 0 else self.padding
+        return nn.Conv(x.shape[-1], (3, 3), strides=2, padding=padding, dtype=self.dtype, name="conv")(x)
+
+
+class Upsample2D(nn.Module):
+    """Nearest-neighbour upsampling to a given size (twice the input for even latents), then a 3x3 conv."""
+
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, size):  # [B, H, W, C] -> [B, *size, C]
+        return Conv3x3(x.shape[-1], dtype=self.dtype, name="conv")(resize_nearest(x, size))

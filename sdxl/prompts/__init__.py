@@ -1,0 +1,1 @@
+"""Prompts as AUTOMATIC1111 reads them: syntax, chunks and weights, tokens for the encoders, styles."""

@@ -1,0 +1,141 @@
+"""Prompts as the text encoders read them, the way AUTOMATIC1111's webui reads them (`sdxl.prompts.syntax`):
+weights, BREAK, prompts longer than 77 tokens in chunks, and LoRA tags taken out of the text.
+
+`Prompts.tokenized(request)` gives a request its `Tokens`: every prompt's chunks for every text encoder,
+ids and weights, padded to the request's chunk count (one of `CHUNK_COUNTS`), with each prompt's own
+count. The program leaves the padding out of cross-attention, so a prompt's images are the same
+whatever the other prompts of its batch.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..checkpoints import ModelSpec
+from ..checkpoints.tokenizer import one_call_at_a_time
+from ..engine.request import Request
+from . import syntax as prompt_syntax
+from .syntax import CHUNK_TOKENS, MAX_CHUNKS, Chunk
+
+TOKENS_PER_CHUNK = CHUNK_TOKENS + 2  # with the start and end tokens: what an encoder reads at once
+# The chunk counts programs are compiled for: a request's longest prompt picks the smallest that holds it,
+# so that at most four programs per size serve every prompt length.
+CHUNK_COUNTS = tuple(2**i for i in range(MAX_CHUNKS.bit_length()) if 2**i <= MAX_CHUNKS)
+
+
+def chunk_count(chunks: int) -> int:
+    """The compiled chunk count that holds `chunks`."""
+    return next(count for count in CHUNK_COUNTS if count >= chunks)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tokens:
+    """A request's prompts as its images' text encoders read them, N images by (negative, positive)
+    prompt by E encoders, in K chunks of 77 tokens."""
+
+    ids: np.ndarray  # [N, 2, E, K * 77] int32
+    weights: np.ndarray  # [N, 2, E, K * 77] float32: each token's weight; 1 for the frame and the padding
+    chunks: np.ndarray  # [N, 2] int32: each prompt's chunks; those after them are padding, left unread
+    rescale: np.ndarray  # [N] bool: weighted chunks keep their mean ("original" emphasis), or not ("no-norm")
+
+    @property
+    def num_chunks(self) -> int:
+        return self.ids.shape[-1] // TOKENS_PER_CHUNK
+
+    def padded(self, num_chunks: int) -> "Tokens":
+        extra = (num_chunks - self.num_chunks) * TOKENS_PER_CHUNK
+        pad = [(0, 0)] * 3 + [(0, extra)]
+        weights = np.pad(self.weights, pad, constant_values=1)
+        return dataclasses.replace(self, ids=np.pad(self.ids, pad), weights=weights)
+
+    @classmethod
+    def merged(cls, tokens: Sequence["Tokens"]) -> "Tokens":
+        """The images of several requests' tokens in order, padded to the longest's chunk count."""
+        count = max(t.num_chunks for t in tokens)
+        padded = [t.padded(count) for t in tokens]
+        return cls(*(np.concatenate([getattr(t, f.name) for t in padded]) for f in dataclasses.fields(cls)))
+
+
+class Prompts:
+    """A model's tokenizers, one per text encoder, reading prompts as webui does."""
+
+    def __init__(self, spec: ModelSpec, tokenizers: Sequence):
+        self.spec = spec
+        self.tokenizers = list(tokenizers)
+
+    def tokenized(self, request: Request) -> Request:
+        """The request with its `Tokens`: done where a request is made, so that a device queue's one
+        worker never spends its time on text.
+
+        Raises:
+          ValueError: a prompt is over `MAX_CHUNKS` chunks, or weighs a word outside `WEIGHT_RANGE`.
+        """
+        read = {}  # each distinct prompt once: a batch usually repeats one for all its images
+        for texts, negative in ((request.negative_prompts, True), (request.prompts, False)):
+            for text in texts:
+                if (text, negative) not in read:
+                    read[text, negative] = self.read(text, request.emphasis, negative=negative)
+        rows = [[read[text, negative] for text, negative in ((n, True), (p, False))]
+                for n, p in zip(request.negative_prompts, request.prompts)]
+        chunks = np.array([[ids.shape[-1] // TOKENS_PER_CHUNK for ids, _ in row] for row in rows], np.int32)
+        length = chunk_count(int(chunks.max())) * TOKENS_PER_CHUNK
+        shape = (len(rows), 2, len(self.tokenizers), length)
+        ids, weights = np.zeros(shape, np.int32), np.ones(shape, np.float32)
+        for i, row in enumerate(rows):
+            for j, (prompt_ids, prompt_weights) in enumerate(row):
+                ids[i, j, :, : prompt_ids.shape[-1]] = prompt_ids
+                weights[i, j, :, : prompt_ids.shape[-1]] = prompt_weights
+        rescale = np.full(len(rows), request.emphasis == "original")
+        return dataclasses.replace(request, tokens=Tokens(ids, weights, chunks, rescale))
+
+    def read(self, text: str, emphasis: str = "original", *, negative: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """One prompt's ids and weights for every encoder, [E, k * 77] each, k its chunks. A positive
+        prompt's LoRA tags are not read (webui reads a negative prompt's as text).
+
+        Raises:
+          ValueError: over `MAX_CHUNKS` chunks, or a weight outside `WEIGHT_RANGE`.
+        """
+        if not negative:
+            text, _ = prompt_syntax.lora_tags(text)
+        what = "negative prompt" if negative else "prompt"
+        per_encoder = [
+            prompt_syntax.prompt_chunks(text, **self._reading(tokenizer), emphasis=emphasis, what=what)
+            for tokenizer in self.tokenizers
+        ]
+        count = max(len(chunks) for chunks in per_encoder)  # the same but for tokenizers of other vocabularies
+        framed = [self._framed(tokenizer, chunks, count) for tokenizer, chunks in zip(self.tokenizers, per_encoder)]
+        return np.stack([ids for ids, _ in framed]), np.stack([weights for _, weights in framed])
+
+    def length_text(self, text: str, emphasis: str = "original", *, negative: bool = False) -> str:
+        """How long a prompt is, as a UI shows it: "84 tokens, 2 chunks"."""
+        if not negative:
+            text, _ = prompt_syntax.lora_tags(text)
+        pieces = prompt_syntax.prompt_pieces(text, emphasis)
+        chunks = prompt_syntax.chunks(pieces, **self._reading(self.tokenizers[0]))  # unchecked: a count to show
+        over = f" (at most {MAX_CHUNKS})" if len(chunks) > MAX_CHUNKS else ""
+        return prompt_syntax.length_text(chunks) + over
+
+    @staticmethod
+    def _reading(tokenizer) -> dict:
+        """What `sdxl.prompts.syntax` needs of a tokenizer to chunk a prompt: tokenize, comma_id, eos."""
+
+        def tokenize(texts: list[str]) -> list[list[int]]:
+            with one_call_at_a_time:
+                return tokenizer(texts, add_special_tokens=False, verbose=False).input_ids
+
+        comma = tokenizer.convert_tokens_to_ids(",</w>")
+        comma = -1 if comma == tokenizer.unk_token_id else comma  # a vocabulary without one: no backtrack
+        return {"tokenize": tokenize, "comma_id": comma, "eos": tokenizer.eos_token_id}
+
+    @staticmethod
+    def _framed(tokenizer, chunks: list[Chunk], count: int) -> tuple[np.ndarray, np.ndarray]:
+        """[count * 77] ids and weights: each chunk framed for this encoder, then empty chunks to `count`."""
+        eos = tokenizer.eos_token_id
+        pad = eos if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        empty = Chunk((eos,) * CHUNK_TOKENS, (1.0,) * CHUNK_TOKENS, 0, True)
+        framed = [
+            prompt_syntax.encoder_ids(chunk, bos=tokenizer.bos_token_id, eos=eos, pad=pad)
+            for chunk in [*chunks, *[empty] * (count - len(chunks))]
+        ]
+        return np.concatenate([ids for ids, _ in framed]), np.concatenate([weights for _, weights in framed])
