@@ -15,7 +15,7 @@ from .engine.images import contact_sheet, image_count, save_png, to_pil
 from .engine.pipeline import NonFiniteImageError
 from .engine.request import (
     DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, default_control_scale,
-    default_strength, guidance_scale, integer, number, required_prompt, split_scale,
+    default_strength, guidance_scale, integer, number, required_prompt,
 )
 from .models.controlnet_union import control_mode, describe_modes
 from .sampling.samplers import SAMPLERS
@@ -124,7 +124,7 @@ def _controls(args: argparse.Namespace, pipe, request: Request) -> dict:
                                           inpainting=request.masks is not None)
     maps, scales = [], []
     for option in args.control_image:
-        path, scale = split_scale(option)
+        path, scale = launch.split_scale(option)
         control_map = made_by(images.pixels(images.read_image(path)))
         maps.append(np.repeat(images.resized(control_map, request.height, request.width)[None], len(request), axis=0))
         scales.append(default_scale if scale is None else scale)

@@ -67,3 +67,13 @@ def test_the_demo_refuses_an_images_per_core_that_does_not_fit_before_it_serves(
         launch.demo_service(options)
     assert measured[0] == [("image", False), ("image", True), ("noise", False)], "every kind of request it serves"
     assert len(measured) == 3, "4, 3, then 2 per device, which fits"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("style.safetensors", ("style.safetensors", 1.0)),
+    ("style.safetensors:0.7", ("style.safetensors", 0.7)),
+    ("C:/loras/style.safetensors:-1", ("C:/loras/style.safetensors", -1.0)),
+    ("owner/repo:.5", ("owner/repo", 0.5)),
+])
+def test_a_source_and_its_scale(text, expected):
+    assert launch.source_and_scale(text) == expected

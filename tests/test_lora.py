@@ -268,16 +268,6 @@ def test_kohya_names_cover_every_layer_in_both_layouts(sdxl):
         "text_encoder_2", "text_model.encoder.layers.0.mlp.fc1")
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("style.safetensors", ("style.safetensors", 1.0)),
-    ("style.safetensors:0.7", ("style.safetensors", 0.7)),
-    ("C:/loras/style.safetensors:-1", ("C:/loras/style.safetensors", -1.0)),
-    ("owner/repo:.5", ("owner/repo", 0.5)),
-])
-def test_lora_option(text, expected):
-    assert lora.parse_option(text) == expected
-
-
 def test_loras_as_users_hold_them_a_hub_repo_and_a_half_precision_kohya_file(sdxl, tmp_path, monkeypatch):
     """A diffusers LoRA repo (its pytorch_lora_weights.safetensors) through huggingface_hub, online
     then offline from the cache; and a kohya file as sd-scripts saves it, float16 with float16 alphas."""

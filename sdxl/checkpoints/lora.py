@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine.request import split_scale
 from . import ModelSpec, locate_file
 from .single_file import unet_original
 from .weights import CheckpointError, SafetensorsFile, flatten, torch_axes, unflatten
@@ -330,10 +329,3 @@ def locate(source: str) -> Path:
 def display_name(source: str) -> str:
     """How results, the demo and its API name a LoRA: its file's stem."""
     return Path(source).stem
-
-
-def parse_option(text: str) -> tuple[str, float]:
-    """A `--lora SOURCE[:SCALE]` value as (source, scale); the scale defaults to 1."""
-    source, scale = split_scale(text)
-    return source, 1.0 if scale is None else scale
-

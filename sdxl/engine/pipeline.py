@@ -272,7 +272,8 @@ class Pipeline:
         return request
 
     def tokenized(self, request: Request) -> Request:
-        return self.prompts.tokenized(request)
+        tokens = self.prompts.tokens(request.prompts, request.negative_prompts, request.emphasis)
+        return dataclasses.replace(request, tokens=tokens)
 
     # Programs: every request runs one or two (`programs_for`), each compiled once.
 

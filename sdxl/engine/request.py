@@ -12,7 +12,6 @@ values come from: Python callers, the command line, or a browser's JSON.
 
 import dataclasses
 import math
-import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,15 +55,6 @@ def default_control_scale(spec, *, image: bool, inpainting: bool) -> float:
     if inpainting:
         return 1.0 if spec.is_sdxl else 0.5
     return 0.8 if image else 1.0
-
-
-def split_scale(text: str) -> tuple[str, float | None]:
-    """A command line's "SOURCE[:SCALE]" as (source, scale), the scale None where not given (a colon
-    not followed by a number belongs to the source)."""
-    source, sep, scale = text.rpartition(":")
-    if sep and re.fullmatch(r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?", scale):
-        return source, float(scale)
-    return text, None
 
 
 def integer(value, label: str, low: int, high: int) -> int:

@@ -1,7 +1,7 @@
 """Prompts as the text encoders read them, the way AUTOMATIC1111's webui reads them (`sdxl.prompts.syntax`):
 weights, BREAK, prompts longer than 77 tokens in chunks, and LoRA tags taken out of the text.
 
-`Prompts.tokenized(request)` gives a request its `Tokens`: every prompt's chunks for every text encoder,
+`Prompts.tokens(prompts, negative_prompts)` gives a batch its `Tokens`: every prompt's chunks for every text encoder,
 ids and weights, padded to the request's chunk count (one of `CHUNK_COUNTS`), with each prompt's own
 count. The program leaves the padding out of cross-attention, so a prompt's images are the same
 whatever the other prompts of its batch.
@@ -14,7 +14,6 @@ import numpy as np
 
 from ..checkpoints import ModelSpec
 from ..checkpoints.tokenizer import one_call_at_a_time
-from ..engine.request import Request
 from . import syntax as prompt_syntax
 from .syntax import CHUNK_TOKENS, MAX_CHUNKS, Chunk
 
@@ -64,20 +63,20 @@ class Prompts:
         self.spec = spec
         self.tokenizers = list(tokenizers)
 
-    def tokenized(self, request: Request) -> Request:
-        """The request with its `Tokens`: done where a request is made, so that a device queue's one
-        worker never spends its time on text.
+    def tokens(self, prompts: Sequence[str], negative_prompts: Sequence[str], emphasis: str = "original") -> Tokens:
+        """The `Tokens` of a batch's prompts and negative prompts (one of each per image): made where a
+        request is prepared, so that a device queue's one worker never spends its time on text.
 
         Raises:
           ValueError: a prompt is over `MAX_CHUNKS` chunks, or weighs a word outside `WEIGHT_RANGE`.
         """
         read = {}  # each distinct prompt once: a batch usually repeats one for all its images
-        for texts, negative in ((request.negative_prompts, True), (request.prompts, False)):
+        for texts, negative in ((negative_prompts, True), (prompts, False)):
             for text in texts:
                 if (text, negative) not in read:
-                    read[text, negative] = self.read(text, request.emphasis, negative=negative)
+                    read[text, negative] = self.read(text, emphasis, negative=negative)
         rows = [[read[text, negative] for text, negative in ((n, True), (p, False))]
-                for n, p in zip(request.negative_prompts, request.prompts)]
+                for n, p in zip(negative_prompts, prompts)]
         chunks = np.array([[ids.shape[-1] // TOKENS_PER_CHUNK for ids, _ in row] for row in rows], np.int32)
         length = chunk_count(int(chunks.max())) * TOKENS_PER_CHUNK
         shape = (len(rows), 2, len(self.tokenizers), length)
@@ -86,8 +85,8 @@ class Prompts:
             for j, (prompt_ids, prompt_weights) in enumerate(row):
                 ids[i, j, :, : prompt_ids.shape[-1]] = prompt_ids
                 weights[i, j, :, : prompt_ids.shape[-1]] = prompt_weights
-        rescale = np.full(len(rows), request.emphasis == "original")
-        return dataclasses.replace(request, tokens=Tokens(ids, weights, chunks, rescale))
+        rescale = np.full(len(rows), emphasis == "original")
+        return Tokens(ids, weights, chunks, rescale)
 
     def read(self, text: str, emphasis: str = "original", *, negative: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """One prompt's ids and weights for every encoder, [E, k * 77] each, k its chunks. A positive

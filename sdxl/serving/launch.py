@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping
 
@@ -15,7 +16,6 @@ import jax
 import numpy as np
 
 from ..checkpoints import CheckpointError, HubUnavailableError, shapes
-from ..checkpoints.lora import parse_option as parse_lora_option
 from ..engine import memory
 from ..engine.compilation import enable_compilation_cache
 from ..engine.images import model_label
@@ -52,7 +52,7 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] |
         "model's, e.g. ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors (local, or owner/name/file on "
         "the Hub)" + variable.named("SDXL_UNET"),
     )
-    parser.add_argument("--lora", action="append", type=parse_lora_option, default=[], metavar="FILE[:SCALE]",
+    parser.add_argument("--lora", action="append", type=source_and_scale, default=[], metavar="FILE[:SCALE]",
                         help="a LoRA, with its scale (default 1); repeatable. A .safetensors file (kohya/A1111 or "
                         "diffusers/PEFT), a Hub repo id, or owner/name/file.safetensors")
     controlnet = variable.get("SDXL_CONTROLNET")
@@ -80,6 +80,21 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] |
     parser.add_argument("--cache-dir", default=variable.get("SDXL_CACHE_DIR"),
                         help="the persistent compilation cache (default: ~/.cache/sdxl-jax/xla)"
                         + variable.named("SDXL_CACHE_DIR"))
+
+
+def split_scale(text: str) -> tuple[str, float | None]:
+    """A command line's "SOURCE[:SCALE]" as (source, scale), the scale None where not given (a colon
+    not followed by a number belongs to the source)."""
+    source, sep, scale = text.rpartition(":")
+    if sep and re.fullmatch(r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?", scale):
+        return source, float(scale)
+    return text, None
+
+
+def source_and_scale(text: str) -> tuple[str, float]:
+    """A `--lora SOURCE[:SCALE]` value as (source, scale); the scale defaults to 1."""
+    source, scale = split_scale(text)
+    return source, 1.0 if scale is None else scale
 
 
 class _Variables:
