@@ -1,16 +1,23 @@
 """Stable Diffusion XL in JAX: Flax models, strict checkpoint loading, one sharded compiled generate."""
 
 from .checkpoints import CheckpointError
+from .engine import control_maps, images
 from .engine.compilation import CompileCounter, enable_compilation_cache
+from .engine.controls import Control
 from .engine.pipeline import Generation, NonFiniteImageError, Pipeline
+from .engine.prepared import PreparedRequest
 from .engine.request import Request
 
 __all__ = [
     "CheckpointError",
     "CompileCounter",
+    "Control",
     "Generation",
     "NonFiniteImageError",
     "Pipeline",
+    "PreparedRequest",
     "Request",
+    "control_maps",
     "enable_compilation_cache",
+    "images",
 ]

@@ -11,11 +11,14 @@ import numpy as np
 from . import bench, training
 from .checkpoints import CheckpointError, random_models
 from .engine import control_maps, images, memory
+from .engine.checks import integer, number
+from .engine.control_maps import DEFAULT_CANNY_THRESHOLDS
+from .engine.controls import Control, default_control_scale
 from .engine.images import contact_sheet, image_count, save_png, to_pil
 from .engine.pipeline import NonFiniteImageError
 from .engine.request import (
-    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, default_control_scale,
-    default_strength, guidance_scale, integer, number, required_prompt,
+    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, default_strength,
+    guidance_scale, required_prompt,
 )
 from .models.controlnet_union import control_mode, describe_modes
 from .sampling.samplers import SAMPLERS
@@ -57,14 +60,15 @@ def generate_command(args: argparse.Namespace) -> None:
             masks=None if mask is None else np.repeat(mask[None], num_images, axis=0), strength=strength,
         )
     if args.control_image:
-        request = dataclasses.replace(request, **_controls(args, pipe, request))
-    request = pipe.validated(request)
-    devices = pipe.num_devices
-    memory.check_fits(pipe, lambda n: pipe.programs_for(request, n * devices), pipe.padded_batch(num_images) // devices,
+        request = dataclasses.replace(request, controls=_controls(args, pipe, request))
+    prepared = pipe.prepare(request)
+    request, devices = prepared.request, pipe.num_devices
+    memory.check_fits(pipe, lambda n: prepared.programs_at(pipe.padded_batch(n * devices)),
+                      pipe.padded_batch(num_images) // devices,
                       lambda n: f"--num-images {n * devices} ({n} per device on {devices})", progress=False)
-    compile_seconds = pipe.compile(pipe.programs_for(request))
+    compile_seconds = pipe.compile(prepared.programs)
     print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
-    result = pipe.render(request)
+    result = pipe.render(prepared)
     result.raise_if_not_finite()
     print(f"generated {image_count(num_images)} in {result.seconds:.2f} s")
 
@@ -115,24 +119,27 @@ def _check_before_loading(args: argparse.Namespace) -> None:
         raise ValueError("--mask needs --image, the image to inpaint")
 
 
-def _controls(args: argparse.Namespace, pipe, request: Request) -> dict:
-    """The request's control images and settings from --control-image FILE[:SCALE], --canny and
-    --control-start/--control-end: each image made a map and resized to the request's size."""
-    made_by = control_maps.Preprocessor() if args.canny is None else control_maps.Preprocessor(
+def _controls(args: argparse.Namespace, pipe, request: Request) -> tuple:
+    """Each image's controls from --control-image FILE[:SCALE] (one per ControlNet), --canny,
+    --control-start, --control-end and --control-mode: each picture fitted to the request's size as
+    the demo fits it, then made a map there."""
+    if args.control_mode and len(args.control_mode) != len(args.control_image):
+        raise ValueError(f"give one --control-mode per --control-image ({len(args.control_image)}), "
+                         f"got {len(args.control_mode)}")
+    preprocessor, thresholds = ("none", DEFAULT_CANNY_THRESHOLDS) if args.canny is None else (
         "canny", control_maps.parse_thresholds(args.canny))
     default_scale = default_control_scale(pipe.spec, image=request.images is not None,
                                           inpainting=request.masks is not None)
-    maps, scales = [], []
-    for option in args.control_image:
+    modes = args.control_mode or [None] * len(args.control_image)
+    controls = []
+    for option, mode in zip(args.control_image, modes):
         path, scale = launch.split_scale(option)
-        control_map = made_by(images.pixels(images.read_image(path)))
-        maps.append(np.repeat(images.resized(control_map, request.height, request.width)[None], len(request), axis=0))
-        scales.append(default_scale if scale is None else scale)
-    n, k = len(request), len(maps)
-    return dict(control_images=tuple(maps), control_scales=(tuple(scales),) * n,
-                control_starts=((args.control_start,) * k,) * n, control_ends=((args.control_end,) * k,) * n,
-                control_modes=(tuple(args.control_mode),) * n if args.control_mode else None,
-                control_preprocessors=(made_by,) * k)
+        controls.append(Control.of(
+            images.read_image(path), request.width, request.height, preprocessor=preprocessor,
+            canny_thresholds=thresholds, scale=default_scale if scale is None else scale, start=args.control_start,
+            end=args.control_end, mode=mode,
+        ))
+    return (tuple(controls),) * len(request)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

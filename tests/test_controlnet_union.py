@@ -15,6 +15,7 @@ from fake_hub import FakeHub, fake_repo, hub_at
 from reference import diffusers_images, randomize_, sdxl_pipeline
 from sdxl.checkpoints import CheckpointError, controlnets
 from sdxl.engine.compilation import CompileCounter
+from sdxl.engine.controls import Control
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.request import Request
 from sdxl.models.controlnet_union import CONTROL_MODES, control_mode
@@ -150,10 +151,8 @@ def test_modes_are_traced_per_image(sdxl):
         depth, segment = _ours(pipe, image, "depth"), _ours(pipe, image, 5)
         request = Request.from_prompt(PROMPTS, NEGATIVES, num_images=2, steps=STEPS, height=HEIGHT, width=WIDTH,
                                       noise=_latents().transpose(0, 2, 3, 1))
-        pixels = np.stack([np.asarray(image)] * 2)
-        mixed = pipe.render(
-            dataclasses.replace(request, control_images=(pixels,), control_modes=(("depth",), (5,))), output_type="np",
-        ).images
+        controls = tuple((Control.of(image, WIDTH, HEIGHT, fit="resize", mode=mode),) for mode in ("depth", 5))
+        mixed = pipe.render(dataclasses.replace(request, controls=controls), output_type="np").images
     assert compiles.count == 0
     assert np.abs(depth - segment).mean() > 1e-3
     np.testing.assert_allclose(mixed, np.stack([depth[0], segment[1]]), atol=1e-6)

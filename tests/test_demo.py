@@ -7,7 +7,7 @@ from sdxl.checkpoints import lora
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.request import MAX_SEED
 from sdxl.prompts.styles import STYLES
-from sdxl.serving.demo import DemoService, Settings, fit_to_sizes, lora_parameters
+from sdxl.serving.demo import COMPARE_SEEDS, DemoService, Settings, fit_to_sizes, lora_parameters
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_form_fields_arrive_by_name_and_lora_scales_by_their_parameters(service)
 
 def test_images_are_one_per_core_with_the_style_loras_and_first_size(service, pipe):
     request = service.images(Settings(prompt="a fox", negative_prompt="blur", style="Cinematic", seed=5,
-                                      images_per_core=2, lora_scales=(0.25, 0.0)))
+                                      images_per_core=2, lora_scales=(0.25, 0.0))).request
     assert len(request) == 2 * pipe.num_devices
     assert request.seeds == (5,) * 8 and request.image_index == tuple(range(8))
     assert request.prompts[0] == STYLES["Cinematic"].apply("a fox", "blur")[0]
@@ -43,7 +43,7 @@ def test_images_are_one_per_core_with_the_style_loras_and_first_size(service, pi
     assert (request.width, request.height) == service.sizes[0]
     ink = next(source for source in service.loras if source.endswith("ink.safetensors"))
     assert request.loras == ((ink, 0.25),), "a scale of 0 leaves its LoRA out"
-    assert service.images(Settings(prompt="a fox")).loras == tuple(sorted(service.loras.items()))
+    assert service.images(Settings(prompt="a fox")).request.loras == tuple(sorted(service.loras.items()))
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -66,7 +66,8 @@ def test_an_image_edit_is_fitted_to_the_nearest_size_with_its_mask(service):
     picture = Image.new("RGB", (300, 200), "red")
     painted = Image.new("L", (300, 200), 0)
     painted.paste(255, (0, 0, 150, 200))
-    request, note = service.image_edit(Settings(prompt="a fox"), picture, painted, 0.6)
+    prepared, note = service.image_edit(Settings(prompt="a fox"), picture, painted, 0.6)
+    request = prepared.request
     width, height = fit_to_sizes(picture, service.sizes)[1]
     assert (request.width, request.height) == (width, height) and request.images.shape[1:3] == (height, width)
     assert note.startswith("the image was 300x200; cropped and resized")
@@ -81,12 +82,12 @@ def test_an_image_edit_is_fitted_to_the_nearest_size_with_its_mask(service):
 
 
 def test_comparisons_share_the_starting_noise_or_step_through_seeds(service):
-    prompts = service.prompt_comparison(Settings(seed=3, style="Anime"), ["a fox", "", "a cat"])
+    prompts = service.prompt_comparison(Settings(seed=3, style="Anime"), ["a fox", "", "a cat"]).request
     assert prompts.prompts == tuple(STYLES["Anime"].apply(p, "")[0] for p in ("a fox", "a cat"))
     assert prompts.seeds == (3, 3) and prompts.image_index == (0, 0)
     with pytest.raises(ValueError, match="enter from 1 to 8 prompts"):
         service.prompt_comparison(Settings(), ["x"] * 9)
-    seeds = service.seed_comparison(Settings(prompt="a fox", seed=10), 3)
+    seeds = service.seed_comparison(Settings(prompt="a fox", seed=10), 3).request
     assert seeds.seeds == (10, 11, 12) and seeds.image_index == (0, 0, 0)
     with pytest.raises(ValueError, match=f"go past {MAX_SEED}"):
         service.seed_comparison(Settings(prompt="a fox", seed=MAX_SEED), 2)
@@ -96,13 +97,13 @@ def test_a_grid_plans_its_cells_into_as_few_device_calls_as_fit(service):
     settings = Settings(prompt="a red fox", seed=1, steps=2)
     plan = service.grid(settings, "seed", "1-3", "prompt", "red, blue")
     assert len(plan.where) == 6 and len(plan.requests) == 1, "prompts and seeds are per-image: one call"
-    cells = [plan.requests[call].prompts[index] for call, index in plan.where]
+    cells = [plan.requests[call].request.prompts[index] for call, index in plan.where]
     assert cells == ["a red fox"] * 3 + ["a blue fox"] * 3
-    assert [plan.requests[0].seeds[index] for _, index in plan.where] == [1, 2, 3] * 2
+    assert [plan.requests[0].request.seeds[index] for _, index in plan.where] == [1, 2, 3] * 2
 
     by_scale = service.grid(settings, "lora:ink", "0, 0.5", "steps", "2, 3")
     assert len(by_scale.requests) == 4, "steps and LoRA scales change the call"
-    loras = {request.loras for request in by_scale.requests}
+    loras = {call.request.loras for call in by_scale.requests}
     assert len(loras) == 2 and any(all("ink" not in source for source, _ in set_) for set_ in loras)
     with pytest.raises(ValueError, match="both seed"):
         service.grid(settings, "seed", "1, 2", "seed", "3")
@@ -111,7 +112,7 @@ def test_a_grid_plans_its_cells_into_as_few_device_calls_as_fit(service):
 
 
 def test_emphasis_reaches_the_request_and_prompt_boxes_count_their_chunks(service):
-    assert service.images(Settings(prompt="a (fox:1.2)", emphasis="no-norm")).emphasis == "no-norm"
+    assert service.images(Settings(prompt="a (fox:1.2)", emphasis="no-norm")).request.emphasis == "no-norm"
     with pytest.raises(ValueError, match="emphasis"):
         service.images(Settings(prompt="a fox", emphasis="strong"))
     assert service.prompt_length("a fox <lora:ink:0.5>") == service.prompt_length("a fox"), "a tag is not text"
@@ -123,10 +124,29 @@ def test_emphasis_reaches_the_request_and_prompt_boxes_count_their_chunks(servic
 def test_prompt_search_and_replace_keeps_weights_and_prompts_of_other_lengths_share_a_call(service, pipe):
     settings = Settings(prompt="a (red:1.2) fox, [snow]", seed=1, steps=2, emphasis="no-norm")
     plan = service.grid(settings, "prompt", "red\nblue", "seed", "1, 2")
-    assert [plan.requests[call].prompts[index] for call, index in plan.where][:2] == [
+    assert [plan.requests[call].request.prompts[index] for call, index in plan.where][:2] == [
         "a (red:1.2) fox, [snow]", "a (blue:1.2) fox, [snow]"]
     plan = service.grid(settings, "prompt", "snow\nsnow] BREAK [dawn", None, "")
-    cells = [plan.requests[call].prompts[index] for call, index in plan.where]
+    cells = [plan.requests[call].request.prompts[index] for call, index in plan.where]
     assert cells == ["a (red:1.2) fox, [snow]", "a (red:1.2) fox, [snow] BREAK [dawn]"]
-    (request,) = plan.requests
-    assert request.emphasis == "no-norm" and pipe.tokenized(request).tokens.chunks[:, 1].tolist() == [1, 2]
+    (call,) = plan.requests
+    assert call.request.emphasis == "no-norm" and call.tokens.chunks[:, 1].tolist() == [1, 2]
+
+
+def test_a_click_builds_its_submission_once_for_the_check_and_the_handler(service, monkeypatch):
+    built, submission = [], service.submission
+    monkeypatch.setattr(service, "submission", lambda tab, form: built.append(tab) or submission(tab, form))
+    form = {"prompt": "a fox", "steps": 2, "seed": 1}
+    service.check("generate", "me", form)
+    kept = service.checked("generate", "me", form)
+    assert built == ["generate"] and kept.calls[0].request.seeds[0] == 1, "the check's build, rendered as it is"
+    assert service.checked("generate", "me", form) is not kept and len(built) == 2, "taken once; a raw call builds"
+    service.check("generate", "me", form)
+    other = service.checked("generate", "me", form | {"seed": 2})  # another click's form came between
+    assert other.calls[0].request.seeds[0] == 2 and len(built) == 4
+    with pytest.raises(ValueError, match="please enter a prompt"):
+        service.check("generate", "me", {"prompt": ""})
+    compared = service.submission("compare", {"mode": COMPARE_SEEDS, "prompts": "a fox", "seed": 5, "num_seeds": 2})
+    assert compared.calls[0].request.seeds == (5, 6) and compared.grid is None
+    with pytest.raises(ValueError, match="no tab 'paint'"):
+        service.submission("paint", {})

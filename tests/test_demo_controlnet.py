@@ -1,4 +1,4 @@
-"""The demo's ControlNet panel as requests (`sdxl.serving.demo.Control`), without a server: maps made at the
+"""The demo's ControlNet panel as requests (`sdxl.serving.demo.ControlForm`), without a server: maps made at the
 output's size, settings per image, grids over the scale in one call, PNG parameters as A1111's
 ControlNet extension writes them, and bad input refused with a sentence."""
 
@@ -14,7 +14,7 @@ from sdxl.engine import images
 from sdxl.engine.control_maps import canny
 from sdxl.engine.pipeline import Pipeline
 from sdxl.serving import grid
-from sdxl.serving.demo import Control, DemoService, Settings, control_parameters
+from sdxl.serving.demo import ControlForm, DemoService, Settings, control_parameters
 
 
 @pytest.fixture(scope="module")
@@ -51,26 +51,27 @@ def test_panel_fields_arrive_by_their_parameter_names(service):
 def test_control_maps_are_cropped_to_the_output_and_made_there(service):
     width, height = service.sizes[0]
     pictures = (_picture(), _picture())
-    settings = Settings(prompt="a fox", controls=(Control(pictures[0], "canny", scale=0.6, end=0.7),
-                                                   Control(pictures[1], "none", start=0.2)))
-    request = service.images(settings)
+    settings = Settings(prompt="a fox", controls=(ControlForm(pictures[0], "canny", scale=0.6, end=0.7),
+                                                   ControlForm(pictures[1], "none", start=0.2)))
+    request = service.images(settings).request
     n = len(request)
-    edges, given = request.control_images
-    assert edges.shape == given.shape == (n, height, width, 3)
+    assert len(request.controls) == n
+    assert all(c is first for per in request.controls for c, first in zip(per, request.controls[0])), "one each"
+    edges, given = request.controls[0]
+    assert edges.map.shape == given.map.shape == (height, width, 3)
     cropped = images.pixels(pictures[0].resize((width, height), Image.Resampling.LANCZOS,
                                                 box=(50, 0, 150, 100)))  # the centre square of 200x100
-    np.testing.assert_array_equal(given[0], cropped)
-    np.testing.assert_array_equal(edges[0], canny(cropped, 100, 200))
-    assert edges[0].any() and set(np.unique(edges[0])) <= {0, 255}
-    assert request.control_scales == ((0.6, 1.0),) * n and request.control_starts == ((0.0, 0.2),) * n
-    assert request.control_ends == ((0.7, 1.0),) * n
-    assert [p.name for p in request.control_preprocessors] == ["canny", "none"]
-    assert service.images(Settings(prompt="a fox")).control_images is None, "no pictures: no ControlNet"
+    np.testing.assert_array_equal(given.map, cropped)
+    np.testing.assert_array_equal(edges.map, canny(cropped, 100, 200))
+    assert edges.map.any() and set(np.unique(edges.map)) <= {0, 255}
+    assert [(c.scale, c.start, c.end) for c in request.controls[0]] == [(0.6, 0.0, 0.7), (1.0, 0.2, 1.0)]
+    assert [c.made_by.name for c in request.controls[0]] == ["canny", "none"]
+    assert service.images(Settings(prompt="a fox")).request.controls is None, "no pictures: no ControlNet"
 
 
 def test_png_parameters_record_each_controlnet_as_the_a1111_extension(service):
-    settings = Settings(prompt="a fox", controls=(Control(_picture(), "canny", canny_low=50, scale=0.7, end=0.8),
-                                                   Control(_picture(), "none")))
+    settings = Settings(prompt="a fox", controls=(ControlForm(_picture(), "canny", canny_low=50, scale=0.7, end=0.8),
+                                                   ControlForm(_picture(), "none")))
     request = service.images(settings)
     text = service.png_parameters(request, 0)
     assert ('ControlNet 0: "Module: canny, Model: canny-cn, Weight: 0.7, Threshold A: 50, Threshold B: 200, '
@@ -80,27 +81,30 @@ def test_png_parameters_record_each_controlnet_as_the_a1111_extension(service):
 
 
 def test_a_grid_over_the_controlnet_scale_is_one_device_call(service, monkeypatch):
-    settings = Settings(prompt="a fox", seed=3, controls=(Control(_picture(), "canny"), Control(_picture())))
+    settings = Settings(prompt="a fox", seed=3, controls=(ControlForm(_picture(), "canny"), ControlForm(_picture())))
     resizes, resize = [], Image.Image.resize
     monkeypatch.setattr(Image.Image, "resize", lambda *a, **k: resizes.append(a[1]) or resize(*a, **k))
     plan = service.grid(settings, "control_scale", "0, 0.5, 1", "seed", "1-2")
-    assert len(resizes) == 2, "each picture is resized once for the grid, not once a cell"
+    assert len(resizes) <= 2, "each picture is resized at most once for the grid (its map may be kept), not once a cell"
     assert len(plan.requests) == 1, "scales are per-image inputs: the cells share a call"
     (call,) = plan.requests
-    assert [scales[0] for scales in call.control_scales] == [0.0, 0.5, 1.0] * 2
-    assert all(scales[0] == scales[1] for scales in call.control_scales), "the axis sets every ControlNet's scale"
+    scales = [[control.scale for control in per] for per in call.request.controls]
+    assert [first for first, _ in scales] == [0.0, 0.5, 1.0] * 2
+    assert all(first == second for first, second in scales), "the axis sets every ControlNet's scale"
+    maps = {id(control.map) for per in call.request.controls for control in per}
+    assert len(maps) == 2, "every cell shares the two maps"
 
 
 @pytest.mark.parametrize("settings, message", [
-    (Settings(prompt="a fox", controls=(Control(_picture()), Control())),
+    (Settings(prompt="a fox", controls=(ControlForm(_picture()), ControlForm())),
      "2 ControlNets are loaded (.*): give a control image for each, or none"),
-    (Settings(prompt="a fox", controls=(Control(_picture(), "sobel"), Control(_picture()))),
+    (Settings(prompt="a fox", controls=(ControlForm(_picture(), "sobel"), ControlForm(_picture()))),
      "preprocessor must be one of canny, none"),
-    (Settings(prompt="a fox", controls=(Control(_picture(), "canny", canny_low=0), Control(_picture()))),
+    (Settings(prompt="a fox", controls=(ControlForm(_picture(), "canny", canny_low=0), ControlForm(_picture()))),
      "Canny's low threshold must be an integer from 1 to 255"),
-    (Settings(prompt="a fox", controls=(Control(_picture(), scale=9), Control(_picture()))),
+    (Settings(prompt="a fox", controls=(ControlForm(_picture(), scale=9), ControlForm(_picture()))),
      "ControlNet scale must be a number from 0 to 4, got 9"),
-    (Settings(prompt="a fox", controls=(Control(_picture(), start=0.5, end=0.5), Control(_picture()))),
+    (Settings(prompt="a fox", controls=(ControlForm(_picture(), start=0.5, end=0.5), ControlForm(_picture()))),
      r"a ControlNet's start \(0.5\) must be below its end \(0.5\)"),
 ])
 def test_bad_panel_input_is_refused_with_a_sentence(service, settings, message):
@@ -116,8 +120,8 @@ def test_a_controlnet_axis_needs_a_control_image(service):
 
 def test_one_pipeline_renders_with_and_without_its_controlnets(service):
     plain = service.images(Settings(prompt="a fox", steps=2))
-    steered = service.images(Settings(prompt="a fox", steps=2, controls=(Control(_picture(), "canny"),
-                                                                          Control(_picture()))))
+    steered = service.images(Settings(prompt="a fox", steps=2, controls=(ControlForm(_picture(), "canny"),
+                                                                          ControlForm(_picture()))))
     without, with_control = (service.pipe.render(r).images for r in (plain, steered))
     assert np.abs(without.astype(float) - with_control).mean() > 1, "the control images steer"
 
@@ -148,7 +152,7 @@ def test_a_controlnet_union_takes_its_mode_from_the_panel(union_service):
     settings = service.settings({"prompt": "a fox", "steps": 2, "control_image": _picture(),
                                  "control_preprocessor": "canny", "control_mode": "canny"})
     request = service.images(settings)
-    assert request.control_modes == ((3,),) * len(request)
+    assert [per[0].mode for per in request.request.controls] == [3] * len(request)
     assert "Union Control Type: canny" in service.png_parameters(request, 0)
     depth = service.images(dataclasses.replace(settings, controls=(dataclasses.replace(settings.controls[0],
                                                                                         mode="depth"),)))

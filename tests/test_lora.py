@@ -218,7 +218,7 @@ def test_switching_loras_never_recompiles_and_clearing_restores_the_weights(sdxl
     assert compiles.count == 0
     assert np.abs(with_first - base).mean() > 0.01
     np.testing.assert_array_equal(cleared, base)
-    for a, b in zip(flatten(pipe.params).values(), flatten(pipe.base_params).values(), strict=True):
+    for a, b in zip(flatten(pipe.params_with(())).values(), flatten(pipe.params).values(), strict=True):
         assert a is b
 
 
@@ -232,7 +232,7 @@ def test_unknown_keys_are_named_and_nothing_changes(sdxl, tmp_path):
     safetensors.numpy.save_file(tensors, tmp_path / "bad.safetensors")
     with pytest.raises(CheckpointError, match="2 key.*input_blocks_99.*hada_w1_a"):
         pipe.set_loras({str(tmp_path / "bad.safetensors"): 1.0})
-    assert pipe.loras == {} and pipe.params is pipe.base_params
+    assert pipe.loras == {} and pipe.params_with(()) is pipe.params
 
     down = "lora_unet_input_blocks_3_1_proj_in.lora_down.weight"
     tensors = safetensors.numpy.load_file(good)

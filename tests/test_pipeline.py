@@ -261,10 +261,10 @@ def test_without_guidance_the_unet_sees_the_prompts_alone(reference, pipe):
                       HEIGHT, WIDTH, noise=latents.transpose(0, 2, 3, 1))
     assert not request.guided
     unguided = pipe.render(request, output_type="np").images
-    request = pipe.tokenized(pipe.validated(request))
-    program = pipe.program_for(request, output_type="np")
+    prepared = pipe.prepare(request, output_type="np")
+    program = prepared.program
     forced = dataclasses.replace(program, guided=True)
-    arrays = inputs.placed(inputs.host_inputs(forced, request, (0, 2)), pipe.mesh)
+    arrays = inputs.placed(inputs.host_inputs(dataclasses.replace(prepared, program=forced)), pipe.mesh)
     guided = pipe.executables.compiled(forced, "whole")(pipe.params, arrays)
     np.testing.assert_allclose(unguided, np.asarray(guided[0]), atol=1e-5)
     # A denoising step (the loop's body, which the cost analysis counts once) costs about half.
@@ -454,7 +454,7 @@ def test_progress_reports_every_step_and_changes_no_pixel(reference, pipe, monke
 def _text_to_image(pipe, num_images=4, **settings) -> GenerateProgram:
     """The program of a plain text-to-image request at the test size."""
     request = Request.from_prompt("a cat", num_images=num_images, height=HEIGHT, width=WIDTH, **settings)
-    return pipe.program_for(request)
+    return pipe.prepare(request).program
 
 
 def test_is_compiled_tells_what_warmup_compiled(reference):
@@ -580,9 +580,11 @@ def test_a_refiner_shares_the_weights_it_has_of_the_base(tmp_path):
     refiner = Pipeline.from_pretrained(str(folder), devices=devices)
     picture = np.asarray(jax.random.uniform(jax.random.key(0), (32, 32, 3)) * 255, np.uint8)
     before = refiner.generate("a cat", steps=3, image=picture, strength=0.6, output_type="np")
+    executables = refiner.executables
     base.set_refiner(refiner)
+    assert refiner.executables is executables, "each keeps its own compiled programs: a program names its model"
     assert refiner.params["vae"] is base.params["vae"]
     assert refiner.params["text_encoder_2"] is base.params["text_encoder_2"]
-    assert refiner.params["unet"] is not base.params["unet"] and refiner.base_params is refiner.params
+    assert refiner.params["unet"] is not base.params["unet"] and refiner.params_with(()) is refiner.params
     np.testing.assert_array_equal(refiner.generate("a cat", steps=3, image=picture, strength=0.6, output_type="np"),
                                   before)

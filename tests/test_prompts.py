@@ -176,17 +176,20 @@ def test_lora_tags_apply_their_lora_for_that_request_only(sdxl, tmp_path):
     pipe.set_loras({str(style): 1.0})
     try:
         request = Request.from_prompt("a red fox", num_images=4, seed=2, steps=2, height=HEIGHT, width=WIDTH)
-        tagged = pipe.validated(dataclasses.replace(request, prompts=("a red fox<lora:style:0.5>",) * 4))
-        assert tagged.loras == ((str(style), 0.5),), "the tag's scale replaces the one set"
+        tagged = pipe.prepare(dataclasses.replace(request, prompts=("a red fox<lora:style:0.5>",) * 4),
+                              output_type="np")
+        assert tagged.request.loras == ((str(style), 0.5),), "the tag's scale replaces the one set"
         expected = pipe.render(dataclasses.replace(request, loras=((str(style), 0.5),)), output_type="np").images
-        np.testing.assert_allclose(pipe.render(tagged, output_type="np").images, expected, atol=1e-5)
-        assert pipe.loras == {str(style): 0.5}, "the request's LoRAs are the ones applied while it renders"
-        twice = pipe.validated(dataclasses.replace(request, prompts=("<lora:style> <lora:style:0.5> a fox",) * 4))
-        assert twice.loras == ((str(style), 1.5),), "a LoRA tagged twice applies twice, as in webui"
+        np.testing.assert_allclose(pipe.render(tagged).images, expected, atol=1e-5)
+        assert pipe.loras == {str(style): 1.0}, "rendering never changes the active LoRAs"
+        untagged = pipe.render(request, output_type="np").images
+        assert np.abs(untagged - expected).mean() > 1e-3, "the next request has the active ones"
+        twice = pipe.prepare(dataclasses.replace(request, prompts=("<lora:style> <lora:style:0.5> a fox",) * 4))
+        assert twice.request.loras == ((str(style), 1.5),), "a LoRA tagged twice applies twice, as in webui"
         with pytest.raises(ValueError, match="the prompt names the LoRA 'ink', which is not loaded; the loaded "
                                              "ones: style"):
-            pipe.validated(dataclasses.replace(request, prompts=("a fox <lora:ink:1>",) * 4))
+            pipe.prepare(dataclasses.replace(request, prompts=("a fox <lora:ink:1>",) * 4))
         with pytest.raises(ValueError, match="name different LoRA tags"):
-            pipe.validated(dataclasses.replace(request, prompts=("a <lora:style:1>", "a", "a", "a")))
+            pipe.prepare(dataclasses.replace(request, prompts=("a <lora:style:1>", "a", "a", "a")))
     finally:
         pipe.set_loras({})

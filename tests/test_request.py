@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec
-from sdxl.engine.request import MAX_SEED, Request
+from sdxl.engine.request import MAX_SEED, Limits, Request
 
 SPEC = ModelSpec.from_folder(BUILTIN_CONFIGS / "sdxl-base-1.0")  # latent factor 32, 4 latent channels
+LIMITS = Limits(SPEC, max_steps=50)
 
 
 def _request(loras=None, **changes) -> Request:
@@ -18,7 +19,7 @@ def _request(loras=None, **changes) -> Request:
 
 def test_values_from_json_clients_are_converted():
     request = Request(("a",), ("",), (3.0,), (0,), ("7.5",), "12", 1024.0, 768, "ddim")
-    checked = request.validated(SPEC, max_steps=50)
+    checked = request.validated(LIMITS)
     assert (checked.seeds, checked.guidance_scales, checked.steps, checked.height) == ((3,), (7.5,), 12, 1024)
     assert all(type(v) is int for v in (*checked.seeds, checked.steps, checked.height, checked.width))
 
@@ -45,7 +46,7 @@ def test_values_from_json_clients_are_converted():
 )
 def test_a_bad_value_is_named_with_what_is_allowed(changes, message):
     with pytest.raises(ValueError) as error:
-        _request(**changes).validated(SPEC, max_steps=50)
+        _request(**changes).validated(LIMITS)
     assert message in str(error.value)
 
 
@@ -54,26 +55,28 @@ def test_per_image_lists_must_agree():
         _request(prompt=["a", "b"], negative_prompt=["c"])
     uneven = Request(("a", "b"), ("",), (1, 2), (0, 0), (5.0, 5.0), 10, 1024, 1024)
     with pytest.raises(ValueError, match="same, non-zero, number"):
-        uneven.validated(SPEC, max_steps=50)
+        uneven.validated(LIMITS)
 
 
-def test_requests_merge_in_order_and_keep_their_batch_key():
+def test_requests_merge_in_order_and_keep_their_call_settings():
     first, second = _request(seed=1), _request(prompt="a cat", seed=9, num_images=1, guidance_scale=7.0)
     merged = Request.merged([first, second])
     assert merged.prompts == ("a fox", "a fox", "a cat") and merged.seeds == (1, 1, 9)
     assert merged.image_index == (0, 1, 0) and merged.guidance_scales == (5.0, 5.0, 7.0)
-    assert merged.batch_key == first.batch_key == second.batch_key
+    assert merged.call_settings == first.call_settings == second.call_settings
 
 
 def test_loras_are_checked_sorted_and_part_of_the_batch_key():
     request = _request(loras=(("b.safetensors", "0.5"), ("a.safetensors", -1), ("c.safetensors", 0)))
-    checked = request.validated(SPEC, max_steps=50)
+    checked = request.validated(LIMITS)
     assert checked.loras == (("a.safetensors", -1.0), ("b.safetensors", 0.5))  # scale 0 does nothing
-    assert _request(loras=(("a.safetensors", 0),)).validated(SPEC, max_steps=50).loras == ()
-    assert checked.batch_key != _request(loras=()).validated(SPEC, max_steps=50).batch_key
-    assert _request().validated(SPEC, max_steps=50).loras is None  # the pipeline's own LoRAs
+    assert _request(loras=(("a.safetensors", 0),)).validated(LIMITS).loras == ()
+    assert checked.call_settings != _request(loras=()).validated(LIMITS).call_settings
+    assert _request().validated(LIMITS).loras == (), "none named: the active ones, none here"
+    active = dataclasses.replace(LIMITS, active_loras=(("b.safetensors", 0.5),))
+    assert _request().validated(active).loras == (("b.safetensors", 0.5),)
     with pytest.raises(ValueError, match=r"LoRA scale of a.safetensors must be a number from -4 to 4, got 9"):
-        _request(loras=(("a.safetensors", 9),)).validated(SPEC, max_steps=50)
+        _request(loras=(("a.safetensors", 9),)).validated(LIMITS)
 
 
 def test_a_sampler_is_taken_by_its_name_or_its_label_and_refused_with_both():
@@ -83,3 +86,19 @@ def test_a_sampler_is_taken_by_its_name_or_its_label_and_refused_with_both():
     assert sampler_name("euler A") == "euler_ancestral"
     with pytest.raises(ValueError, match=r"choose one of: euler \(Euler\), euler_ancestral \(Euler a\)"):
         sampler_name("lms")
+
+
+def test_what_the_pipeline_allows_is_checked_against_its_limits():
+    with pytest.raises(ValueError, match="no refiner is loaded to refine with"):
+        dataclasses.replace(_request(), refine_from=0.8).validated(LIMITS)
+    demo = dataclasses.replace(LIMITS, sizes=((1024, 1024), (1152, 896)))
+    with pytest.raises(ValueError, match="size 768x1024 is not one of this model's sizes: 1024x1024, 1152x896"):
+        _request().validated(demo)
+    tagged = dataclasses.replace(LIMITS, loras={"style": "loras/style.safetensors"},
+                                 active_loras=(("loras/other.safetensors", 1.0),))
+    checked = _request(prompt="<lora:style:0.5> a fox <lora:style:0.25>").validated(tagged)
+    assert checked.loras == (("loras/other.safetensors", 1.0), ("loras/style.safetensors", 0.75)), "tags add"
+    with pytest.raises(ValueError, match="names the LoRA 'ink', which is not loaded; the loaded ones: style"):
+        _request(prompt="a fox <lora:ink>").validated(tagged)
+    with pytest.raises(ValueError, match="no ControlNet is loaded to steer with a control image"):
+        dataclasses.replace(_request(), controls=((object(),),) * 2).validated(LIMITS)

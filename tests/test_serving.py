@@ -28,7 +28,7 @@ def _request(seed: int) -> Request:
 
 def _render_at_once(queue: DeviceQueue, seeds) -> list:
     """The tickets of requests submitted together, once they are done."""
-    tickets = [queue.submit(_request(seed)) for seed in seeds]
+    tickets = [queue.submit(queue.pipe.prepare(_request(seed))) for seed in seeds]
     for ticket in tickets:
         queue.wait(ticket)
     return tickets
@@ -60,7 +60,7 @@ def test_a_batch_being_compiled_in_the_background_waits_for_it(pipe):
     compiling = queue.compile_in_background(pipe.programs_for(request))
     assert compiling is not None
     updates = []
-    ticket = queue.submit(request)
+    ticket = queue.submit(pipe.prepare(request))
     result = queue.wait(ticket, on_update=lambda ticket: updates.append(ticket.compiling))
     assert compiling.done() and ticket.batch_images == 16 and ticket.compiling
     assert updates and all(updates), "while it waits for the compile, the request must say it is compiling"
@@ -100,38 +100,38 @@ def test_requests_with_other_loras_never_share_a_batch(pipe, tmp_path):
     expected = {}
     for request in (plain, styled, half):
         expected[request.loras] = pipe.render(request).images
-    tickets = [queue.submit(request) for request in (plain, styled, half, plain)]
+    tickets = [queue.submit(pipe.prepare(request)) for request in (plain, styled, half, plain)]
     results = [queue.wait(ticket) for ticket in tickets]
     # Only the two plain requests may merge (when a batch of 8 is compiled); no batch mixes LoRAs.
     assert [t.batch_images for t in tickets][1:3] == [4, 4]
     for ticket, result in zip(tickets, results):
         # Within 1 where a merged batch of 8 took other XLA:CPU GEMM blockings than a batch of 4.
-        difference = np.abs(result.images.astype(int) - expected[ticket.request.loras])
+        difference = np.abs(result.images.astype(int) - expected[ticket.prepared.request.loras])
         assert difference.max() <= 1 and difference.mean() < 1e-3
     assert np.abs(expected[()].astype(int) - expected[((style, 1.0),)]).mean() > 1
 
 
-def test_prompts_are_tokenized_when_submitted_not_in_the_device_worker(pipe, monkeypatch):
-    """Issue 21, hole 1: the one device worker never spends its time on text; a request keeps its
-    tokens, and a prompt over the chunk limit is refused when it is submitted."""
+def test_prompts_are_read_when_a_request_is_prepared_never_in_the_device_worker(pipe, monkeypatch):
+    """Issue 21, hole 1: the one device worker never spends its time on text; a prepared request keeps
+    its tokens, and a prompt over the chunk limit is refused when it is prepared."""
     threads = []
     read = pipe.prompts.read
     monkeypatch.setattr(pipe.prompts, "read", lambda *args, **kwargs: threads.append(threading.current_thread().name)
                         or read(*args, **kwargs))
     queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
     long = "word " * 100
-    tickets = [queue.submit(dataclasses.replace(_request(seed), prompts=(prompt,) * 4))
+    tickets = [queue.submit(pipe.prepare(dataclasses.replace(_request(seed), prompts=(prompt,) * 4)))
                for seed, prompt in ((1, "a cat"), (2, long))]
     results = [queue.wait(ticket) for ticket in tickets]
     assert threads and "device-queue" not in threads
     alone = pipe.render(dataclasses.replace(_request(2), prompts=(long,) * 4))
     np.testing.assert_array_equal(results[1].images, alone.images)
     with pytest.raises(ValueError, match="over the limit of 8 chunks"):
-        queue.submit(dataclasses.replace(_request(3), prompts=("w " * 700,) * 4))
+        pipe.prepare(dataclasses.replace(_request(3), prompts=("w " * 700,) * 4))
 
 
 def _held(monkeypatch, pipe, gate: threading.Event, on_render=None):
-    """Makes the device worker wait for `gate` before each render; `on_render(request, on_step)`
+    """Makes the device worker wait for `gate` before each render; `on_render(prepared, on_step)`
     returns the on_step the render reports to (default: the worker's own)."""
     render = pipe.render
 
@@ -152,9 +152,9 @@ def test_a_cancelled_waiting_request_leaves_the_queue_unrendered(pipe, monkeypat
     gate = threading.Event()
     _held(monkeypatch, pipe, gate)
     queue = DeviceQueue(pipe, max_batch_images=4, max_queued=8)  # batches of one request: nothing merges
-    running = queue.submit(_request(1))
+    running = queue.submit(pipe.prepare(_request(1)))
     _running(running)
-    gone, kept = queue.submit(_request(2)), queue.submit(_request(3))
+    gone, kept = queue.submit(pipe.prepare(_request(2))), queue.submit(pipe.prepare(_request(3)))
     assert queue.position(kept) == 2, "the request before it and the batch on the devices"
     queue.cancel(gone)
     assert gone.future.cancelled() and queue.position(kept) == 1
@@ -170,14 +170,14 @@ def test_a_batch_everyone_gave_up_stops_between_progress_reports(pipe, monkeypat
         compiling.result(timeout=300)  # so that two requests share a batch
     gate, reports = threading.Event(), []
 
-    def giving_up(request, on_step):
+    def giving_up(prepared, on_step):
         def step(done):
             reports.append(done)
             if done == 1:
                 for ticket in tickets:
                     queue.cancel(ticket)
             return on_step(done)
-        return step if request.seeds[0] == 4 else on_step
+        return step if prepared.request.seeds[0] == 4 else on_step
 
     _held(monkeypatch, pipe, gate, giving_up)
 
@@ -185,9 +185,9 @@ def test_a_batch_everyone_gave_up_stops_between_progress_reports(pipe, monkeypat
         """Tickets queued while another request holds the worker, so that they share the next batch;
         those at the `going` indices are given up at the batch's first report."""
         gate.clear()
-        blocker = queue.submit(_request(0))
+        blocker = queue.submit(pipe.prepare(_request(0)))
         _running(blocker)
-        together = [queue.submit(_request(seed)) for seed in seeds]
+        together = [queue.submit(pipe.prepare(_request(seed))) for seed in seeds]
         tickets[:] = [together[i] for i in going]
         gate.set()
         queue.wait(blocker)
@@ -199,9 +199,38 @@ def test_a_batch_everyone_gave_up_stops_between_progress_reports(pipe, monkeypat
         with pytest.raises(concurrent.futures.CancelledError):
             ticket.future.result(timeout=120)
     assert together[0].batch_images == 8 and reports == [1], "stopped at the first report, before step 2"
-    assert len(queue.wait(queue.submit(_request(6))).images) == 4  # the worker carries on
+    assert len(queue.wait(queue.submit(pipe.prepare(_request(6)))).images) == 4  # the worker carries on
 
     reports.clear()
     together = submitted_together([4, 5], going=[0])  # the other client's images are rendered all the same
     result = queue.wait(together[1])
     assert reports == [1, STEPS] and len(result.images) == 4 and together[1].batch_images == 8
+
+
+def test_following_a_request_reports_its_moves_and_closing_early_gives_it_up(pipe, monkeypatch):
+    """`DeviceQueue.follow`, every tab's one progress loop: an update whenever the request moves (its
+    place, its step, new previews), and a given-up request when the follower stops following."""
+    gate = threading.Event()
+    _held(monkeypatch, pipe, gate)
+    queue = DeviceQueue(pipe, max_batch_images=4, max_queued=8)
+    blocker = queue.submit(pipe.prepare(_request(1)))
+    _running(blocker)
+    followed = queue.submit(pipe.prepare(_request(2)))
+    following = queue.follow([followed], poll_seconds=0.01, quiet_seconds=60)
+    first = next(following)
+    assert (first.ticket, first.index, first.ahead, first.previews) == (followed, 0, 1, None)
+    gate.set()
+    updates = [first, *following]
+    assert followed.future.done() and [u.ahead for u in updates][-1] == 0
+    assert {u.ticket.step for u in updates} >= {1}, "each step it reaches is reported"
+    assert any(u.previews is not None for u in updates), "the runner's previews reach the follower"
+
+    gate.clear()
+    blocker, gone = queue.submit(pipe.prepare(_request(3))), queue.submit(pipe.prepare(_request(4)))
+    _running(blocker)
+    following = queue.follow([gone], poll_seconds=0.01)
+    next(following)
+    following.close()  # the client went away
+    assert gone.abandoned and gone.future.cancelled()
+    gate.set()
+    queue.wait(blocker)

@@ -14,6 +14,7 @@ import numpy as np
 from ..checkpoints import controlnets as controlnet_checkpoints
 from ..checkpoints.spec import ModelSpec
 from ..checkpoints.weights import flatten
+from ..engine.controls import Control
 from ..engine.mesh import place, replicated
 from ..engine.pipeline import Pipeline
 from ..engine.request import Request
@@ -29,7 +30,7 @@ def with_controlnet(pipe: Pipeline, folder: Path) -> Pipeline:
     checkpoint = controlnet_checkpoints.resolve(str(folder), pipe.spec, dtype=pipe.dtype)
     params = checkpoint.load(pipe.dtype, lambda a: place(a, replicated(pipe.mesh)))
     return Pipeline(
-        pipe.spec, {**pipe.base_params, "controlnets": (params,)}, pipe.prompts.tokenizers, mesh=pipe.mesh,
+        pipe.spec, {**pipe.params, "controlnets": (params,)}, pipe.prompts.tokenizers, mesh=pipe.mesh,
         dtype=pipe.dtype, max_steps=pipe.max_steps, name=f"{pipe.name} + {folder.name}",
         preview_factors=pipe.preview_factors, controlnets=[checkpoint],
     )
@@ -50,8 +51,9 @@ def edges(n: int, height: int, width: int) -> np.ndarray:
 
 
 def steered_request(request: Request) -> Request:
-    """`request` (not yet validated) with an edges control image per image, at the default scale (1)."""
-    return dataclasses.replace(request, control_images=(edges(len(request), request.height, request.width),))
+    """`request` (not yet validated) with an edges control image for every image, at the default scale (1)."""
+    control = Control(edges(1, request.height, request.width)[0])
+    return dataclasses.replace(request, controls=((control,),) * len(request))
 
 
 def step_flops(

@@ -99,7 +99,7 @@ def generation_flops(pipe, request: Request) -> float:
     denoising loop's body once; the other `steps - 1` guided UNet evaluations are added from
     `unet_flops`.
     """
-    program = pipe.program_for(request)
+    program = pipe.prepare(request).program
     with counting.xla_attention():  # lowered over the host's mesh, which it sets itself
         whole = counting.flops(Executables(counting.host_mesh()).lowered(program, "whole"))
     spec = pipe.spec
@@ -110,7 +110,7 @@ def generation_flops(pipe, request: Request) -> float:
 
 def whole_program(pipe, request: Request) -> "jax.stages.Compiled":
     """The one compiled program that renders `request` without progress reports."""
-    return pipe.executables.compiled(pipe.program_for(request), "whole")
+    return pipe.compiled(pipe.prepare(request).program, "whole")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,14 +304,15 @@ def run_benchmark(
 
         log(f"loading {folder}")
         pipe = load_on_devices(folder, dtype, max_steps, num_devices)
-        request = pipe.validated(batch_request(batch or pipe.num_devices, height, width, steps))
+        prepared = pipe.prepare(batch_request(batch or pipe.num_devices, height, width, steps))
+        request = prepared.request
         first = _first_run(pipe, request, log, started=process_start + write_s)
         flops = first.pop("flops")
         log(f"compiled in {first['compile_s']:.1f} s, first image after {first['first_image_s']:.1f} s")
         calls = {
-            "ours": lambda: pipe.render(request),
+            "ours": lambda: pipe.render(prepared),
             # Progress as the demo shows it: a report and the images' previews after every step.
-            "progress": lambda: pipe.render(request, on_step=lambda done: None, on_preview=lambda done, images: None),
+            "progress": lambda: pipe.render(prepared, on_step=lambda done: None, on_preview=lambda done, images: None),
         }
         fresh = controlnet_first = {}
         if not quick:
@@ -322,9 +323,9 @@ def run_benchmark(
             log("measuring the load from the disk and a read into fresh memory, in fresh processes")
             fresh |= disk_and_fresh_memory_loads(**options)
 
-            unguided = dataclasses.replace(request, guidance_scales=(0.0,) * len(request))
+            unguided = pipe.prepare(dataclasses.replace(request, guidance_scales=(0.0,) * len(request)))
             long_prompt = prompt_of_chunks(pipe.prompts, LONG_PROMPT_CHUNKS)
-            long = pipe.validated(batch_request(len(request), height, width, steps, prompt=long_prompt))
+            long = pipe.prepare(batch_request(len(request), height, width, steps, prompt=long_prompt))
             log("writing a random ControlNet of the model's UNet shape, and compiling the model steered by it")
             steered, controlled, controlnet_first = _controlnet_first_run(pipe, scratch, request, dtype)
             calls |= {
@@ -380,6 +381,7 @@ def time_lora_switches(pipe, scratch: Path, request: Request) -> dict:
     file first), to change its scale, and to clear it; and the compilations renders with it needed
     (the first switch also compiles the update for each distinct layer shape, which it includes)."""
     path = str(lora.write_random(scratch / "lora.safetensors", pipe.spec, rank=LORA_RANK, dtype="float16"))
+    request = dataclasses.replace(request, loras=None)  # with the active LoRAs
     first = pipe.set_loras({path: 1.0})
     with CompileCounter() as compiles:
         pipe.render(request)
@@ -422,9 +424,9 @@ def _controlnet_first_run(pipe, scratch: Path, request: Request, dtype: str) -> 
     (from the lowered programs). Returns (pipeline, request, that)."""
     folder = random_models.write_controlnet(scratch / "controlnet", pipe.spec, dtype=dtype)
     steered = control.with_controlnet(pipe, folder)
-    controlled = steered.validated(control.steered_request(
+    controlled = steered.prepare(control.steered_request(
         batch_request(len(request), request.height, request.width, request.steps)))
-    compile_s = steered.compile(steered.programs_for(controlled))
+    compile_s = steered.compile(controlled.programs)
     steered.render(controlled)
     rows = pipe.padded_batch(len(request)) * 2  # with guidance, each image is two rows of the model's batch
     config = steered.controlnets[0].config

@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from .request import integer
+from .checks import integer
 
 PREPROCESSORS = ("canny", "none")
 DEFAULT_CANNY_THRESHOLDS = (100, 200)  # low, high: A1111's ControlNet extension's defaults
@@ -48,17 +48,18 @@ def default_preprocessor(controlnet_name: str) -> str:
 
 
 def control_map(picture: np.ndarray, preprocessor: str, canny_thresholds=DEFAULT_CANNY_THRESHOLDS) -> np.ndarray:
-    """[H, W, 3] uint8: `preprocessor`'s map of a [H, W, 3] picture (uint8, or float in [0, 1]).
+    """`preprocessor`'s map of a [H, W, 3] picture (uint8, or float in [0, 1]): for "none" the
+    picture as it is, for "canny" [H, W, 3] uint8 edges.
 
     Raises:
       ValueError: an unknown preprocessor or thresholds out of range.
     """
     if preprocessor not in PREPROCESSORS:
         raise ValueError(f"preprocessor must be one of {', '.join(PREPROCESSORS)}, got {preprocessor!r}")
-    if picture.dtype != np.uint8:
-        picture = np.round(np.clip(picture, 0, 1) * 255).astype(np.uint8)
     if preprocessor == "none":
         return picture
+    if picture.dtype != np.uint8:
+        picture = np.round(np.clip(picture, 0, 1) * 255).astype(np.uint8)
     return canny(picture, *canny_thresholds)
 
 

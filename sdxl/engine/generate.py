@@ -11,9 +11,8 @@ import jax
 import numpy as np
 
 from . import images
-from .request import (
-    DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_control_scale, default_strength,
-)
+from .controls import Control, default_control_scale
+from .request import DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_strength
 
 
 def generate(
@@ -87,8 +86,6 @@ def generate(
       ValueError: an argument is out of range, in one sentence.
       NonFiniteImageError: the output holds NaN/inf.
     """
-    if output_type not in ("pil", "np", "latent"):
-        raise ValueError(f'output_type must be "pil", "np" or "latent", got {output_type!r}')
     if padding_mask_crop is not None:
         raise ValueError(
             "padding_mask_crop is not implemented: crop the image and the mask around the masked region "
@@ -98,33 +95,19 @@ def generate(
     if isinstance(image, jax.Array) and image.ndim == 4 and image.shape[-1] == pipe.spec.vae.latent_channels:
         start_latents, image = image, None
     image, mask_image = _per_image(image, images.pixels), _per_image(mask_image, images.mask)
-    controls = [_per_image(entry, images.pixels) for entry in _per_controlnet(control_image, len(pipe.controlnets))]
+    pictures = [_per_image(entry, images.pixels) for entry in _per_controlnet(control_image, len(pipe.controlnets))]
     if num_images is None:
         lists = [p for p in (prompt, negative_prompt) if not isinstance(p, str)]
-        given = [len(a) for a in (latents, start_latents, image, *controls) if a is not None and len(a) > 1]
+        given = [len(a) for a in (latents, start_latents, image, *pictures) if a is not None and len(a) > 1]
         num_images = len(lists[0]) if lists else (given[0] if given else pipe.num_devices)
     image, mask_image = (_repeated(a, num_images) for a in (image, mask_image))
-    size = _size_of(pipe.spec, image, start_latents) or _fitting(pipe.spec, controls) or (pipe.spec.native_size,) * 2
+    size = _size_of(pipe.spec, image, start_latents) or _fitting(pipe.spec, pictures) or (pipe.spec.native_size,) * 2
     height, width = size[0] if height is None else height, size[1] if width is None else width
-    control_settings = {}
-    if control_mode is not None and not controls:
+    if control_mode is not None and not pictures:
         raise ValueError("control_mode says what a ControlNet Union's control image is: give control_image too")
-    if controls:
-        k = len(controls)
-        if controlnet_conditioning_scale is None:
-            controlnet_conditioning_scale = default_control_scale(
-                pipe.spec, image=image is not None, inpainting=mask_image is not None
-            )
-        control_settings = dict(
-            control_images=tuple(
-                _repeated(np.stack([images.resized(c, int(height), int(width)) for c in stack]), num_images)
-                for stack in controls
-            ),
-            control_scales=(_numbers(controlnet_conditioning_scale, k, "controlnet_conditioning_scale"),) * num_images,
-            control_starts=(_numbers(control_guidance_start, k, "control_guidance_start"),) * num_images,
-            control_ends=(_numbers(control_guidance_end, k, "control_guidance_end"),) * num_images,
-            control_modes=None if control_mode is None else (_modes(control_mode, k),) * num_images,
-        )
+    if controlnet_conditioning_scale is None:
+        controlnet_conditioning_scale = default_control_scale(
+            pipe.spec, image=image is not None, inpainting=mask_image is not None)
     if strength is None:
         strength = default_strength(pipe.spec, inpainting=mask_image is not None)
     request = Request.from_prompt(
@@ -136,11 +119,30 @@ def generate(
         request, images=image, masks=mask_image, strength=strength, denoising_start=denoising_start,
         denoising_end=denoising_end, start_latents=start_latents,
         aesthetic_scores=(aesthetic_score, negative_aesthetic_score), refine_from=refine_from, emphasis=emphasis,
-        **control_settings,
+        controls=_controls(pictures, num_images, width, height, controlnet_conditioning_scale, control_guidance_start,
+                           control_guidance_end, control_mode),
     )
-    result = pipe.render(request, output_type=output_type)
+    result = pipe.render(pipe.prepare(request, output_type=output_type))
     result.raise_if_not_finite()
     return images.to_pil(result.images) if output_type == "pil" else result.images
+
+
+def _controls(pictures: list[np.ndarray], n: int, width, height, scale, start, end, mode):
+    """Each image's `Control`s (one per ControlNet) from diffusers' arguments: per ControlNet one
+    picture for every image or one per image, resized to the output as diffusers resizes them."""
+    if not pictures:
+        return None
+    k = len(pictures)
+    settings = zip(_numbers(scale, k, "controlnet_conditioning_scale"), _numbers(start, k, "control_guidance_start"),
+                   _numbers(end, k, "control_guidance_end"), (None,) * k if mode is None else _modes(mode, k))
+    columns = []  # per ControlNet, its Control for each image
+    for stack, (scale, start, end, mode) in zip(pictures, settings):
+        if len(stack) not in (1, n):
+            raise ValueError(f"control_image: give one image for every image, or one per image ({n}), got {len(stack)}")
+        made = [Control.of(picture, width, height, fit="resize", scale=scale, start=start, end=end, mode=mode)
+                for picture in stack]
+        columns.append(made * n if len(made) == 1 else made)
+    return tuple(zip(*columns))
 
 
 def _size_of(spec, image: np.ndarray | None, start_latents) -> tuple[int, int] | None:
@@ -200,12 +202,12 @@ def _modes(value, k: int) -> tuple:
     return tuple(v[0] if isinstance(v, list | tuple) else v for v in values)
 
 
-def _fitting(spec, controls: list[np.ndarray]) -> tuple[int, int] | None:
+def _fitting(spec, pictures: list[np.ndarray]) -> tuple[int, int] | None:
     """The first control image's size, rounded down to a size the model renders."""
-    if not controls:
+    if not pictures:
         return None
     f = spec.latent_factor
-    return tuple(max(f, d // f * f) for d in controls[0].shape[1:3])
+    return tuple(max(f, d // f * f) for d in pictures[0].shape[1:3])
 
 
 def _repeated(stack: np.ndarray | None, n: int) -> np.ndarray | None:

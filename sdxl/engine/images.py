@@ -51,16 +51,41 @@ def pixels(image) -> np.ndarray:
     return array.astype(np.float32)
 
 
-def resized(image: np.ndarray, height: int, width: int) -> np.ndarray:
+def resized(image: np.ndarray, height: int, width: int, *, crop: bool = False) -> np.ndarray:
     """[H, W, C] pixels (uint8, or float32 in [0, 1]) at height x width, resized with Lanczos as
-    diffusers' image processors resize the PIL images they are given; unchanged at that size."""
+    diffusers' image processors resize the PIL images they are given; unchanged at that size. With
+    `crop`, first centre-cropped to that aspect ratio (A1111's "Crop and Resize")."""
     if image.shape[:2] == (height, width):
         return image
+    box = crop_box(image.shape[1], image.shape[0], width, height) if crop else None
     if image.dtype == np.uint8:
-        return np.asarray(Image.fromarray(image).resize((width, height), Image.Resampling.LANCZOS))
-    channels = [Image.fromarray(image[..., c], "F").resize((width, height), Image.Resampling.LANCZOS)
+        return np.asarray(Image.fromarray(image).resize((width, height), Image.Resampling.LANCZOS, box=box))
+    channels = [Image.fromarray(image[..., c], "F").resize((width, height), Image.Resampling.LANCZOS, box=box)
                 for c in range(image.shape[-1])]
     return np.clip(np.stack([np.asarray(c) for c in channels], axis=-1), 0, 1)
+
+
+def crop_box(width: int, height: int, to_width: int, to_height: int) -> tuple[float, float, float, float]:
+    """The centred box of a width x height picture with to_width x to_height's aspect ratio, as PIL's
+    `resize(box=...)` takes it: the largest such box."""
+    scale = min(width / to_width, height / to_height)
+    crop_w, crop_h = to_width * scale, to_height * scale
+    return (width - crop_w) / 2, (height - crop_h) / 2, (width + crop_w) / 2, (height + crop_h) / 2
+
+
+def checked_pixels(images) -> np.ndarray:
+    """Images (any shape) as uint8, or float32 in [0, 1] (as diffusers takes arrays).
+
+    Raises:
+      ValueError: floats outside [0, 1], or not finite.
+    """
+    images = np.asarray(images)
+    if images.dtype == np.uint8:
+        return images
+    images = images.astype(np.float32)
+    if not np.isfinite(images).all() or images.min() < 0 or images.max() > 1:
+        raise ValueError("images given as floats must lie in [0, 1]")
+    return images
 
 
 # A bound on what one uploaded or opened image may decode to: SDXL's largest bucket is 1.6
@@ -172,16 +197,13 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
 def controlnet_infotext(pipe, request, i: int) -> dict[str, str]:
     """Image `i`'s ControlNets as A1111's ControlNet extension records them: "ControlNet 0" (and 1,
     2, ...) with "Module: canny, Model: ..., Weight: 0.7, Threshold A: 100, Threshold B: 200, Guidance
-    Start: 0, Guidance End: 0.8" as its value. The module is how the control image was made from a
+    Start: 0, Guidance End: 0.8" as its value. The module is how the control map was made from a
     picture ("none": given as the map)."""
-    made_by = request.control_preprocessors or (None,) * request.controls
     entries = {}
-    for k, (controlnet, preprocessor) in enumerate(zip(pipe.controlnets[: request.controls], made_by)):
-        mode = request.control_modes[i][k] if request.control_modes else None
-        fields = {**(preprocessor.infotext() if preprocessor else {"Module": "none"}),
-                  "Model": controlnet_label(controlnet.name), "Weight": request.control_scales[i][k],
-                  "Guidance Start": request.control_starts[i][k], "Guidance End": request.control_ends[i][k],
-                  **({} if mode is None else {"Union Control Type": CONTROL_MODES[mode][0]})}
+    for k, (controlnet, control) in enumerate(zip(pipe.controlnets, request.controls[i] if request.controls else ())):
+        fields = {**control.made_by.infotext(), "Model": controlnet_label(controlnet.name), "Weight": control.scale,
+                  "Guidance Start": control.start, "Guidance End": control.end,
+                  **({} if control.mode is None else {"Union Control Type": CONTROL_MODES[control.mode][0]})}
         order = ("Module", "Model", "Weight", "Threshold A", "Threshold B", "Guidance Start", "Guidance End",
                  "Union Control Type")
         entries[f"ControlNet {k}"] = ", ".join(f"{key}: {_number(fields[key])}" for key in order if key in fields)

@@ -1,8 +1,8 @@
 """A request's arrays as a compiled program takes them (`sdxl.engine.program.Inputs`), defined once.
 
-`host_inputs` builds them from a validated, tokenized request; `placed` puts them on the mesh, per
-image or whole (`PER_CALL_INPUTS`); `abstract_inputs` gives the shapes compiling needs, from the
-same function run on a `placeholder` request of the program's shapes.
+`host_inputs` builds them from a prepared request; `placed` puts them on the mesh, per image or whole
+(`PER_CALL_INPUTS`); `abstract_inputs` gives the shapes compiling needs, from the same function run
+on a `placeholder` request of the program's shapes.
 """
 
 import dataclasses
@@ -16,8 +16,10 @@ from ..prompts.tokens import Tokens
 from ..sampling.samplers import SAMPLERS
 from ..sampling.schedulers import Schedule, SchedulerConfig
 from . import mesh as meshes
+from .controls import Control
+from .prepared import PreparedRequest
 from .program import PER_CALL_INPUTS, GenerateProgram, Inputs
-from .request import Request, control_defaults
+from .request import Request
 
 
 def schedule(program: GenerateProgram, steps: int) -> Schedule:
@@ -60,9 +62,10 @@ def steps_run(program: GenerateProgram, request: Request) -> tuple[int, int]:
     return first, stop
 
 
-def host_inputs(program: GenerateProgram, request: Request, steps: tuple[int, int]) -> Inputs:
-    """The arrays of a validated, tokenized request that `program` renders, running `steps`
-    (`steps_run`), each image's padded to the program's batch by repeating the last image's."""
+def host_inputs(prepared: PreparedRequest) -> Inputs:
+    """The arrays of a prepared request's program, each image's padded to the program's batch by
+    repeating the last image's."""
+    request, program, tokens = prepared.request, prepared.program, prepared.tokens
     spec, n = program.spec, len(request)
 
     def per_image(values, dtype):
@@ -72,7 +75,6 @@ def host_inputs(program: GenerateProgram, request: Request, steps: tuple[int, in
         values = np.asarray(values, dtype=dtype)
         return values if n == program.batch else np.concatenate([values, np.repeat(values[-1:], program.batch - n, 0)])
 
-    tokens = request.tokens
     zero_negative = [spec.force_zeros_for_empty_prompt and not p for p in request.negative_prompts]
     time_ids = None
     if spec.is_sdxl:
@@ -88,15 +90,17 @@ def host_inputs(program: GenerateProgram, request: Request, steps: tuple[int, in
         start = {"image": per_image(request.start_latents, np.float32)}
     control = {}
     if program.controlnets:
+        columns = list(zip(*request.controls))  # per ControlNet, each image's Control
+        settings = {name: [[getattr(c, name) for c in per] for per in request.controls]
+                    for name in ("scale", "start", "end")}
         control = {
-            "control_images": tuple(per_image(_unit(image), np.float32) for image in request.control_images),
-            **{name: per_image(getattr(request, name), np.float32)
-               for name in ("control_scales", "control_starts", "control_ends")},
+            "control_images": tuple(per_image(_stacked([c.map for c in column]), np.float32) for column in columns),
+            **{f"control_{name}s": per_image(values, np.float32) for name, values in settings.items()},
         }
         if program.control_modes:  # a plain ControlNet's column is unread
-            modes = [[0 if m is None else m for m in per_controlnet] for per_controlnet in request.control_modes]
+            modes = [[0 if c.mode is None else c.mode for c in per] for per in request.controls]
             control["control_modes"] = per_image(modes, np.int32)
-    first, stop = steps
+    first, stop = prepared.steps
     return Inputs(
         ids=per_image(tokens.ids, np.int32),
         weights=per_image(tokens.weights, np.float32),
@@ -118,6 +122,14 @@ def host_inputs(program: GenerateProgram, request: Request, steps: tuple[int, in
     )
 
 
+def _stacked(maps: list[np.ndarray]) -> np.ndarray:
+    """[N, H, W, C] float32 of each image's map; a view of one where all images share it (a request's
+    usual case, and the placeholder's)."""
+    if all(m is maps[0] for m in maps):
+        return np.broadcast_to(_unit(maps[0])[None], (len(maps), *maps[0].shape))
+    return np.stack([_unit(m) for m in maps])
+
+
 def _unit(pixels: np.ndarray) -> np.ndarray:
     """Images as float32 in [0, 1], from uint8 or already so."""
     return pixels / np.float32(255) if pixels.dtype == np.uint8 else pixels
@@ -130,7 +142,7 @@ def placed(inputs: Inputs, mesh: Mesh) -> Inputs:
 
 def abstract_inputs(program: GenerateProgram, mesh: Mesh) -> Inputs:
     """The program's inputs as shapes, dtypes and shardings: what compiling it needs."""
-    arrays = host_inputs(program, placeholder(program), (0, 1))
+    arrays = host_inputs(placeholder(program))
     return _by_field(arrays, mesh, lambda a, sharding: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding))
 
 
@@ -145,8 +157,8 @@ def _by_field(inputs: Inputs, mesh: Mesh, leaf) -> Inputs:
     })
 
 
-def placeholder(program: GenerateProgram) -> Request:
-    """A request of the program's shapes whose values do not matter, tokenized. Its pixel arrays are
+def placeholder(program: GenerateProgram) -> PreparedRequest:
+    """A prepared request of the program's shapes whose values do not matter. Its pixel arrays are
     views of one zero, so that a large batch allocates nothing."""
     spec, n = program.spec, program.batch
 
@@ -156,19 +168,19 @@ def placeholder(program: GenerateProgram) -> Request:
     shape = (n, 2, len(spec.text_encoders), program.chunks * spec.max_tokens)
     tokens = Tokens(np.zeros(shape, np.int32), np.ones(shape, np.float32), np.ones((n, 2), np.int32), np.ones(n, bool))
     guidance = 2.0 if program.guided else 1.0
-    request = Request(("",) * n, ("",) * n, (0,) * n, (0,) * n, (guidance,) * n, 1, program.height, program.width,
-                      program.sampler, tokens=tokens)
     latents = zeros(n, *spec.latent_shape(program.height, program.width))
-    controls = {}
+    controls = None
     if program.controlnets:
-        images = tuple(zeros(n, program.height, program.width, c.conditioning_channels) for c in program.controlnets)
-        controls = {"control_images": images, **control_defaults(n, len(images))}
-    return dataclasses.replace(
-        request,
+        per_image = tuple(Control(zeros(program.height, program.width, c.conditioning_channels))
+                          for c in program.controlnets)
+        controls = (per_image,) * n
+    request = Request(
+        ("",) * n, ("",) * n, (0,) * n, (0,) * n, (guidance,) * n, 1, program.height, program.width, program.sampler,
         noise=latents if program.given_noise else None,
         images=zeros(n, program.height, program.width, 3) if program.start_from == "image" else None,
         masks=zeros(n, program.height, program.width) if program.inpaint else None,
         start_latents=latents if program.start_from == "latents" else None,
         denoising_start=0.5 if program.start_from == "latents" else None,
-        **controls,
+        controls=controls,
     )
+    return PreparedRequest(request, tokens, program, (0, 1))

@@ -55,7 +55,7 @@ def bytes_needed(pipe, programs: Sequence[GenerateProgram], in_use: int, *, prog
     for program in programs:
         for stage in stages(progress):
             try:
-                compiled = pipe.executables.compiled(program, stage)  # a refiner's programs share this cache
+                compiled = pipe.compiled(program, stage)  # a refiner's program by the refiner
             except jax.errors.JaxRuntimeError as e:
                 if "RESOURCE_EXHAUSTED" in str(e):
                     return None

@@ -1,13 +1,17 @@
 """A checkpoint loaded onto a device mesh, and requests rendered on it.
 
-`Pipeline` owns the loaded model (parameters replicated over the mesh, the active LoRAs, an optional
-refiner) and renders a `Request`: it picks the `GenerateProgram` the request needs, builds its
-inputs (`sdxl.engine.inputs`), runs the compiled program (`sdxl.engine.compiled`) and fetches the images. Each
-device renders its share of the images with no communication. `generate` (`sdxl.engine.generate`) is the
-same in diffusers' terms.
+`Pipeline` owns the loaded model (parameters replicated over the mesh, the LoRAs it has read, an
+optional refiner). `prepare` makes a `Request` what the devices take (`sdxl.engine.prepared`), and
+`render` renders a prepared request: it builds its inputs (`sdxl.engine.inputs`), runs its compiled
+program (`sdxl.engine.compiled`) with the parameters of its LoRAs, and fetches the images. Each
+device renders its share of the images with no communication. `generate` (`sdxl.engine.generate`)
+is the same in diffusers' terms.
+
+A pipeline's state changes only through its setters (`set_loras`, `set_refiner`); rendering reads it.
 """
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -20,16 +24,16 @@ from .. import checkpoints
 from ..checkpoints import ModelSpec, controlnets as controlnet_checkpoints, lora
 from ..checkpoints.controlnets import ControlNetCheckpoint
 from ..checkpoints.tokenizer import load_tokenizer
-from ..models.controlnet_union import describe_mode, describe_modes
 from ..models.previews import factors_for
-from ..prompts import syntax as prompt_syntax
 from ..prompts.tokens import Prompts
 from ..sampling.samplers import SAMPLERS
 from . import inputs, mesh as meshes
+from .checks import number
 from .compiled import Executables, ProgressReports, run_in_stages
 from .generate import generate
-from .program import GenerateProgram
-from .request import Request
+from .prepared import PreparedRequest
+from .program import OUTPUT_TYPES, GenerateProgram
+from .request import LORA_SCALE_RANGE, Limits, Request
 
 
 class NonFiniteImageError(RuntimeError):
@@ -69,21 +73,25 @@ class Pipeline:
     def __init__(
         self, spec: ModelSpec, params: dict, tokenizers: Sequence, *, mesh: Mesh, dtype, max_steps: int = 100,
         name: str = "", preview_factors: tuple | None = None, controlnets: Sequence[ControlNetCheckpoint] = (),
+        executables: Executables | None = None,
     ):
+        """`executables`: the compiled programs to use, shared with other pipelines on the same mesh
+        (each program names its model, so one cache serves several); default a cache of its own."""
         self.spec = spec
         # The ControlNets a request's control images steer through, in order; `params["controlnets"]` their weights.
         self.controlnets = tuple(controlnets)
-        self.base_params = params  # as loaded; `params` is them with the active LoRAs applied
-        self.params = params
-        self.loras: dict[str, float] = {}  # the active LoRAs: {source: scale}
-        self.lora_files: dict[str, lora.Lora] = {}  # every LoRA read (`set_loras`), by source
+        self.params = params  # as loaded
+        self.loras: dict[str, float] = {}  # the active LoRAs, for requests that name none: {source: scale}
+        self.lora_files: dict[str, lora.Lora] = {}  # every LoRA read, by source
+        self._applied: tuple[tuple, dict] = ((), params)  # the LoRAs last applied, and the parameters with them
+        self._lock = threading.RLock()  # over `lora_files` and `_applied`: requests prepare while others render
         self.prompts = Prompts(spec, tokenizers)
         self.mesh = mesh
         self.dtype = jnp.dtype(dtype)
         self.max_steps = max_steps
         self.name = name
         self.preview_factors = preview_factors or factors_for(spec)
-        self.executables = Executables(mesh)
+        self.executables = executables or Executables(mesh)
         self.refiner: Pipeline | None = None  # continues requests with `refine_from` (`set_refiner`)
 
     @classmethod
@@ -98,6 +106,7 @@ class Pipeline:
         scheduler: dict | None = None,
         unet: str | None = None,
         controlnet: str | Sequence[str] | None = None,
+        executables: Executables | None = None,
     ) -> "Pipeline":
         """Loads an SDXL or SD 1.x/2.x checkpoint: a diffusers folder or Hub repo, or a single file.
 
@@ -118,6 +127,8 @@ class Pipeline:
           controlnet: a ControlNet (a diffusers folder, a Hub repo id, or a .safetensors file: see
             `sdxl.checkpoints.controlnets`; a ControlNet Union too) or a list of them (diffusers'
             MultiControlNet), checked against the model before their weights are fetched.
+          executables: compiled programs shared with another pipeline on the same devices (a refiner
+            with its base model: `base.executables`).
         """
         devices = list(devices or jax.devices())
         dtype = jnp.dtype(dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16"))
@@ -135,7 +146,8 @@ class Pipeline:
         if controlnets:
             params["controlnets"] = tuple(c.load(dtype, put) for c in controlnets)
         return cls(checkpoint.spec, params, tokenizers, mesh=mesh, dtype=dtype, max_steps=max_steps,
-                   name=str(path_or_repo_id), preview_factors=checkpoint.preview_factors, controlnets=controlnets)
+                   name=str(path_or_repo_id), preview_factors=checkpoint.preview_factors, controlnets=controlnets,
+                   executables=executables)
 
     @property
     def num_devices(self) -> int:
@@ -157,6 +169,14 @@ class Pipeline:
         """The batch that `num_images` images compile and run as: a multiple of the device count."""
         return -(-num_images // self.num_devices) * self.num_devices
 
+    @property
+    def limits(self) -> Limits:
+        """What this pipeline allows a request: its model, schedules, ControlNets, LoRAs and refiner."""
+        with self._lock:
+            names = {lora.display_name(source): source for source in self.lora_files}
+        return Limits(self.spec, self.max_steps, self.controlnets, names, tuple(self.loras.items()),
+                      None if self.refiner is None else self.refiner.name)
+
     def set_refiner(self, refiner: "Pipeline | None") -> None:
         """Makes `refiner` (an SDXL refiner on the same devices) finish requests with `refine_from`,
         as diffusers' "ensemble of expert denoisers": this model runs the schedule down to that
@@ -167,24 +187,31 @@ class Pipeline:
         """
         if refiner is not None:
             self._check_refiner(refiner)
-            refiner.executables = self.executables  # programs are keyed by their model: one cache serves both
-            self._share_equal_components(refiner)
+            refiner._hold(self._equal_components(refiner))
         self.refiner = refiner
 
-    def _share_equal_components(self, refiner: "Pipeline") -> None:
-        """Gives the refiner this model's arrays for each component whose weights it has too, so that
-        the devices hold them once: the published SDXL refiner's VAE and second text encoder are the
-        base's, 1.45 GiB per device in bfloat16 (on a 16 GiB TPU v5e, the difference between fitting
-        and not). Compared on the devices, in one program, value for value."""
-        for name, theirs in refiner.base_params.items():
-            mine = self.base_params.get(name)
-            if name == "controlnets" or mine is None or refiner.params[name] is not theirs:
+    def _equal_components(self, refiner: "Pipeline") -> dict:
+        """This model's arrays for each component whose weights the refiner has too, so that the devices
+        hold them once: the published SDXL refiner's VAE and second text encoder are the base's, 1.45
+        GiB per device in bfloat16 (on a 16 GiB TPU v5e, the difference between fitting and not).
+        Compared on the devices, in one program, value for value."""
+        equal = {}
+        for name, theirs in refiner.params.items():
+            mine = self.params.get(name)
+            if name == "controlnets" or mine is None or mine is theirs:
                 continue
             shapes = [jax.tree.map(lambda a: (a.shape, a.dtype), tree) for tree in (mine, theirs)]
             if jax.tree.structure(mine) != jax.tree.structure(theirs) or shapes[0] != shapes[1]:
                 continue
             if bool(_all_equal(mine, theirs)):
-                refiner.base_params = refiner.params = {**refiner.base_params, name: mine}
+                equal[name] = mine
+        return equal
+
+    def _hold(self, components: dict) -> None:
+        """Holds `components` in place of its own equal ones (`set_refiner`); drops applied LoRAs."""
+        with self._lock:
+            self.params = {**self.params, **components}
+            self._applied = ((), self.params)
 
     def _check_refiner(self, refiner: "Pipeline") -> None:
         mine, theirs = self.spec, refiner.spec
@@ -207,126 +234,89 @@ class Pipeline:
         if theirs.is_inpainting:
             raise checkpoints.CheckpointError(f"the refiner {refiner.name} is an inpainting model")
 
-    def validated(self, request: Request) -> Request:
-        """The request checked against this model and converted (`Request.validated`), with the LoRAs its
-        prompts' tags name (`<lora:NAME:SCALE>`) at their scales. Raises ValueError."""
-        if request.refine_from is not None and self.refiner is None:
-            raise ValueError("no refiner is loaded to refine with (start the demo or the CLI with --refiner)")
-        self._check_controls(request)
-        request = request.validated(self.spec, max_steps=self.max_steps)
-        tags = {tuple(prompt_syntax.lora_tags(prompt)[1]) for prompt in request.prompts}
-        if tags == {()}:
-            return self._checked_modes(request)
-        if len(tags) > 1:
-            raise ValueError("the prompts of one request name different LoRA tags; give each its own request")
-        scales = {}  # a LoRA tagged twice applies twice, as in webui: the scales add
-        for name, scale in tags.pop():
-            scales[name] = scales.get(name, 0.0) + scale
-        loaded = {lora.display_name(source): source for source in self.lora_files}
-        loras = dict(self.loras if request.loras is None else request.loras)
-        for name, scale in scales.items():
-            if name not in loaded:
-                known = f"the loaded ones: {', '.join(sorted(loaded))}" if loaded else "no LoRA is loaded"
-                raise ValueError(f"the prompt names the LoRA {name!r}, which is not loaded; {known}")
-            loras[loaded[name]] = scale
-        request = dataclasses.replace(request, loras=tuple(loras.items()))
-        return self._checked_modes(request.validated(self.spec, max_steps=self.max_steps))
+    # Requests: each is prepared once (checked, tokenized, its programs named), then rendered.
 
-    def _check_controls(self, request: Request) -> None:
-        """Raises ValueError unless the request has a control image for each ControlNet, or none."""
-        if not request.controls:
-            return
-        if not self.controlnets:
-            raise ValueError("no ControlNet is loaded to steer with a control image (start with --controlnet)")
-        if request.controls != len(self.controlnets):
-            names = ", ".join(c.name for c in self.controlnets)
-            raise ValueError(
-                f"{len(self.controlnets)} ControlNets are loaded ({names}): give one control image for each, "
-                f"not {request.controls}"
-            )
-        for image, controlnet in zip(request.control_images, self.controlnets):
-            channels = controlnet.config.conditioning_channels
-            if np.ndim(image) != 4 or np.shape(image)[-1] != channels:
-                raise ValueError(
-                    f"{controlnet.name} takes {channels}-channel control images, got shape {np.shape(image)}"
-                )
+    def prepare(self, request: Request, *, limits: Limits | None = None, output_type: str = "pil") -> PreparedRequest:
+        """`request` as the devices take it: checked against `limits` (default this pipeline's: the
+        demo narrows them to its sizes), its LoRAs read, its prompts tokenized, its programs named.
 
-    def _checked_modes(self, request: Request) -> Request:
-        """The validated `request`, unless a ControlNet Union has no control mode for an image, or one
-        it was not trained on. Raises ValueError."""
-        for k, checkpoint in enumerate(self.controlnets if request.controls else ()):
-            count = getattr(checkpoint.config, "num_control_type", None)  # a Union's
-            modes = {per_image[k] for per_image in request.control_modes}
-            if count is None or not modes:
-                continue
-            if None in modes:
-                raise ValueError(
-                    f"{checkpoint.name} is a ControlNet Union: say what its control image is with a control mode "
-                    f"(control_mode=), one of {describe_modes(count)}"
-                )
-            if max(modes) >= count:
-                raise ValueError(
-                    f"{checkpoint.name} knows {count} control modes ({describe_modes(count)}), not mode "
-                    f"{describe_mode(max(modes))}"
-                )
-        return request
+        Args:
+          output_type: "pil" for uint8 images, "np" for float32 in [0, 1], or "latent": the sampler's
+            latents [N, h, w, C], undecoded and left on the devices, for a refiner to continue.
 
-    def tokenized(self, request: Request) -> Request:
-        tokens = self.prompts.tokens(request.prompts, request.negative_prompts, request.emphasis)
-        return dataclasses.replace(request, tokens=tokens)
+        Raises:
+          ValueError: a value of the request is out of range, in one sentence.
+          CheckpointError: a LoRA file it names cannot be read.
+        """
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {output_type!r}")
+        request = request.validated(limits or self.limits)
+        self._read_loras(source for source, _ in request.loras)
+        if request.refine_from is None:
+            return self._prepared(request, output_type)
+        base, refining = _handoff(request)
+        refined = self.refiner._prepared(refining, output_type)
+        # The request as asked (its PNG parameters name the refiner): its arrays are its base part's.
+        return dataclasses.replace(self._prepared(base, "latent"), request=request, refined=refined)
 
-    # Programs: every request runs one or two (`programs_for`), each compiled once.
-
-    def program_for(self, request: Request, num_images: int | None = None, output_type: str = "pil") -> GenerateProgram:
-        """The program that renders `request` (at `num_images`, by default its own count) on this model."""
-        spec = self.spec
-        tokens = (request if request.tokens is not None else self.tokenized(request)).tokens
-        return GenerateProgram(
-            spec, request.sampler or spec.default_sampler, request.height, request.width,
-            self.padded_batch(num_images or len(request)), self.dtype, self.max_steps, output_type,
+    def _prepared(self, request: Request, output_type: str) -> PreparedRequest:
+        """A validated request prepared for this model's program."""
+        spec, tokens = self.spec, self.prompts.tokens(request.prompts, request.negative_prompts, request.emphasis)
+        program = GenerateProgram(
+            spec, request.sampler, request.height, request.width, self.padded_batch(len(request)), self.dtype,
+            self.max_steps, output_type,
             # An LCM UNet takes the guidance scale as an embedding, with no unconditional pass (as diffusers).
             guided=request.guided and spec.unet.time_cond_proj_dim is None,
             start_from=request.start_from, inpaint=request.masks is not None, given_noise=request.noise is not None,
             chunks=tokens.num_chunks, preview_factors=self.preview_factors,
             controlnets=tuple(c.config for c in self.controlnets) if request.controls else (),
         )
+        return PreparedRequest(request, tokens, program, inputs.steps_run(program, request))
 
-    def programs_for(self, request: Request, num_images: int | None = None, output_type: str = "pil"):
-        """The programs a request runs: one, or with `refine_from` this model's and then the refiner's."""
-        if request.refine_from is None:
-            return [self.program_for(request, num_images, output_type)]
-        base, refining = self._handoff(request)
-        return [self.program_for(base, num_images, "latent"),
-                self.refiner.program_for(refining, num_images, output_type)]
+    def programs_for(self, request: Request, num_images: int | None = None) -> tuple[GenerateProgram, ...]:
+        """The programs `request` runs (`prepare`), at `num_images` images (default its own count)."""
+        prepared = self.prepare(request)
+        return prepared.programs if num_images is None else prepared.programs_at(self.padded_batch(num_images))
+
+    # Programs: each compiled once, by the pipeline whose model it runs (a refiner's by the refiner).
+
+    def compiled(self, program: GenerateProgram, stage: str = "whole"):
+        """A program's stage, compiled (on first use) by the pipeline whose model it runs."""
+        return self._running(program).executables.compiled(program, stage)
 
     def compile(self, programs: Sequence[GenerateProgram], *, progress: bool = False) -> float:
         """Compiles what rendering with these programs runs (with `progress`: the staged programs that
         `render(..., on_step=...)` runs); returns the seconds it took."""
         start = time.perf_counter()
         for program in programs:
-            self.executables.compile(program, progress)
+            self._running(program).executables.compile(program, progress)
         return time.perf_counter() - start
 
     def is_compiled(self, programs: Sequence[GenerateProgram], *, progress: bool = False) -> bool:
-        return all(self.executables.has(program, progress) for program in programs)
+        return all(self._running(program).executables.has(program, progress) for program in programs)
+
+    def _running(self, program: GenerateProgram) -> "Pipeline":
+        """This pipeline, or for a program of the refiner's model the refiner."""
+        return self.refiner if self.refiner is not None and program.spec != self.spec else self
 
     def warmup(self, height: int, width: int, num_images: int | None = None, sampler: str | None = None, *,
                progress: bool = False) -> float:
         """Compiles text-to-image at one size ahead of time (with guidance, uint8 images); returns the seconds."""
         n = num_images or self.num_devices
-        request = Request.from_prompt("", num_images=n, height=height, width=width, sampler=sampler)
+        request = Request.from_prompt("", num_images=n, steps=1, height=height, width=width, sampler=sampler)
         return self.compile(self.programs_for(request), progress=progress)
 
     def lowered(self, program: GenerateProgram, stage: str = "whole", platforms: tuple[str, ...] | None = None):
         """A program's stage lowered for `platforms` (default: the devices'), not compiled: a CPU host
         can check that the program it would run on a TPU lowers (splash kernels go through Mosaic here)."""
-        return self.executables.lowered(program, stage, platforms)
+        return self._running(program).executables.lowered(program, stage, platforms)
 
     # LoRAs
 
     def set_loras(self, loras: Mapping[str, float]) -> float:
-        """Makes `loras` ({source: scale}) the active LoRAs, in place of the previous ones ({} clears
-        them), as diffusers' `set_adapters(names, adapter_weights)`; returns the seconds it took.
+        """Makes `loras` ({source: scale}) the active LoRAs, those of requests that name none, in place
+        of the previous ones ({} clears them), as diffusers' `set_adapters(names, adapter_weights)`;
+        returns the seconds it took to read and apply them.
 
         The weights change, the programs do not: switching never recompiles, and the layers no active
         LoRA touches are the loaded arrays themselves, so clearing restores them exactly. Each file is
@@ -334,31 +324,48 @@ class Pipeline:
 
         Raises:
           CheckpointError: a source is missing or does not fit the model; the active LoRAs stay as they were.
+          ValueError: a scale outside `LORA_SCALE_RANGE`.
         """
-        wanted = {str(source): float(scale) for source, scale in loras.items()}
+        wanted = {str(source): number(scale, f"LoRA scale of {source}", *LORA_SCALE_RANGE)
+                  for source, scale in loras.items()}
         if wanted == self.loras:
             return 0.0
         start = time.perf_counter()
-        for source in wanted:
-            if source not in self.lora_files:
-                self.lora_files[source] = lora.read(lora.locate(source), self.spec, name=source)
-        layers = [(self.lora_files[source], scale) for source, scale in wanted.items()]
-        replicated = meshes.replicated(self.mesh)
-        self.params = jax.block_until_ready(lora.apply(self.base_params, layers, lambda a: meshes.place(a, replicated)))
+        self._read_loras(wanted)  # each file checked now, at scale 0 too: a prompt's tag may turn it up
+        self.params_with(tuple(sorted((source, scale) for source, scale in wanted.items() if scale)))
         self.loras = wanted
         return time.perf_counter() - start
 
-    # Rendering
+    def params_with(self, loras: tuple[tuple[str, float], ...]) -> dict:
+        """The parameters with `loras` ((source, scale), sorted, none at 0: a validated request's)
+        applied, on the devices. The last set's are kept, so the requests of one LoRA set apply it once.
 
-    def steps_run(self, request: Request) -> tuple[int, int]:
-        """The steps first..stop-1 of the request's schedule that run (`sdxl.engine.inputs.steps_run`)."""
-        return inputs.steps_run(self.program_for(request), request)
+        Raises:
+          CheckpointError: a source is missing or does not fit the model.
+        """
+        with self._lock:
+            applied, params = self._applied
+            if applied != loras:
+                self._read_loras(source for source, _ in loras)
+                layers = [(self.lora_files[source], scale) for source, scale in loras]
+                replicated = meshes.replicated(self.mesh)
+                params = jax.block_until_ready(lora.apply(self.params, layers, lambda a: meshes.place(a, replicated)))
+                self._applied = (loras, params)
+            return params
+
+    def _read_loras(self, sources) -> None:
+        with self._lock:
+            for source in sources:
+                if source not in self.lora_files:
+                    self.lora_files[source] = lora.read(lora.locate(source), self.spec, name=source)
+
+    # Rendering
 
     def render(
         self,
-        request: Request,
+        request: Request | PreparedRequest,
         *,
-        output_type: str = "pil",
+        output_type: str | None = None,
         on_step: Callable[[int], bool | None] | None = None,
         on_preview: Callable[[int, np.ndarray], None] | None = None,
         steps_per_report: int = 1,
@@ -366,32 +373,43 @@ class Pipeline:
         """Renders a request's images in one compiled call, or in a chain of them that reports progress.
 
         Args:
-          output_type: "pil" for uint8 images, "np" for float32 in [0, 1], or "latent": the sampler's
-            latents [N, h, w, C], undecoded and left on the devices, for a refiner to continue.
-          on_step: called with the number of finished steps (of those that run) every
-            `steps_per_report` steps; returning False gives the rendering up, and `render` returns None.
+          request: a prepared request, rendered as it is; or a `Request`, prepared first (`prepare`).
+          output_type: for a `Request`, "pil" (the default), "np" or "latent" (`prepare`).
+          on_step: called with the number of finished steps (of those that run, a refiner's after the
+            base's) every `steps_per_report` steps; returning False gives the rendering up, and
+            `render` returns None.
           on_preview: called with the same step count and [N, h, w, 3] uint8 previews of the images
             (`sdxl.models.previews`), at the latents' size.
 
         Raises:
-          ValueError: a value of the request is out of range.
+          ValueError: a value of a `Request` is out of range.
         """
-        request = self.validated(request)
-        if request.refine_from is not None:
-            return self._render_refined(request, output_type, on_step, on_preview, steps_per_report)
-        start, n = time.perf_counter(), len(request)
-        if request.loras is not None:
-            self.set_loras(dict(request.loras))
-        if request.tokens is None:
-            request = self.tokenized(request)
-        program = self.program_for(request, output_type=output_type)
-        first, stop = inputs.steps_run(program, request)
-        arrays = inputs.placed(inputs.host_inputs(program, request, (first, stop)), self.mesh)
+        start = time.perf_counter()
+        if isinstance(request, Request):
+            prepared = self.prepare(request, output_type=output_type or "pil")
+        elif output_type is not None:
+            raise ValueError("a prepared request renders as it was prepared: give output_type to `prepare`")
+        else:
+            prepared = request
+        result = self._render_part(prepared, on_step, on_preview, steps_per_report)
+        if result is not None and prepared.refined is not None:
+            result = self._refined(prepared, result.images, on_step, on_preview, steps_per_report)
+        if result is not None:
+            result.seconds = time.perf_counter() - start
+        return result
+
+    def _render_part(self, prepared: PreparedRequest, on_step, on_preview, steps_per_report) -> Generation | None:
+        """One program's run: this model's part of a prepared request."""
+        request, program = prepared.request, prepared.program
+        n = len(request)
+        arrays = inputs.placed(inputs.host_inputs(prepared), self.mesh)
+        params = self.params_with(request.loras)
         # The ControlNets' weights are the program's only when control images steer this request.
-        params = self.params if program.controlnets else {k: v for k, v in self.params.items() if k != "controlnets"}
+        params = params if program.controlnets else {k: v for k, v in params.items() if k != "controlnets"}
         if on_step is None and on_preview is None:
             images, finite = self.executables.compiled(program, "whole")(params, arrays)
         else:
+            first, stop = prepared.steps
             evaluations = SAMPLERS[program.sampler].evaluations
             report = ProgressReports(on_step, on_preview, stop - first, evaluations(first), n)
             stage = lambda name: self.executables.compiled(program, name)  # noqa: E731
@@ -400,41 +418,30 @@ class Pipeline:
             if rendered is None:
                 return None
             images, finite = rendered
-        images = images[:n] if output_type == "latent" else meshes.fetch(images)[:n]
-        return Generation(images, meshes.fetch(finite)[:n], self.devices_of(n), time.perf_counter() - start)
+        images = images[:n] if program.output_type == "latent" else meshes.fetch(images)[:n]
+        return Generation(images, meshes.fetch(finite)[:n], self.devices_of(n), 0.0)
 
-    def _handoff(self, request: Request) -> tuple[Request, Request]:
-        """A request with `refine_from` as its two parts: this model's down to that fraction of the
-        noise (`denoising_end`), and the refiner's from there (`denoising_start`; its latents, the
-        `start_latents`, come from the first part). The LoRAs, tokens and ControlNets are this model's."""
-        base = dataclasses.replace(request, refine_from=None, denoising_end=request.refine_from)
-        refining = dataclasses.replace(
-            request, refine_from=None, images=None, masks=None, denoising_start=request.refine_from, loras=None,
-            tokens=None, control_images=None, control_scales=None, control_starts=None, control_ends=None,
-            control_modes=None,
-        )
-        return base, refining
-
-    def _render_refined(self, request: Request, output_type: str, on_step, on_preview, steps_per_report):
-        """This model down to `refine_from`, then the refiner on the latents, which never leave the
-        devices. The reports count both runs' steps as one."""
-        base, refining = self._handoff(request)
-        start, stop = self.steps_run(base)
+    def _refined(self, prepared: PreparedRequest, latents, on_step, on_preview, steps_per_report):
+        """The refiner's part, from the latents this model left on the devices; its reports count on
+        from this model's steps."""
+        first, stop = prepared.steps
 
         def continued(report):
-            return None if report is None else (lambda done, *preview: report(stop - start + done, *preview))
+            return None if report is None else (lambda done, *preview: report(stop - first + done, *preview))
 
-        first = self.render(base, output_type="latent", on_step=on_step, on_preview=on_preview,
-                            steps_per_report=steps_per_report)
-        if first is None:
-            return None
-        second = self.refiner.render(
-            dataclasses.replace(refining, start_latents=first.images), output_type=output_type,
-            on_step=continued(on_step), on_preview=continued(on_preview), steps_per_report=steps_per_report,
-        )
-        if second is not None:
-            second.seconds += first.seconds
-        return second
+        refined = prepared.refined
+        refined = dataclasses.replace(refined, request=dataclasses.replace(refined.request, start_latents=latents))
+        return self.refiner._render_part(refined, continued(on_step), continued(on_preview), steps_per_report)
+
+
+def _handoff(request: Request) -> tuple[Request, Request]:
+    """A validated request with `refine_from` as its two parts: the base model's down to that fraction
+    of the noise (`denoising_end`), and the refiner's from there (`denoising_start`; its latents, the
+    `start_latents`, come from the first part when it renders). The LoRAs and ControlNets are the base's."""
+    base = dataclasses.replace(request, refine_from=None, denoising_end=request.refine_from)
+    refining = dataclasses.replace(request, refine_from=None, images=None, masks=None,
+                                   denoising_start=request.refine_from, loras=(), controls=None)
+    return base, refining
 
 
 @jax.jit

@@ -1,24 +1,26 @@
 """One request: the images a caller wants, with their prompts, seeds and settings; defaults and limits.
 
 The library (`Pipeline.generate`), the CLI, the benchmark and the demo all build a `Request`, and
-`Pipeline.render` runs it. Per-image values (prompt, negative prompt, seed, image index, guidance
-scale, and the image and mask to edit) are lists, so that one compiled call can render a batch that
-mixes them; the size, the step count, the sampler and the strength are one per request. Requests
-with equal `batch_key`s can merge into one call.
+`Pipeline.prepare` makes it what the devices take (`sdxl.engine.prepared`). Per-image values
+(prompt, negative prompt, seed, image index, guidance scale, the ControlNets' `Control`s, and the
+image and mask to edit) are lists, so that one compiled call can render a batch that mixes them;
+the size, the step count, the sampler and the strength are one per request.
 
-`Request.validated` is the one check of every value, with the one set of limits below, wherever the
-values come from: Python callers, the command line, or a browser's JSON.
+`Request.validated(limits)` is the one check of every value, against what the loaded pipeline
+allows (`Limits`), wherever the values come from: Python callers, the command line, or a browser's
+JSON.
 """
 
 import dataclasses
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..models.controlnet_union import control_mode
-from ..prompts.syntax import EMPHASIS_MODES
+from ..prompts.syntax import EMPHASIS_MODES, lora_tags
 from ..sampling.samplers import SAMPLER_NAMES, SAMPLERS, WHOLE_SCHEDULE_ONLY
+from .checks import choice, fraction, integer, number, text
+from .controls import Control
+from .images import checked_pixels
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
 DEFAULT_STEPS = 25
@@ -37,8 +39,6 @@ LORA_SCALE_RANGE = (-4.0, 4.0)
 AESTHETIC_SCORE_RANGE = (0.0, 10.0)
 DEFAULT_AESTHETIC_SCORES = (6.0, 2.5)
 DEFAULT_REFINE_FROM = 0.8  # the base's share of the noise before a refiner takes over, as diffusers' docs use
-# A ControlNet's conditioning scale: A1111's ControlNet extension offers 0 to 2; beyond 4 images break up.
-CONTROL_SCALE_RANGE = (0.0, 4.0)
 
 
 def default_strength(spec, *, inpainting: bool) -> float:
@@ -49,54 +49,9 @@ def default_strength(spec, *, inpainting: bool) -> float:
     return 0.3 if spec.is_sdxl else 0.8
 
 
-def default_control_scale(spec, *, image: bool, inpainting: bool) -> float:
-    """The ControlNet scale diffusers' ControlNet pipelines default to: 1 from text, 0.8 for
-    image-to-image, for inpainting 1 with SDXL and 0.5 with SD 1.x/2.x."""
-    if inpainting:
-        return 1.0 if spec.is_sdxl else 0.5
-    return 0.8 if image else 1.0
-
-
-def integer(value, label: str, low: int, high: int) -> int:
-    """`value` as an int in [low, high]; integral floats and numeric text (as JSON clients send) pass.
-
-    Raises:
-      ValueError: naming `label` and the range.
-    """
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if isinstance(value, bool) or not number.is_integer() or not low <= number <= high:
-        raise ValueError(f"{label} must be an integer from {low} to {high}, got {value!r}")
-    return int(number)
-
-
-def number(value, label: str, low: float, high: float) -> float:
-    """`value` as a finite float in [low, high]; numeric text passes. Raises ValueError naming `label`."""
-    try:
-        result = float(value)
-    except (TypeError, ValueError):
-        result = float("nan")
-    if isinstance(value, bool) or not (math.isfinite(result) and low <= result <= high):
-        raise ValueError(f"{label} must be a number from {low:g} to {high:g}, got {value!r}")
-    return result
-
-
 def guidance_scale(value) -> float:
     """A guidance scale as a float in `GUIDANCE_SCALE_RANGE`. Raises ValueError."""
     return number(value, "guidance scale", *GUIDANCE_SCALE_RANGE)
-
-
-def _text(value, label: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{label} must be text, got {type(value).__name__} {value!r:.80}")
-    if len(value) > MAX_PROMPT_CHARACTERS:
-        raise ValueError(
-            f"{label} is {len(value)} characters long; at most {MAX_PROMPT_CHARACTERS} are taken "
-            "(a prompt may have 8 chunks of 75 tokens)"
-        )
-    return value
 
 
 def required_prompt(prompt: str) -> str:
@@ -109,6 +64,36 @@ def required_prompt(prompt: str) -> str:
     if not prompt.strip():
         raise ValueError("please enter a prompt (an empty prompt would give unguided, random images)")
     return prompt
+
+
+def sampler_name(value) -> str:
+    """A sampler's name in `SAMPLERS`, from it or its label as the UIs show it ("DPM++ 2M Karras"),
+    in any case.
+
+    Raises:
+      ValueError: naming each sampler by name and label.
+    """
+    by_label = {label.lower(): name for name, label in SAMPLER_NAMES.items()}
+    name = by_label.get(value.lower(), value.lower()) if isinstance(value, str) else value
+    if name not in SAMPLERS:
+        choices = ", ".join(f"{name} ({SAMPLER_NAMES[name]})" for name in SAMPLERS)
+        raise ValueError(f"unknown sampler {value!r}; choose one of: {choices}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a loaded pipeline allows a request (`Pipeline.limits`), for `Request.validated`; the demo
+    narrows it to its own sizes."""
+
+    spec: object  # the model's `ModelSpec`: sizes must be multiples of its `latent_factor`
+    max_steps: int = 100  # the most steps the pipeline's padded schedules hold
+    controlnets: tuple = ()  # the loaded ControlNets (`ControlNetCheckpoint`s: name, config), in order
+    # The LoRA files read, by the name a prompt's `<lora:NAME:SCALE>` tag gives them: {name: source}.
+    loras: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    active_loras: tuple[tuple[str, float], ...] = ()  # what a request that names no LoRAs gets
+    refiner: str | None = None  # the refiner's name, where one continues requests with `refine_from`
+    sizes: tuple[tuple[int, int], ...] | None = None  # the (width, height) allowed; None: any the model renders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +116,7 @@ class Request:
     # [N, h, w, C] float32 latents (NHWC) that replace the seeded starting noise.
     noise: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
     # ((LoRA source, scale), ...): exactly these LoRAs (() for none; validated: sorted, scale 0 left
-    # out); None: whichever the pipeline has set (`Pipeline.set_loras`).
+    # out, the prompts' tags added); None: the pipeline's active ones (`Pipeline.set_loras`).
     loras: tuple[tuple[str, float], ...] | None = None
     # Image-to-image and inpainting: [N, height, width, 3] images (uint8, or float in [0, 1]) that
     # the images start from, noised to `strength` (1: pure noise's level, all steps run; 0.3: the
@@ -142,7 +127,7 @@ class Request:
     strength: float = 1.0
     # A base model's and a refiner's share of one schedule (diffusers' "ensemble of expert
     # denoisers"): the base stops at the fraction `denoising_end` of its noise and returns latents
-    # (`Pipeline.render(output="latents")`), which the refiner continues, given as
+    # (`Pipeline.render(output_type="latent")`), which the refiner continues, given as
     # `start_latents`, from `denoising_start`.
     denoising_end: float | None = None
     denoising_start: float | None = None
@@ -153,25 +138,9 @@ class Request:
     # The refiner's conditioning (`ModelSpec.requires_aesthetics_score`); other models ignore them.
     aesthetic_scores: tuple[float, float] = DEFAULT_AESTHETIC_SCORES  # (positive, negative)
     emphasis: str = "original"  # one of `EMPHASIS_MODES`
-    # The prompts as the encoders read them (`sdxl.prompts.tokens.Tokens`, made by `Pipeline.tokenized`);
-    # None: made at render time.
-    tokens: object = dataclasses.field(default=None, compare=False, repr=False)
-    # ControlNets (`Pipeline.controlnets`: all of them, or none): one [N, height, width, C] control
-    # image per ControlNet (uint8, or float in [0, 1]); and per image, one value per ControlNet: its
-    # conditioning scale, and the fractions of the steps between which it steers (diffusers'
-    # `controlnet_conditioning_scale`, `control_guidance_start` and `control_guidance_end`; by default
-    # 1, 0 and 1).
-    control_images: tuple[np.ndarray, ...] | None = dataclasses.field(default=None, compare=False, repr=False)
-    control_scales: tuple[tuple[float, ...], ...] | None = None
-    control_starts: tuple[tuple[float, ...], ...] | None = None
-    control_ends: tuple[tuple[float, ...], ...] | None = None
-    # A ControlNet Union's control mode: per image, one per ControlNet, the kind of its control image
-    # (an index of `sdxl.models.controlnet_union.CONTROL_MODES` or one of its names; validated: the index),
-    # None for a plain ControlNet, which has none. None throughout where no ControlNet is a Union.
-    control_modes: tuple[tuple[int | str | None, ...], ...] | None = None
-    # How each control image was made from a picture (`control_maps.Preprocessor`), for the PNG
-    # parameters; None: given as it is.
-    control_preprocessors: tuple | None = dataclasses.field(default=None, compare=False)
+    # Per image, one `Control` for each of the pipeline's ControlNets (`Pipeline.controlnets`: all of
+    # them, or none); None: no ControlNet steers.
+    controls: tuple[tuple[Control, ...], ...] | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_prompt(
@@ -221,100 +190,79 @@ class Request:
         return "noise" if self.images is None else "image"
 
     @property
+    def control_count(self) -> int:
+        """How many ControlNets steer the images (0 or all of the pipeline's)."""
+        return 0 if not self.controls else len(self.controls[0])
+
+    @property
     def call_settings(self) -> tuple:
         """What every image of one compiled call shares: requests with equal settings can render
-        together (guidance aside: `batch_key`)."""
+        together (guidance and prompt lengths aside: `PreparedRequest.batch_key`)."""
         return (
             self.height, self.width, self.steps, self.sampler, self.loras, self.start_from, self.masks is not None,
             self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores, self.refine_from,
-            self.emphasis, self.controls,
+            self.emphasis, self.control_count,
         )
-
-    @property
-    def controls(self) -> int:
-        """How many ControlNets steer the images (0 or all of the pipeline's)."""
-        return 0 if self.control_images is None else len(self.control_images)
-
-    @property
-    def batch_key(self) -> tuple:
-        """Requests with equal keys share a call in the device queue: equal `call_settings`, all needing
-        guidance or none (a request without would otherwise pay for the other's second UNet pass), and
-        prompts of as many chunks (a short one would pay for the other's long context)."""
-        return self.call_settings, self.guided, None if self.tokens is None else self.tokens.num_chunks
 
     @classmethod
     def merged(cls, requests: Sequence["Request"]) -> "Request":
-        """One request for the images of several with the same `batch_key`, in order (no noise, no
+        """One request for the images of several with the same `call_settings`, in order (no noise, no
         start latents)."""
         first = requests[0]
         arrays = {
             name: None if getattr(first, name) is None else np.concatenate([getattr(r, name) for r in requests])
             for name in ("images", "masks")
         }
-        tokens = [r.tokens for r in requests]
-        arrays["tokens"] = None if any(t is None for t in tokens) else type(tokens[0]).merged(tokens)
-        if first.controls:
-            stacks = zip(*(r.control_images for r in requests))  # per ControlNet, every request's images
-            arrays["control_images"] = tuple(np.concatenate(images) for images in stacks)
-        per_image = [f for f in (*_PER_IMAGE, *_PER_IMAGE_CONTROL) if getattr(first, f) is not None]
+        per_image = [f for f in (*_PER_IMAGE, "controls") if getattr(first, f) is not None]
         return dataclasses.replace(
-            first,
-            **{f: tuple(v for r in requests for v in getattr(r, f)) for f in per_image},
-            **arrays,
-            noise=None,
-            start_latents=None,
+            first, **{f: tuple(v for r in requests for v in getattr(r, f)) for f in per_image}, **arrays,
+            noise=None, start_latents=None,
         )
 
-    def validated(self, spec, *, max_steps: int) -> "Request":
-        """This request with every value checked and converted to the type the program takes.
-
-        Args:
-          spec: the model's `ModelSpec`: sizes must be multiples of its `latent_factor`, and noise
-            must have its latents' shape.
-          max_steps: the most steps the pipeline's padded schedules hold.
+    def validated(self, limits: Limits) -> "Request":
+        """This request with every value checked against `limits` and converted to the type the
+        program takes: its LoRAs those it names (or the active ones), with the ones its prompts' tags
+        name at their scales; each `Control` checked against its ControlNet.
 
         Raises:
           ValueError: one sentence naming the first bad value and what is allowed.
         """
-        n = len(self)
+        n, spec = len(self), limits.spec
         if n == 0 or any(len(getattr(self, f)) != n for f in _PER_IMAGE):
             raise ValueError("every per-image value needs the same, non-zero, number of entries")
         sampler = spec.default_sampler if self.sampler is None else sampler_name(self.sampler)
-        f = spec.latent_factor
-        sizes = {}
-        for label in ("height", "width"):
-            value = getattr(self, label)
-            try:
-                size = integer(value, label, f, MAX_SIZE)
-            except ValueError:
-                size = None
-            if size is None or size % f:
-                raise ValueError(f"{label} must be a multiple of {f} from {f} to {MAX_SIZE}, got {value!r}")
-            sizes[label] = size
-        latent_shape = (n, *spec.latent_shape(sizes["height"], sizes["width"]))
+        height, width = (_size(getattr(self, label), label, spec.latent_factor) for label in ("height", "width"))
+        if limits.sizes is not None and (width, height) not in limits.sizes:
+            presets = ", ".join(f"{w}x{h}" for w, h in limits.sizes)
+            raise ValueError(f"size {width}x{height} is not one of this model's sizes: {presets}")
+        latent_shape = (n, *spec.latent_shape(height, width))
         if self.noise is not None and tuple(np.shape(self.noise)) != latent_shape:
             raise ValueError(f"noise must have shape {latent_shape} (NHWC), got {tuple(np.shape(self.noise))}")
-        steps = integer(self.steps, "steps", 1, max_steps)
+        steps = integer(self.steps, "steps", 1, limits.max_steps)
         strength = number(self.strength, "strength", 0.0, 1.0)
-        self._check_start(spec, sampler, steps, strength, sizes["height"], sizes["width"], latent_shape)
+        if self.refine_from is not None and limits.refiner is None:
+            raise ValueError("no refiner is loaded to refine with (start the demo or the CLI with --refiner)")
+        self._check_start(spec, sampler, steps, strength, height, width, latent_shape)
+        prompts = tuple(text(p, "prompt", MAX_PROMPT_CHARACTERS) for p in self.prompts)
         return dataclasses.replace(
             self,
-            **self._checked_controls(sizes["height"], sizes["width"]),
-            prompts=tuple(_text(p, "prompt") for p in self.prompts),
-            negative_prompts=tuple(_text(p, "negative prompt") for p in self.negative_prompts),
+            prompts=prompts,
+            negative_prompts=tuple(text(p, "negative prompt", MAX_PROMPT_CHARACTERS) for p in self.negative_prompts),
             seeds=tuple(integer(s, "seed", 0, MAX_SEED) for s in self.seeds),
             image_index=tuple(integer(i, "image index", 0, MAX_SEED) for i in self.image_index),
             guidance_scales=tuple(guidance_scale(g) for g in self.guidance_scales),
             steps=steps,
+            height=height,
+            width=width,
             sampler=sampler,
-            emphasis=_choice(self.emphasis, "emphasis", EMPHASIS_MODES),
-            loras=None if self.loras is None else _active(self.loras),
-            images=None if self.images is None else _pixels(self.images),
+            emphasis=choice(self.emphasis, "emphasis", EMPHASIS_MODES),
+            loras=_loras(self.loras, prompts, limits),
+            images=None if self.images is None else checked_pixels(self.images),
             masks=None if self.masks is None else np.asarray(self.masks, np.float32) > 0.5,
             strength=strength,
             aesthetic_scores=tuple(number(a, label, *AESTHETIC_SCORE_RANGE) for a, label in zip(
                 self.aesthetic_scores, ("aesthetic score", "negative aesthetic score"))),
-            **sizes,
+            controls=_controls(self.controls, n, limits.controlnets, height, width),
         )
 
     def _check_start(
@@ -349,9 +297,8 @@ class Request:
                 f"strength {strength:g} of {steps} steps leaves no step to run: raise the strength or the steps"
             )
         for label in ("denoising_start", "denoising_end", "refine_from"):
-            value = getattr(self, label)
-            if value is not None and not (isinstance(value, float | int) and 0 < value < 1):
-                raise ValueError(f"{label} must be a fraction above 0 and below 1, got {value!r}")
+            if getattr(self, label) is not None:
+                fraction(getattr(self, label), label)
         if self.refine_from is not None and (self.masks is not None or start == "latents" or self.denoising_end):
             raise ValueError("refine_from refines a whole generation: not an inpainting, nor a handoff of its own")
         if None not in (self.denoising_start, self.denoising_end) and self.denoising_start >= self.denoising_end:
@@ -364,91 +311,57 @@ class Request:
             )
 
 
-    def _checked_controls(self, height: int, width: int) -> dict:
-        """The control images and their per-image settings, checked, with their defaults filled in."""
-        n, k = len(self), self.controls
-        if not k:
-            given = [f for f in _PER_IMAGE_CONTROL if getattr(self, f) is not None]
-            if given:
-                raise ValueError(f"{given[0].replace('_', ' ')} were given without control images")
-            return {}
-        for image in self.control_images:
-            shape = np.shape(image)
-            if len(shape) != 4 or shape[:3] != (n, height, width):
-                raise ValueError(
-                    f"each ControlNet needs {n} control image(s) of the request's size, [N, height, width, C] = "
-                    f"{[n, height, width, 'C']}, got shape {shape}"
-                )
-        settings, defaults = {}, control_defaults(n, k)
-        for field, (label, _, (low, high)) in _CONTROL_SETTINGS.items():
-            values = getattr(self, field) or defaults[field]
-            if len(values) != n or any(len(v) != k for v in values):
-                raise ValueError(f"{label}s: need {k} per image (one per ControlNet) for {n} image(s)")
-            settings[field] = tuple(tuple(number(x, label, low, high) for x in v) for v in values)
-        for starts, ends in zip(settings["control_starts"], settings["control_ends"]):
-            for start, end in zip(starts, ends):
-                if start >= end:
-                    raise ValueError(f"a ControlNet's start ({start:g}) must be below its end ({end:g})")
-        modes = self.control_modes or defaults["control_modes"]
-        if len(modes) != n or any(len(m) != k for m in modes):
-            raise ValueError(
-                f"control modes: need {k} per image (one per ControlNet, None for a plain one) for {n} image(s)"
-            )
-        settings["control_modes"] = tuple(tuple(None if m is None else control_mode(m) for m in v) for v in modes)
-        return {"control_images": tuple(_pixels(image) for image in self.control_images), **settings}
-
-
-def sampler_name(value) -> str:
-    """A sampler's name in `SAMPLERS`, from it or its label as the UIs show it ("DPM++ 2M Karras"),
-    in any case.
-
-    Raises:
-      ValueError: naming each sampler by name and label.
-    """
-    by_label = {label.lower(): name for name, label in SAMPLER_NAMES.items()}
-    name = by_label.get(value.lower(), value.lower()) if isinstance(value, str) else value
-    if name not in SAMPLERS:
-        choices = ", ".join(f"{name} ({SAMPLER_NAMES[name]})" for name in SAMPLERS)
-        raise ValueError(f"unknown sampler {value!r}; choose one of: {choices}")
-    return name
-
-
-def _choice(value, label: str, choices: Sequence[str]) -> str:
-    if value not in choices:
-        raise ValueError(f"{label} must be one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
-def _pixels(images) -> np.ndarray:
-    """Images as uint8, or float32 in [0, 1] (as diffusers takes arrays)."""
-    images = np.asarray(images)
-    if images.dtype == np.uint8:
-        return images
-    images = images.astype(np.float32)
-    if not np.isfinite(images).all() or images.min() < 0 or images.max() > 1:
-        raise ValueError("images given as floats must lie in [0, 1]")
-    return images
-
-
-def _active(loras) -> tuple[tuple[str, float], ...]:
-    """LoRA settings checked and in one form: sorted, and without those at scale 0 (which do nothing),
-    so that equal settings give equal batch keys."""
-    checked = ((source, number(scale, f"LoRA scale of {source}", *LORA_SCALE_RANGE)) for source, scale in loras)
-    return tuple(sorted((source, scale) for source, scale in checked if scale))
-
-
 _PER_IMAGE = ("prompts", "negative_prompts", "seeds", "image_index", "guidance_scales")
-# The per-image ControlNet settings (None without control images): their labels, defaults and ranges.
-_CONTROL_SETTINGS = {
-    "control_scales": ("ControlNet scale", 1.0, CONTROL_SCALE_RANGE),
-    "control_starts": ("ControlNet start", 0.0, (0.0, 1.0)),
-    "control_ends": ("ControlNet end", 1.0, (0.0, 1.0)),
-}
-_PER_IMAGE_CONTROL = (*_CONTROL_SETTINGS, "control_modes")  # every per-image ControlNet field
 
 
-def control_defaults(n: int, k: int) -> dict:
-    """`Request`'s per-image ControlNet settings for n images and k ControlNets, each at its default
-    (and no control mode)."""
-    defaults = {field: ((default,) * k,) * n for field, (_, default, _) in _CONTROL_SETTINGS.items()}
-    return {**defaults, "control_modes": ((None,) * k,) * n}
+def _size(value, label: str, factor: int) -> int:
+    """A height or width: a multiple of the model's latent factor up to `MAX_SIZE`. Raises ValueError."""
+    try:
+        size = integer(value, label, factor, MAX_SIZE)
+    except ValueError:
+        size = None
+    if size is None or size % factor:
+        raise ValueError(f"{label} must be a multiple of {factor} from {factor} to {MAX_SIZE}, got {value!r}")
+    return size
+
+
+def _loras(loras, prompts: Sequence[str], limits: Limits) -> tuple[tuple[str, float], ...]:
+    """The LoRAs a request runs with: those it names (None: the active ones), with those its prompts'
+    `<lora:NAME:SCALE>` tags name at their scales (a LoRA tagged twice applies twice, as in webui:
+    the scales add); checked, sorted, and without those at scale 0 (which do nothing), so that equal
+    settings give equal batch keys."""
+    tags = {tuple(lora_tags(prompt)[1]) for prompt in prompts}
+    if len(tags) > 1:
+        raise ValueError("the prompts of one request name different LoRA tags; give each its own request")
+    chosen = dict(limits.active_loras if loras is None else loras)
+    tagged: dict[str, float] = {}
+    for name, scale in tags.pop():
+        tagged[name] = tagged.get(name, 0.0) + scale
+    for name, scale in tagged.items():
+        if name not in limits.loras:
+            known = f"the loaded ones: {', '.join(sorted(limits.loras))}" if limits.loras else "no LoRA is loaded"
+            raise ValueError(f"the prompt names the LoRA {name!r}, which is not loaded; {known}")
+        chosen[limits.loras[name]] = scale
+    checked = {source: number(scale, f"LoRA scale of {source}", *LORA_SCALE_RANGE) for source, scale in chosen.items()}
+    return tuple(sorted((source, scale) for source, scale in checked.items() if scale))
+
+
+def _controls(controls, n: int, controlnets: Sequence, height: int, width: int):
+    """Each image's controls checked against the loaded ControlNets (`Control.checked`): one per
+    ControlNet, or none at all."""
+    if controls is None:
+        return None
+    if not controlnets:
+        raise ValueError("no ControlNet is loaded to steer with a control image (start with --controlnet)")
+    if len(controls) != n:
+        raise ValueError(f"controls: need one per image ({n}), one Control per ControlNet each; got {len(controls)}")
+    names = ", ".join(c.name for c in controlnets)
+    checked = {}  # each Control once: a request usually gives the same to every image
+    for per_image in controls:
+        if len(per_image) != len(controlnets):
+            raise ValueError(f"{len(controlnets)} ControlNet(s) are loaded ({names}): give one control image for "
+                             f"each, not {len(per_image)}")
+        for control, controlnet in zip(per_image, controlnets):
+            if id(control) not in checked:
+                checked[id(control)] = control.checked(controlnet, height, width)
+    return tuple(tuple(checked[id(control)] for control in per_image) for per_image in controls)

@@ -1,12 +1,14 @@
-"""The demo's requests: what a visitor chose in the form (`Settings`), made into device-queue requests
+"""The demo's requests: what a visitor chose in the form (`Settings`), made into prepared requests
 for each tab by `DemoService`. No Gradio here: `app.py` builds the page around a service.
 
-Values arrive as the browser sent them; every one is checked where the request is made
-(`sdxl.engine.request`), so a bad one gets a sentence that names it.
+Values arrive as the browser sent them; every one is checked where the request is prepared
+(`Request.validated`, with the demo's limits: its sizes), so a bad one gets a sentence that names it.
 """
 
+import collections
 import dataclasses
 import re
+import threading
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -14,27 +16,45 @@ from PIL import Image
 
 from ..checkpoints import lora
 from ..engine import images
-from ..engine.control_maps import DEFAULT_CANNY_THRESHOLDS, Preprocessor
+from ..engine.checks import integer, number
+from ..engine.control_maps import DEFAULT_CANNY_THRESHOLDS, default_preprocessor
+from ..engine.controls import Control, default_control_scale
 from ..engine.pipeline import Pipeline
+from ..engine.prepared import PreparedRequest
 from ..engine.request import (
-    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, integer, number,
-    required_prompt,
+    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED,
+    MAX_SIZE, Limits, Request, default_strength, required_prompt,
 )
+from ..models.controlnet_union import CONTROL_MODES, describe_mode
 from ..prompts.styles import NO_STYLE, STYLES
-from ..prompts.syntax import EMPHASIS_MODES
+from ..prompts.syntax import A1111_EMPHASIS_NAMES, EMPHASIS_MODES
+from ..sampling.samplers import SAMPLER_NAMES
 from . import grid
 from .grid import GridPlan
 from .known import Recommended
-from .queue import DeviceQueue
+from .queue import DeviceQueue, Runner
+from .results import size_label
 
 # SDXL's training buckets (width, height); other models get them scaled to their native size.
 SDXL_SIZES = ((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344))
+# The Compare tab's two ways, as the page names them.
+COMPARE_PROMPTS, COMPARE_SEEDS = "One prompt per line, same seed", "One prompt, consecutive seeds"
+# The Generate tab's examples for a model that has none of its own (`serving.known`): (prompt, style).
+EXAMPLES = [
+    ["a lighthouse on a cliff at dusk, waves crashing, warm light in the windows", "Cinematic"],
+    ["a red fox sleeping in fresh snow, morning light", "Photographic"],
+    ["a tiny robot watering a bonsai tree", "3D model"],
+    ["a castle floating above the clouds", "Fantasy art"],
+]
+TABS = ("generate", "image_to_image", "compare", "grid")  # what each tab's button submits (`DemoService.submission`)
+CHECKED_KEPT = 64  # checked submissions waiting for their handler (`DemoService.check`), at most
 
 
 @dataclasses.dataclass(frozen=True)
-class Control:
+class ControlForm:
     """One ControlNet's part of the form: the picture that steers it, how it becomes the control map,
-    and how strongly and between which fractions of the steps it steers."""
+    and how strongly and between which fractions of the steps it steers, as the browser sent them.
+    `control` makes it the request's `Control`."""
 
     picture: Image.Image | None = None  # None: no control image (then no ControlNet steers)
     preprocessor: str = "none"  # one of `control_maps.PREPROCESSORS`
@@ -45,27 +65,19 @@ class Control:
     end: float = 1.0
     mode: str | int | None = None  # a ControlNet Union's control mode (`controlnet_union.CONTROL_MODES`)
 
-    @property
-    def made_by(self) -> Preprocessor:
-        return Preprocessor(self.preprocessor, (self.canny_low, self.canny_high))
-
-    def fitted(self, width: int, height: int) -> "Control":
-        """This control with its picture cropped and resized to `width` x `height` (as `control_map`
-        does), so that maps made at that size from it again skip the resize."""
-        return self if self.picture is None else dataclasses.replace(
-            self, picture=fit_to_sizes(self.picture, [(width, height)])[0])
-
-    def control_map(self, width: int, height: int) -> np.ndarray:
-        """[height, width, 3] uint8: the picture cropped to the size's aspect ratio and resized, as
-        A1111's "Crop and Resize", then its map (edges drawn at the output's own resolution).
+    def control(self, width, height) -> Control:
+        """The request's control at the output's size: the picture centre-cropped to its aspect ratio and
+        resized (A1111's "Crop and Resize"), then its map (edges drawn at the output's own resolution).
 
         Raises:
-          ValueError: no picture, or a preprocessor or threshold out of range.
+          ValueError: no picture, or a size, preprocessor or threshold out of range.
         """
         if self.picture is None:
             raise ValueError("no control image was given")
-        picture, _ = fit_to_sizes(self.picture, [(width, height)])
-        return self.made_by(images.pixels(picture))
+        width, height = (integer(value, label, 1, MAX_SIZE) for value, label in ((width, "width"), (height, "height")))
+        return Control.of(self.picture, width, height, preprocessor=self.preprocessor,
+                          canny_thresholds=(self.canny_low, self.canny_high), scale=self.scale, start=self.start,
+                          end=self.end, mode=self.mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,17 +98,17 @@ class Settings:
     refine: bool = False  # finish with the refiner, from `refine_from` of the noise
     refine_from: float = DEFAULT_REFINE_FROM
     lora_scales: tuple[float, ...] | None = None  # one per launched LoRA (`DemoService.loras`); None: their own
-    controls: tuple[Control, ...] = ()  # one per launched ControlNet (`Pipeline.controlnets`), or none
+    controls: tuple[ControlForm, ...] = ()  # one per launched ControlNet (`Pipeline.controlnets`), or none
 
 
-# Each `Control` field's name in the form (and the API) for the first ControlNet; the others' add "_2", "_3", ...
+# Each `ControlForm` field's name in the form (and the API) for the first ControlNet; the others' add "_2", ...
 CONTROL_PARAMETERS = {"picture": "control_image", "preprocessor": "control_preprocessor", "canny_low": "canny_low",
                       "canny_high": "canny_high", "scale": "control_scale", "start": "control_start",
                       "end": "control_end", "mode": "control_mode"}
 
 
 def control_parameters(count: int) -> list[dict[str, str]]:
-    """For each of `count` ControlNets, its `Control` fields' names in the form: {field: name}."""
+    """For each of `count` ControlNets, its `ControlForm` fields' names in the form: {field: name}."""
     return [{field: name + (f"_{k + 1}" if k else "") for field, name in CONTROL_PARAMETERS.items()}
             for k in range(count)]
 
@@ -122,24 +134,101 @@ def fit_to_sizes(picture: Image.Image, sizes: Sequence[tuple[int, int]]) -> tupl
     target = min(sizes, key=lambda size: abs(np.log(size[0] / size[1]) - np.log(width / height)))
     if (width, height) == target:
         return picture, target
-    scale = min(width / target[0], height / target[1])
-    crop_w, crop_h = target[0] * scale, target[1] * scale
-    box = ((width - crop_w) / 2, (height - crop_h) / 2, (width + crop_w) / 2, (height + crop_h) / 2)
+    box = images.crop_box(width, height, *target)
     return picture.resize(target, Image.Resampling.LANCZOS, box=box), target
 
 
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """What the page offers, in the service's terms: each list of (label, value) pairs, the ranges of
+    its sliders, and their starting values."""
+
+    sizes: dict[str, tuple[int, int]]  # {label: (width, height)}, the model's first size first
+    loras: list[tuple[str, float]]  # each launched LoRA's label and launch scale
+    controlnets: list["ControlNetChoices"]
+    samplers: list[tuple[str, str]]
+    styles: list[str]  # "No style" first
+    examples: list[list[str]]  # (prompt, style)
+    emphasis: list[tuple[str, str]]
+    axes: list[tuple[str, str]]  # a grid's: "none" first
+    guidance_range: tuple[float, float]
+    max_steps: int
+    lora_scale_range: tuple[float, float]
+    max_seed: int
+    sampler: str
+    guidance_scale: float
+    steps: int
+    strength: float  # image-to-image's
+    control_scale: float
+    refine_from: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlNetChoices:
+    """A launched ControlNet's part of the page: its label, the preprocessor it most likely wants, and
+    for a ControlNet Union its control modes as (label, name) and the one to start with."""
+
+    label: str
+    preprocessor: str
+    modes: list[tuple[str, str]]
+    mode: str | None
+
+
+@dataclasses.dataclass
+class Submission:
+    """What one click submits: its device calls (one, or a grid's), a note for the status, and for a
+    grid where its cells lie in the calls."""
+
+    calls: list[PreparedRequest]
+    note: str | None = None
+    grid: GridPlan | None = None
+
+
+def path_of(file) -> str:
+    """The server-side path of an uploaded file as a handler receives it (Gradio's FileData, a dict
+    from an API client, or a path)."""
+    return file if isinstance(file, str) else (file["path"] if isinstance(file, dict) else file.path)
+
+
+def read_upload(upload, what: str = "image") -> Image.Image:
+    """An upload (an image the editor holds, or a file), read (`images.read_image`). Raises ValueError
+    naming `what` where it is not "image" (whose sentences say so already)."""
+    if isinstance(upload, Image.Image):
+        return upload
+    try:
+        return images.read_image(path_of(upload))
+    except (TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"the {what} must be an uploaded image file, got {upload!r:.80}") from e
+    except ValueError as e:
+        if what == "image":
+            raise
+        raise ValueError(f"the {what}: {e}") from e
+
+
+def picture_and_mask(editor) -> tuple[Image.Image | None, Image.Image | None]:
+    """The picture an image editor holds and, where a layer is painted, a mask (white where painted)."""
+    if not editor or editor.get("background") is None:
+        return None, None
+    background = editor["background"]
+    painted = [np.asarray(layer.convert("RGBA"))[..., 3] > 0 for layer in editor.get("layers") or []]
+    if not painted or not np.any(painted):
+        return background, None
+    return background, Image.fromarray(np.any(painted, axis=0).astype(np.uint8) * 255)
+
+
 class DemoService:
-    """A pipeline served to the demo's visitors: their settings as requests, and the device queue."""
+    """A pipeline served to the demo's visitors: their settings as prepared requests, and the device queue."""
 
     def __init__(
         self, pipe: Pipeline, *, model_label: str, max_images_per_core: int = 4, max_queued: int = 32,
         max_per_owner: int = 4, notice: str | None = None, loras: Mapping[str, float] | None = None,
-        recommended: Recommended = Recommended(), emphasis: str = "original",
+        recommended: Recommended = Recommended(), emphasis: str = "original", runner: Runner | None = None,
     ):
         """`model_label`: how results name the model. `notice`: why another model than the one asked
         for is served. `loras`: the LoRAs a request may use, {source: default scale}, in the order the
-        page lists them. `recommended`: the model's default steps and guidance (`checkpoints.known`).
-        `emphasis`: the form's default for how prompts' weights apply."""
+        page lists them. `recommended`: the model's default steps and guidance (`serving.known`).
+        `emphasis`: the form's default for how prompts' weights apply. `runner`: what has the devices
+        render (default: this process's pipeline; several hosts' runner sends each call to all)."""
         self.pipe = pipe
         self.emphasis = emphasis
         self.model_label = model_label
@@ -151,28 +240,106 @@ class DemoService:
         self.max_images_per_core = max_images_per_core
         self.sizes = list(recommended.sizes) if recommended.sizes else size_presets(pipe)
         self.queue = DeviceQueue(pipe, max_batch_images=self.max_images, max_queued=max_queued,
-                                 max_per_owner=max_per_owner)
+                                 max_per_owner=max_per_owner, runner=runner)
+        self.choices = self._choices()
+        self._checked: collections.OrderedDict = collections.OrderedDict()  # (owner, tab) -> (form, submission)
+        self._lock = threading.Lock()
+
+    def _choices(self) -> Choices:
+        spec, names = self.pipe.spec, [lora.display_name(source) for source in self.loras]
+        control_axes = [(name.replace("control", "ControlNet").replace("_", " "), name)
+                        for name in grid.CONTROL_AXES] if self.pipe.controlnets else []
+        controlnets = []
+        for controlnet in self.pipe.controlnets:
+            label = images.controlnet_label(controlnet.name)
+            preprocessor, count = default_preprocessor(label), getattr(controlnet.config, "num_control_type", 0)
+            modes = [(describe_mode(m), CONTROL_MODES[m][0]) for m in range(count)]  # a Union's
+            controlnets.append(ControlNetChoices(label, preprocessor, modes, (
+                "canny" if preprocessor == "canny" else "depth") if modes else None))
+        return Choices(
+            sizes={size_label(w, h): (w, h) for w, h in self.sizes},
+            loras=[(f"LoRA {lora.display_name(source)}", scale) for source, scale in self.loras.items()],
+            controlnets=controlnets,
+            samplers=[(label, name) for name, label in SAMPLER_NAMES.items()],
+            styles=list(STYLES),
+            examples=[[text, NO_STYLE] for text in self.recommended.examples] or EXAMPLES,
+            emphasis=[(A1111_EMPHASIS_NAMES[mode], mode) for mode in EMPHASIS_MODES],
+            axes=[("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
+                  *((f"LoRA {name} scale", grid.LORA_AXIS + name) for name in names), *control_axes],
+            guidance_range=GUIDANCE_SCALE_RANGE, max_steps=self.pipe.max_steps, lora_scale_range=LORA_SCALE_RANGE,
+            max_seed=MAX_SEED, refine_from=DEFAULT_REFINE_FROM,
+            sampler=spec.default_sampler, guidance_scale=self.recommended.guidance_scale,
+            steps=self.recommended.steps, strength=default_strength(spec, inpainting=False),
+            control_scale=default_control_scale(spec, image=False, inpainting=False),
+        )
 
     @property
     def max_images(self) -> int:
         return self.pipe.num_devices * self.max_images_per_core
 
+    @property
+    def limits(self) -> Limits:
+        """The pipeline's limits, at the demo's sizes."""
+        return dataclasses.replace(self.pipe.limits, sizes=tuple(self.sizes))
+
     def settings(self, form: Mapping) -> Settings:
         """The settings of a form's fields by name, LoRA scales by their `lora_parameters`."""
         fields = {f.name for f in dataclasses.fields(Settings)}
         scales = tuple(form[name] for name in self.lora_parameters if name in form)
-        controls = tuple(Control(**{field: form[name] for field, name in names.items() if name in form})
+        controls = tuple(ControlForm(**{field: form[name] for field, name in names.items() if name in form})
                          for names in self.control_parameters)
         return Settings(**{k: v for k, v in form.items() if k in fields}, lora_scales=scales or None,
                         controls=controls)
 
-    def images(self, settings: Settings) -> Request:
+    def check(self, tab: str, owner: str | None, form: Mapping) -> None:
+        """Builds what a tab's button submits (`submission`) and keeps it for `checked`, which the page
+        calls next: a bad value is refused before anything is shown, and the request is built once.
+
+        Raises:
+          ValueError: a bad value, in one sentence.
+        """
+        submission = self.submission(tab, form)
+        with self._lock:
+            self._checked[owner, tab] = (dict(form), submission)
+            while len(self._checked) > CHECKED_KEPT:
+                self._checked.popitem(last=False)
+
+    def checked(self, tab: str, owner: str | None, form: Mapping) -> Submission:
+        """The submission `check` built of the same form, else (a raw API call runs no check, or another
+        click's check came between) built now. Raises ValueError."""
+        with self._lock:
+            kept, submission = self._checked.pop((owner, tab), (None, None))
+        return submission if kept == dict(form) else self.submission(tab, form)
+
+    def submission(self, tab: str, form: Mapping) -> Submission:
+        """What a tab's button submits (`TABS`), from the form's fields by name, its uploads read.
+
+        Raises:
+          ValueError: a bad value, in one sentence.
+        """
+        pictures = {"image": "image", "mask": "image"} | {names["picture"]: "control image"
+                                                          for names in self.control_parameters}
+        form = {k: read_upload(v, pictures[k]) if k in pictures and v is not None else v for k, v in form.items()}
+        settings = self.settings(form)
+        if tab == "generate":
+            return Submission([self.images(settings)])
+        if tab == "image_to_image":
+            prepared, note = self.image_edit(settings, form.get("image"), form.get("mask"), form.get("strength"))
+            return Submission([prepared], note)
+        if tab == "compare":
+            return Submission([self.comparison(settings, form.get("mode"), form.get("prompts"), form.get("num_seeds"))])
+        if tab == "grid":
+            plan = self.grid(settings, form.get("x_axis") or None, form.get("x_values"), form.get("y_axis") or None,
+                             form.get("y_values"))
+            return Submission(plan.requests, grid=plan)
+        raise ValueError(f"no tab {tab!r}; the tabs are {', '.join(TABS)}")
+
+    def images(self, settings: Settings) -> PreparedRequest:
         """One prompt, `images_per_core` images on every core: images (seed, 0), (seed, 1), ..."""
-        n = self.pipe.num_devices * integer(settings.images_per_core, "images per core", 1, self.max_images_per_core)
-        return self._request(settings, self._styled(settings), (settings.seed,) * n, tuple(range(n)))
+        return self.prepare(self._images(settings))
 
     def image_edit(self, settings: Settings, image: Image.Image | None, mask: Image.Image | None,
-                   strength) -> tuple[Request, str | None]:
+                   strength) -> tuple[PreparedRequest, str | None]:
         """Image-to-image of `image`, inpainting where `mask` (None for none) is white: both fitted to
         the demo's size of the nearest aspect ratio (`fit_to_sizes`). Returns the request and a note
         when the image was resized."""
@@ -185,7 +352,7 @@ class DemoService:
             if mask.size != original:
                 raise ValueError(f"the mask is {mask.size[0]}x{mask.size[1]}, the image {original[0]}x{original[1]}")
             masks = images.mask(fit_to_sizes(mask.convert("L"), [(width, height)])[0])[None]
-        request = self.images(dataclasses.replace(settings, width=width, height=height))
+        request = self._images(dataclasses.replace(settings, width=width, height=height))
         n = len(request)
         request = dataclasses.replace(
             request, images=np.repeat(images.pixels(picture)[None], n, axis=0),
@@ -195,9 +362,20 @@ class DemoService:
             f"the image was {original[0]}x{original[1]}; cropped and resized to {width}x{height}, this model's "
             "nearest size"
         )
-        return self._checked(request), note
+        return self.prepare(request), note
 
-    def prompt_comparison(self, settings: Settings, prompts: Sequence[str]) -> Request:
+    def comparison(self, settings: Settings, mode, prompts, num_seeds) -> PreparedRequest:
+        """The Compare tab: several prompts (one per line) from the same seed, or one prompt over
+        `num_seeds` consecutive seeds (`COMPARE_PROMPTS`, `COMPARE_SEEDS`)."""
+        if not isinstance(prompts, (str, type(None))):
+            raise ValueError(f"prompts must be text (one per line), got {type(prompts).__name__} {prompts!r:.80}")
+        if mode not in (COMPARE_PROMPTS, COMPARE_SEEDS):
+            raise ValueError(f"compare mode must be {COMPARE_PROMPTS!r} or {COMPARE_SEEDS!r}, got {mode!r}")
+        if mode == COMPARE_PROMPTS:
+            return self.prompt_comparison(settings, (prompts or "").splitlines())
+        return self.seed_comparison(dataclasses.replace(settings, prompt=(prompts or "").strip()), num_seeds)
+
+    def prompt_comparison(self, settings: Settings, prompts: Sequence[str]) -> PreparedRequest:
         """Several prompts from the same starting noise (seed, image 0), side by side."""
         prompts = [p for p in prompts if p.strip()]
         if not 1 <= len(prompts) <= self.max_images:
@@ -205,21 +383,21 @@ class DemoService:
         styled = [self._styled(dataclasses.replace(settings, prompt=p)) for p in prompts]
         n = len(styled)
         request = self._request(settings, styled[0], (settings.seed,) * n, (0,) * n)
-        return self._checked(dataclasses.replace(
+        return self.prepare(dataclasses.replace(
             request, prompts=tuple(p for p, _ in styled), negative_prompts=tuple(q for _, q in styled)))
 
-    def seed_comparison(self, settings: Settings, num_seeds) -> Request:
+    def seed_comparison(self, settings: Settings, num_seeds) -> PreparedRequest:
         """One prompt from `num_seeds` consecutive seeds, side by side."""
         first = integer(settings.seed, "seed", 0, MAX_SEED)
         n = integer(num_seeds, "number of seeds", 1, self.max_images)
         if first + n - 1 > MAX_SEED:
             raise ValueError(f"seeds {first}..{first + n - 1} go past {MAX_SEED}")
-        return self._request(settings, self._styled(settings), tuple(range(first, first + n)), (0,) * n)
+        return self.prepare(self._request(settings, self._styled(settings), tuple(range(first, first + n)), (0,) * n))
 
     def grid(self, settings: Settings, x_axis: str | None, x_values: str, y_axis: str | None,
              y_values: str) -> GridPlan:
-        """A prompt x seed x ... grid (`sdxl.serving.grid`): each cell image 0 of its own settings, the cells
-        that can share a device call in as few calls as fit."""
+        """A prompt x seed x ... grid (`sdxl.serving.grid`): each cell image 0 of its own settings, the
+        cells that can share a device call in as few calls as fit."""
         names = [lora.display_name(source) for source in self.loras]
         axes = [
             None if not name else grid.parse_axis(
@@ -231,30 +409,31 @@ class DemoService:
         x, y = axes
         if x is not None and y is not None and x.name == y.name:
             raise ValueError(f"the x and y axes are both {x.name}: choose two different settings")
-        steered = any(control.picture is not None for control in settings.controls)
+        controls = self._controls(settings, *self._size(settings))  # made once: every cell shares their maps
         for axis in axes:
-            if axis is not None and axis.name in grid.CONTROL_AXES and not steered:
+            if axis is not None and axis.name in grid.CONTROL_AXES and controls is None:
                 raise ValueError(f"the {axis.name.replace('_', ' ')} axis needs a control image (ControlNet panel)"
                                  if self.pipe.controlnets else "no ControlNet is loaded (start with --controlnet)")
-        if steered:  # every cell's maps are made from the pictures resized once, not once a cell
-            width, height = _pixel_size(*self._size(settings))
-            settings = dataclasses.replace(settings, controls=tuple(c.fitted(width, height) for c in settings.controls))
 
-        def with_value(cell: Settings, name: str, value) -> Settings:
+        def with_value(cell: tuple[Settings, tuple | None], name: str, value) -> tuple[Settings, tuple | None]:
+            settings, controls = cell
             if name.startswith(grid.LORA_AXIS):
-                scales = list(self._lora_scales(cell))
+                scales = list(self._lora_scales(settings))
                 scales[names.index(name[len(grid.LORA_AXIS):])] = value
-                return dataclasses.replace(cell, lora_scales=tuple(scales))
+                return dataclasses.replace(settings, lora_scales=tuple(scales)), controls
             if name in grid.CONTROL_AXES:  # every ControlNet's
                 field = name.removeprefix("control_")
-                return dataclasses.replace(
-                    cell, controls=tuple(dataclasses.replace(c, **{field: value}) for c in cell.controls))
-            return dataclasses.replace(cell, **{name: value})
+                return settings, tuple(dataclasses.replace(c, **{field: value}) for c in controls)
+            return dataclasses.replace(settings, **{name: value}), controls
 
-        cells = [dataclasses.replace(cell, images_per_core=1, refine=False)
-                 for cell in grid.cells(settings, x, y, with_value)]
-        singles = [self._request(cell, self._styled(cell), (cell.seed,), (0,)) for cell in cells]
-        return grid.plan(x, y, singles, self.max_images)
+        cells = [self.prepare(self._request(dataclasses.replace(cell, images_per_core=1, refine=False),
+                                            self._styled(cell), (cell.seed,), (0,), controls))
+                 for cell, controls in grid.cells((settings, controls), x, y, with_value)]
+        return grid.plan(x, y, cells, self.max_images, self.pipe.padded_batch)
+
+    def prepare(self, request: Request) -> PreparedRequest:
+        """A request checked against the demo's limits and made what the devices take (`Pipeline.prepare`)."""
+        return self.pipe.prepare(request, limits=self.limits)
 
     def prompt_length(self, text, emphasis: str = "original", *, negative: bool = False) -> str:
         """A prompt box's length as the page shows it under the box, "84 tokens, 2 chunks"; or why it
@@ -266,53 +445,65 @@ class DemoService:
         except ValueError as e:
             return str(e)
 
-    def png_parameters(self, request: Request, i: int) -> str:
-        return images.png_parameters(self.pipe, request, i, self.model_label)
+    def png_parameters(self, prepared: PreparedRequest, i: int) -> str:
+        return images.png_parameters(self.pipe, prepared.request, i, self.model_label)
 
-    def _request(self, settings: Settings, styled: tuple[str, str], seeds: tuple, image_index: tuple) -> Request:
-        """The validated request for images of `seeds` and `image_index`, with the settings' size,
-        sampler, guidance, LoRAs and refiner."""
+    def control_map(self, picture, preprocessor, canny_low, canny_high, width, height) -> np.ndarray:
+        """The map a ControlNet panel's picture (an upload) makes at the chosen size, as the request will
+        make it (and then takes from the maps kept). Raises ValueError."""
+        form = ControlForm(read_upload(picture, "control image"), preprocessor, canny_low, canny_high)
+        return form.control(width, height).map
+
+    def reused(self, text: str) -> tuple[dict, str]:
+        """The form's fields, by name, that a PNG's "parameters" text (this demo's, A1111's or Forge's)
+        fills in: the prompts, and of seed, guidance, steps, sampler, emphasis and size (one of this
+        model's) those it names; and a sentence that says what was filled in. Raises ValueError."""
+        found = images.read_parameters(text)
+        label = size_label(found.get("width"), found.get("height"))
+        fields = {"prompt": found["prompt"], "negative_prompt": found["negative_prompt"],
+                  **{name: found[name] for name in ("seed", "guidance_scale", "steps", "sampler", "emphasis")
+                     if name in found},
+                  **({"size": label} if label in self.choices.sizes else {})}
+        said = {"seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
+                "emphasis": "emphasis", "size": "size"}
+        samplers = {name: label for label, name in self.choices.samplers}
+        filled = "".join(f", {word} {samplers.get(fields[name], fields[name])}" for name, word in said.items()
+                         if name in fields)
+        return fields, f"Filled in: the prompts{filled}"
+
+    def _images(self, settings: Settings) -> Request:
+        n = self.pipe.num_devices * integer(settings.images_per_core, "images per core", 1, self.max_images_per_core)
+        return self._request(settings, self._styled(settings), (settings.seed,) * n, tuple(range(n)))
+
+    def _request(self, settings: Settings, styled: tuple[str, str], seeds: tuple, image_index: tuple,
+                 controls: tuple[Control, ...] | None = None) -> Request:
+        """The request for images of `seeds` and `image_index`, with the settings' size, sampler,
+        guidance, LoRAs, refiner and ControlNets (`controls` where made already)."""
         n = len(seeds)
         width, height = self._size(settings)
-        request = Request(
+        if controls is None:
+            controls = self._controls(settings, width, height)
+        return Request(
             (styled[0],) * n, (styled[1],) * n, seeds, image_index, (settings.guidance_scale,) * n, settings.steps,
             height, width, settings.sampler, loras=tuple(zip(self.loras, self._lora_scales(settings))),
             refine_from=float(settings.refine_from) if settings.refine else None, emphasis=settings.emphasis,
-            **self._controls(settings.controls, n, width, height),
+            controls=None if controls is None else (controls,) * n,
         )
-        return self._checked(request)
 
-    def _controls(self, controls: Sequence[Control], n: int, width, height) -> dict:
-        """The request's control maps and settings: none without control images; with them, one image
-        for each launched ControlNet."""
-        given = [control.picture is not None for control in controls]
+    def _controls(self, settings: Settings, width, height) -> tuple[Control, ...] | None:
+        """The request's controls, one per launched ControlNet: none without pictures."""
+        given = [form.picture is not None for form in settings.controls]
         if not any(given):
-            return {}
-        if not all(given) or len(controls) != len(self.pipe.controlnets):
+            return None
+        if not all(given) or len(given) != len(self.pipe.controlnets):
             names = ", ".join(c.name for c in self.pipe.controlnets)
             raise ValueError(f"{len(self.pipe.controlnets)} ControlNets are loaded ({names}): give a control image "
                              f"for each, or none (got {sum(given)})")
-        width, height = _pixel_size(width, height)
-        return dict(
-            control_images=tuple(np.repeat(c.control_map(width, height)[None], n, axis=0) for c in controls),
-            control_scales=(tuple(c.scale for c in controls),) * n,
-            control_starts=(tuple(c.start for c in controls),) * n,
-            control_ends=(tuple(c.end for c in controls),) * n,
-            control_modes=(tuple(c.mode for c in controls),) * n,
-            control_preprocessors=tuple(c.made_by for c in controls),
-        )
+        return tuple(form.control(width, height) for form in settings.controls)
 
     def _size(self, settings: Settings) -> tuple:
         """The settings' (width, height) as sent (`Request.validated` checks them), or the model's first size."""
         return (settings.width, settings.height) if settings.width is not None else self.sizes[0]
-
-    def _checked(self, request: Request) -> Request:
-        """The request validated by the pipeline, at one of the demo's sizes."""
-        request = self.pipe.validated(request)
-        if (request.width, request.height) not in self.sizes:
-            presets = ", ".join(f"{w}x{h}" for w, h in self.sizes)
-            raise ValueError(f"size {request.width}x{request.height} is not one of this model's sizes: {presets}")
-        return request
 
     def _lora_scales(self, settings: Settings) -> tuple:
         """One scale per launched LoRA (their launch scales unless the settings give them; 0 leaves one out)."""
@@ -334,8 +525,3 @@ class DemoService:
         if not isinstance(negative_prompt, (str, type(None))):
             raise ValueError(f"negative prompt must be text, got {negative_prompt!r:.80}")
         return STYLES[style].apply(prompt, negative_prompt or "")
-
-
-def _pixel_size(width, height) -> tuple[int, int]:
-    """A size as sent, as integers a picture can be resized to. Raises ValueError naming the bad one."""
-    return integer(width, "width", 1, MAX_SIZE), integer(height, "height", 1, MAX_SIZE)

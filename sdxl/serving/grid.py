@@ -16,9 +16,10 @@ from typing import TypeVar
 
 from PIL import Image, ImageDraw, ImageFont
 
-from ..engine.request import (
-    CONTROL_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, Request, guidance_scale, integer, number, sampler_name,
-)
+from ..engine.checks import integer, number
+from ..engine.controls import CONTROL_SCALE_RANGE
+from ..engine.prepared import PreparedRequest
+from ..engine.request import LORA_SCALE_RANGE, MAX_SEED, guidance_scale, sampler_name
 from ..prompts.styles import STYLES
 from ..sampling.samplers import SAMPLER_NAMES
 
@@ -127,24 +128,26 @@ def cells(settings: T, x: Axis | None, y: Axis | None, with_value: Callable[[T, 
 
 @dataclasses.dataclass
 class GridPlan:
-    """A grid's axes and the requests (device calls) that render its cells; cell i is image
+    """A grid's axes and the prepared requests (device calls) that render its cells; cell i is image
     `where[i]` = (request, index) of those."""
 
     x: Axis | None
     y: Axis | None
-    requests: list[Request]
+    requests: list[PreparedRequest]
     where: list[tuple[int, int]]
 
 
-def plan(x: Axis | None, y: Axis | None, cells: Sequence[Request], max_images: int) -> GridPlan:
-    """The cells' one-image requests merged into as few device calls as fit (`calls`)."""
+def plan(x: Axis | None, y: Axis | None, cells: Sequence[PreparedRequest], max_images: int,
+         padded_batch: Callable[[int], int]) -> GridPlan:
+    """The cells' one-image requests merged into as few device calls as fit (`calls`), each at the
+    batch `padded_batch` gives its image count."""
     requests, where = [], [None] * len(cells)
     # Cells with guidance 1 or less share calls with guided ones: their images are the conditional
     # branch either way (within float rounding), and the grid takes fewer calls.
-    for call in calls([cell.call_settings for cell in cells], max_images):
+    for call in calls([cell.request.call_settings for cell in cells], max_images):
         for index, cell in enumerate(call):
             where[cell] = (len(requests), index)
-        requests.append(Request.merged([cells[i] for i in call]))
+        requests.append(PreparedRequest.merged([cells[i] for i in call], padded_batch(len(call))))
     return GridPlan(x, y, requests, where)
 
 

@@ -8,9 +8,9 @@ all of them, and `sdxl.engine.mesh.fetch` gathers them to every process.
 Process 0 takes every decision (`sdxl.serving.queue.DeviceQueue`); its `HostsRunner` sends each one to the
 followers over the runtime's own coordination service (its key-value store: no home-made RPC), and
 each follower (`Hosts.follow`) makes the same pipeline calls in the same order:
-- the render stream: a batch's request (tokenized once, on process 0: the follower builds the same
-  arrays from it), then at each progress report the decision to go on or give up, so every process
-  runs the same device calls and joins the same collectives;
+- the render stream: a batch's prepared request (checked and tokenized once, on process 0: the
+  follower builds the same arrays from it), then at each progress report the decision to go on or
+  give up, so every process runs the same device calls and joins the same collectives;
 - the compile stream: the programs compiled in the background, in process 0's order, on a thread of
   their own as on process 0, so a long compile never holds up rendering there either. (Compiling
   is local to each process; a follower that has not finished a program its render needs compiles it
@@ -308,7 +308,7 @@ class Hosts:
             except Exception:  # process 0 failed the same way; the requests that need it fail there
                 log.exception("a background compile failed")
 
-    def _render(self, pipe, request, previews: bool) -> None:
+    def _render(self, pipe, prepared, previews: bool) -> None:
         import jax
 
         def on_step(done: int) -> bool:
@@ -324,7 +324,7 @@ class Hosts:
             return go_on
 
         try:
-            pipe.render(request, on_step=on_step, on_preview=(lambda done, images: None) if previews else None)
+            pipe.render(prepared, on_step=on_step, on_preview=(lambda done, images: None) if previews else None)
         except jax.errors.JaxRuntimeError as e:
             self.lost(e)
         except Exception:  # process 0 failed the same way, before any collective, and told its users
@@ -363,10 +363,10 @@ class HostsRunner:
         self._report()
         return self.pipe.compile(programs, progress=True)
 
-    def render(self, request, on_step: Callable[[int], bool], on_preview):
+    def render(self, prepared, on_step: Callable[[int], bool], on_preview):
         import jax
 
-        self._send(self.hosts.renders, ("render", request, on_preview is not None))
+        self._send(self.hosts.renders, ("render", prepared, on_preview is not None))
 
         def step(done: int) -> bool:
             go_on = on_step(done) is not False
@@ -374,7 +374,7 @@ class HostsRunner:
             return go_on
 
         try:
-            return self.pipe.render(request, on_step=step, on_preview=on_preview)
+            return self.pipe.render(prepared, on_step=step, on_preview=on_preview)
         except jax.errors.JaxRuntimeError as e:
             self.hosts.lost(e)
         finally:

@@ -22,6 +22,22 @@ HANDLER_ROUTE = re.compile(r"/gradio_api/(?:(?P<route>run|api|call)/(?:v2/)?(?P<
 RETRY_AFTER_SECONDS = 10
 
 
+def route(path: str) -> str | None:
+    """How a call came in: "queue" (/gradio_api/queue/join: the page and gradio_client, in their
+    session), "call" (raw HTTP through the queue), "run" (raw HTTP outside it), or None."""
+    found = re.search(r"/gradio_api/(queue|call|run|api)/", path)
+    return None if found is None else {"api": "run"}.get(found[1], found[1])
+
+
+def owner(path: str, session: str | None, forwarded_for: str | None, address: str | None) -> str | None:
+    """Whose call it is, for the queue's per-user bound: the browser session or gradio_client's. Gradio
+    gives each raw HTTP call a session of its own, so those are the address they came from (the first
+    X-Forwarded-For behind a proxy, as on Spaces): they count together."""
+    if route(path) in (None, "queue"):
+        return session
+    return f"address {(forwarded_for or '').split(',')[0].strip() or address}"
+
+
 class HttpErrors:
     """ASGI middleware in front of a Gradio app (`launch(app_kwargs={"middleware": [...]})`).
 

@@ -20,7 +20,8 @@ from ..engine import memory
 from ..engine.compilation import enable_compilation_cache
 from ..engine.images import model_label
 from ..engine.pipeline import Pipeline
-from ..engine.request import DEFAULT_MODEL, DEFAULT_REFINE_FROM, Request
+from ..engine.prepared import PreparedRequest
+from ..engine.request import DEFAULT_MODEL, DEFAULT_REFINE_FROM
 from ..prompts.syntax import EMPHASIS_MODES
 from . import hosts as multihost
 from .demo import DemoService, Settings
@@ -247,17 +248,16 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
     service = DemoService(
         pipe, model_label=model.label, max_images_per_core=options.max_images_per_core, max_queued=options.max_queue,
         max_per_owner=options.max_per_user, notice=model.notice, loras=model.loras, recommended=model.settings,
-        emphasis=options.emphasis,
+        emphasis=options.emphasis, runner=None if hosts is None else hosts.runner(pipe),  # calls to every process
     )
-    if hosts is not None:  # before any request: every device call goes to every process
-        service.queue.runner = hosts.runner(pipe)
     warm_up = service.images(Settings(prompt="warm-up", guidance_scale=model.settings.guidance_scale, steps=2,
                                       emphasis=options.emphasis))
     # On an accelerator, the largest batch of each kind the demo renders must fit a device's memory.
     served = [warm_up, *_edits(pipe, warm_up).values()]
-    memory.check_fits(pipe, lambda n: [p for r in served for p in pipe.programs_for(r, n * pipe.num_devices)],
+    batch = lambda n: pipe.padded_batch(n * pipe.num_devices)  # noqa: E731
+    memory.check_fits(pipe, lambda n: [p for r in served for p in r.programs_at(batch(n))],
                       options.max_images_per_core, "--max-images-per-core {}".format)
-    compile_seconds = service.queue.runner.compile(pipe.programs_for(warm_up))
+    compile_seconds = service.queue.runner.compile(warm_up.programs)
     warm_start = time.perf_counter()
     service.queue.wait(service.queue.submit(warm_up))
     ready = time.perf_counter()
@@ -291,28 +291,30 @@ def _join_hosts(options: argparse.Namespace) -> "multihost.Hosts | None":
     return hosts
 
 
-def _compiled_in_background(pipe: Pipeline, warm_up: Request, max_images_per_core: int) -> dict[str, list]:
+def _compiled_in_background(pipe: Pipeline, warm_up: PreparedRequest, max_images_per_core: int) -> dict[str, tuple]:
     """The programs that compile while the demo serves, by label: the batch sizes that "images per
     core" and merged requests use, the other guidance variant (a guidance scale of 1 or less runs
     without), then image-to-image and inpainting (and the refiner's handoff), at the first size."""
-    programs = {f"batch {n * pipe.num_devices}": pipe.programs_for(warm_up, n * pipe.num_devices)
+    programs = {f"batch {n * pipe.num_devices}": warm_up.programs_at(pipe.padded_batch(n * pipe.num_devices))
                 for n in range(2, max_images_per_core + 1)}
-    other = "without guidance" if warm_up.guided else "with guidance"
-    flipped = dataclasses.replace(warm_up, guidance_scales=(1.0 if warm_up.guided else 5.0,) * len(warm_up))
-    programs[f"batch {len(warm_up)} {other}"] = pipe.programs_for(flipped)
+    request = warm_up.request
+    other = "without guidance" if request.guided else "with guidance"
+    flipped = dataclasses.replace(request, guidance_scales=(1.0 if request.guided else 5.0,) * len(request))
+    programs[f"batch {len(request)} {other}"] = pipe.prepare(flipped).programs
     for label, edited in _edits(pipe, warm_up).items():
-        programs[label] = pipe.programs_for(edited)
+        programs[label] = edited.programs
     return programs
 
 
-def _edits(pipe: Pipeline, warm_up: Request) -> dict[str, Request]:
+def _edits(pipe: Pipeline, warm_up: PreparedRequest) -> dict[str, PreparedRequest]:
     """The warm-up request as the demo's other kinds of request, by label: image-to-image and
     inpainting (and with a refiner, refined)."""
-    pixels = np.zeros((len(warm_up), warm_up.height, warm_up.width, 3), np.uint8)
+    request = warm_up.request
+    pixels = np.zeros((len(request), request.height, request.width, 3), np.uint8)
     edits = {"image-to-image": dict(images=pixels), "inpainting": dict(images=pixels, masks=pixels[..., 0] == 0)}
     if pipe.refiner is not None:
         edits["refining"] = dict(refine_from=DEFAULT_REFINE_FROM)
-    return {label: dataclasses.replace(warm_up, **edit) for label, edit in edits.items()}
+    return {label: pipe.prepare(dataclasses.replace(request, **edit)) for label, edit in edits.items()}
 
 
 def _report_background_compile(label: str, compiling) -> None:

@@ -21,8 +21,11 @@ has been given up; a batch that still holds someone else's images renders on.
 Every decision is the queue's, taken on this process; the devices hear of them through a `Runner`,
 so that a runner for several processes can send each one to all of them.
 
-A failure is confined to the requests it concerns: input is validated before it is queued, a
-NaN image fails only the request it belongs to, and the worker thread survives any exception.
+The queue takes prepared requests (`Pipeline.prepare`: checked, tokenized, their programs named)
+and renders them as they are; requests it merges are merged prepared ones.
+
+A failure is confined to the requests it concerns: input is checked before it is queued, a NaN
+image fails only the request it belongs to, and the worker thread survives any exception.
 """
 
 import concurrent.futures
@@ -31,13 +34,14 @@ import heapq
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from ..engine.pipeline import Generation, Pipeline
+from ..engine.prepared import PreparedRequest
 from ..engine.program import GenerateProgram
-from ..engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +61,16 @@ class Runner:
         """Compiles the staged programs a batch runs (the queue reports progress); returns the seconds."""
         return self.pipe.compile(programs, progress=True)
 
-    def render(self, request: Request, on_step: Callable[[int], bool], on_preview) -> Generation | None:
+    def render(self, prepared: PreparedRequest, on_step: Callable[[int], bool], on_preview) -> Generation | None:
         """The batch's images, or None if `on_step` gave it up."""
-        return self.pipe.render(request, on_step=on_step, on_preview=on_preview)
+        return self.pipe.render(prepared, on_step=on_step, on_preview=on_preview)
 
 
 @dataclasses.dataclass(eq=False)
 class Ticket:
     """A queued request: its future result and where it stands."""
 
-    request: Request
+    prepared: PreparedRequest
     owner: str | None = None  # who asked (a browser session); None: nobody in particular
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
     step: int = 0  # denoising steps done, while running
@@ -75,6 +79,16 @@ class Ticket:
     compiling: bool = False  # whether it waits for its programs to compile (a new size, sampler or prompt length)
     batch_images: int = 0  # images in the batch it runs in (its own and other requests')
     abandoned: bool = False  # given up (`DeviceQueue.cancel`): nobody waits for its result
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """Where a followed request stands (`DeviceQueue.follow`)."""
+
+    ticket: Ticket  # the request followed now
+    index: int  # its place among those followed
+    ahead: int  # requests ahead of it: those waiting before it, and the batch on the devices (0: next, or its own)
+    previews: "np.ndarray | None"  # new previews of its images since the last update, else None
 
 
 class DeviceQueue:
@@ -141,16 +155,19 @@ class DeviceQueue:
         with self._changed:
             self._changed.notify_all()
 
-    def submit(self, request: Request, owner: str | None = None) -> Ticket:
-        """Queues `owner`'s request, checked first (`Pipeline.validated`: a ValueError names a bad value).
-        Raises QueueFullError when the queue is at capacity, or the owner has `max_per_owner` waiting."""
-        request = self.pipe.validated(request)
-        if len(request) > self.max_batch_images:
-            raise ValueError(f"at most {self.max_batch_images} images per request, got {len(request)}")
-        request = self.pipe.tokenized(request)  # here, in the submitting thread, not in the device worker
-        ticket = Ticket(request, owner)
+    def submit(self, prepared: PreparedRequest, owner: str | None = None) -> Ticket:
+        """Queues `owner`'s prepared request (`Pipeline.prepare`, in the submitting thread: the device
+        worker never spends its time on text).
+
+        Raises:
+          ValueError: more images than a batch holds.
+          QueueFullError: the queue is at capacity, or the owner has `max_per_owner` waiting.
+        """
+        if len(prepared) > self.max_batch_images:
+            raise ValueError(f"at most {self.max_batch_images} images per request, got {len(prepared)}")
+        ticket = Ticket(prepared, owner)
         # Said from the start, not once the worker next looks: the first update a client gets is true.
-        ticket.compiling = not self.pipe.is_compiled(self.pipe.programs_for(request), progress=True)
+        ticket.compiling = not self.pipe.is_compiled(prepared.programs, progress=True)
         with self._changed:
             if len(self._waiting) >= self.max_queued:
                 raise QueueFullError(f"the queue is full ({self.max_queued} requests waiting); try again shortly")
@@ -171,7 +188,7 @@ class DeviceQueue:
             if ticket in self._waiting:
                 self._waiting.remove(ticket)
                 ticket.future.cancel()
-                log.info("gave up a waiting request of %d images: nobody waits for it", len(ticket.request))
+                log.info("gave up a waiting request of %d images: nobody waits for it", len(ticket.prepared))
 
     def position(self, ticket: Ticket) -> int:
         """How many requests are ahead of this one: those waiting before it, and the batch on the
@@ -188,12 +205,33 @@ class DeviceQueue:
                 if on_update is not None:
                     on_update(ticket)
 
+    def follow(self, tickets: Sequence[Ticket], *, poll_seconds: float = 0.1,
+               quiet_seconds: float = 1.0) -> Iterator[Update]:
+        """Follows tickets in turn until each is done, yielding an `Update` whenever the one followed
+        moves (its place in the queue, its compile, its step, new previews), and at least every
+        `quiet_seconds` (a web server notices a client that has gone only when its handler yields).
+        Closing the generator early (an error, a client gone) gives up every ticket not done
+        (`cancel`), so that nobody waits behind work whose result nobody will see."""
+        try:
+            for index, ticket in enumerate(tickets):
+                seen, shown, quiet_since = None, None, time.monotonic()
+                while not _done_within(ticket, poll_seconds):
+                    now = (self.position(ticket), ticket.compiling, ticket.step)
+                    previews = ticket.previews if ticket.previews is not shown else None
+                    if now != seen or previews is not None or time.monotonic() - quiet_since > quiet_seconds:
+                        seen, shown, quiet_since = now, ticket.previews, time.monotonic()
+                        yield Update(ticket, index, now[0], previews)
+        finally:
+            for ticket in tickets:
+                if not ticket.future.done():
+                    self.cancel(ticket)
+
     def _ready(self) -> list[Ticket]:
         """The waiting requests whose programs are compiled. The others' programs compile in the
         background meanwhile; a request whose compile failed fails."""
         ready = []
         for ticket in list(self._waiting):
-            programs = self.pipe.programs_for(ticket.request)
+            programs = ticket.prepared.programs
             if self.pipe.is_compiled(programs, progress=True):
                 ready.append(ticket)
                 continue
@@ -215,14 +253,14 @@ class DeviceQueue:
         self._last_started = {o: n for o, n in self._last_started.items() if o in waiting_owners}
         self._last_started[first.owner] = self._batches_started
         self._batches_started += 1
-        lead = first.request
+        lead = first.prepared
         batch, size = [first], len(lead)
         for ticket in list(self._waiting):
-            merged = size + len(ticket.request)
-            if ticket.request.batch_key != lead.batch_key or merged > self.max_batch_images:
+            merged = size + len(ticket.prepared)
+            if ticket.prepared.batch_key != lead.batch_key or merged > self.max_batch_images:
                 continue
             grows = self.pipe.padded_batch(merged) > self.pipe.padded_batch(size)
-            programs = self.pipe.programs_for(lead, merged)
+            programs = lead.programs_at(self.pipe.padded_batch(merged))
             if grows and not self.pipe.is_compiled(programs, progress=True):
                 self.compile_in_background(programs)
                 continue
@@ -248,17 +286,18 @@ class DeviceQueue:
                     self._rendering = False
 
     def _render(self, batch: list[Ticket]) -> None:
-        request = Request.merged([t.request for t in batch])
-        first, stop = self.pipe.steps_run(request)
+        parts = [t.prepared for t in batch]
+        total = sum(len(part) for part in parts)
+        prepared = parts[0] if len(parts) == 1 else PreparedRequest.merged(parts, self.pipe.padded_batch(total))
         for ticket in batch:
-            ticket.batch_images, ticket.steps = len(request), stop - first
-        starts = np.cumsum([0, *(len(t.request) for t in batch)])
+            ticket.batch_images, ticket.steps = total, prepared.steps_run
+        starts = np.cumsum([0, *(len(part) for part in parts)])
 
         def on_step(done: int) -> bool:
             """Whether anyone still waits for the batch."""
             if all(ticket.abandoned for ticket in batch):
-                log.info("gave up a batch of %d images at step %d of %d: nobody waits for them", len(request), done,
-                         stop - first)
+                log.info("gave up a batch of %d images at step %d of %d: nobody waits for them", total, done,
+                         prepared.steps_run)
                 return False
             for ticket in batch:
                 ticket.step = done
@@ -268,10 +307,15 @@ class DeviceQueue:
             for ticket, begin, end in zip(batch, starts, starts[1:]):
                 ticket.previews = previews[begin:end]
 
-        result = self.runner.render(request, on_step, on_preview)
+        result = self.runner.render(prepared, on_step, on_preview)
         if result is None:
             for ticket in batch:
                 ticket.future.cancel()
             return
         for ticket, begin, end in zip(batch, starts, starts[1:]):
             ticket.future.set_result(result.part(begin, end))
+
+
+def _done_within(ticket: Ticket, seconds: float) -> bool:
+    done, _ = concurrent.futures.wait([ticket.future], timeout=seconds)
+    return bool(done)

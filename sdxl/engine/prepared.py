@@ -1,0 +1,66 @@
+"""A request as the devices take it: `PreparedRequest`, made once by `Pipeline.prepare`.
+
+Preparing is all the host's work before a request can be queued: its values checked against the
+loaded model (`Request.validated`), its prompts tokenized, and the programs it runs named. It is done
+where the request is submitted (the demo's check, the CLI, `generate`), so the device queue, a
+runner for several hosts and `Pipeline.render` take it as it is. Requests the queue merges are
+prepared ones merged (`PreparedRequest.merged`): nothing is checked or tokenized twice.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+from ..prompts.tokens import Tokens
+from .program import GenerateProgram
+from .request import Request
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PreparedRequest:
+    """A validated request, its prompts' tokens, the program that renders it and the stretch of its
+    schedule that runs; with a refiner's handoff, the refiner's part, which continues its latents."""
+
+    request: Request  # validated (`Request.validated`); with a refiner's handoff, the whole request
+    tokens: Tokens  # its prompts as this model's encoders read them
+    program: GenerateProgram  # at this request's batch (its image count, padded to the devices)
+    steps: tuple[int, int]  # the steps first..stop-1 of its schedule that run (`sdxl.engine.inputs.steps_run`)
+    refined: "PreparedRequest | None" = None  # with `refine_from`: the refiner's part, from the latents this one leaves
+
+    def __len__(self) -> int:
+        return len(self.request)
+
+    @property
+    def programs(self) -> tuple[GenerateProgram, ...]:
+        """What rendering it runs, in order: its program, then the refiner's."""
+        return (self.program, *(() if self.refined is None else self.refined.programs))
+
+    @property
+    def steps_run(self) -> int:
+        """The denoising steps it runs, the refiner's included: what progress counts to."""
+        first, stop = self.steps
+        return stop - first + (0 if self.refined is None else self.refined.steps_run)
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests with equal keys share a call in the device queue: equal `call_settings`, all needing
+        guidance or none (a request without would otherwise pay for the other's second UNet pass), and
+        prompts of as many chunks (a short one would pay for the other's long context)."""
+        return self.request.call_settings, self.program.guided, self.tokens.num_chunks
+
+    def programs_at(self, batch: int) -> tuple[GenerateProgram, ...]:
+        """Its programs at another (padded) batch size: what a merged batch of requests like it runs."""
+        return tuple(dataclasses.replace(program, batch=batch) for program in self.programs)
+
+    @classmethod
+    def merged(cls, parts: Sequence["PreparedRequest"], batch: int) -> "PreparedRequest":
+        """One prepared request for the images of several with the same `call_settings`, in order,
+        rendered at `batch` (their image count, padded to the devices). Its program guides if any
+        part needs guidance, and reads the longest part's chunks."""
+        first = parts[0]
+        program = dataclasses.replace(
+            first.program, batch=batch, guided=any(p.program.guided for p in parts),
+            chunks=max(p.program.chunks for p in parts),
+        )
+        refined = None if first.refined is None else cls.merged([p.refined for p in parts], batch)
+        return cls(Request.merged([p.request for p in parts]), Tokens.merged([p.tokens for p in parts]), program,
+                   first.steps, refined)
