@@ -17,19 +17,18 @@ from PIL import Image
 from ..checkpoints import lora
 from ..engine import images
 from ..engine.checks import integer, number
-from ..engine.control_maps import DEFAULT_CANNY_THRESHOLDS, default_preprocessor
-from ..engine.controls import Control, default_control_scale
+from ..engine.control_maps import DEFAULT_CANNY_THRESHOLDS
+from ..engine.controls import Control
 from ..engine.pipeline import Pipeline
 from ..engine.prepared import PreparedRequest
 from ..engine.request import (
-    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED,
-    MAX_SIZE, Limits, Request, default_strength, required_prompt,
+    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED,
+    MAX_SIZE, Limits, Request, required_prompt,
 )
-from ..models.controlnet_union import CONTROL_MODES, describe_mode
 from ..prompts.styles import NO_STYLE, STYLES
-from ..prompts.syntax import A1111_EMPHASIS_NAMES, EMPHASIS_MODES
-from ..sampling.samplers import SAMPLER_NAMES
+from ..prompts.syntax import EMPHASIS_MODES
 from . import grid
+from .choices import choices_of
 from .grid import GridPlan
 from .known import Recommended
 from .queue import DeviceQueue, Runner
@@ -39,13 +38,6 @@ from .results import size_label
 SDXL_SIZES = ((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344))
 # The Compare tab's two ways, as the page names them.
 COMPARE_PROMPTS, COMPARE_SEEDS = "One prompt per line, same seed", "One prompt, consecutive seeds"
-# The Generate tab's examples for a model that has none of its own (`serving.known`): (prompt, style).
-EXAMPLES = [
-    ["a lighthouse on a cliff at dusk, waves crashing, warm light in the windows", "Cinematic"],
-    ["a red fox sleeping in fresh snow, morning light", "Photographic"],
-    ["a tiny robot watering a bonsai tree", "3D model"],
-    ["a castle floating above the clouds", "Fantasy art"],
-]
 TABS = ("generate", "image_to_image", "compare", "grid")  # what each tab's button submits (`DemoService.submission`)
 CHECKED_KEPT = 64  # checked submissions waiting for their handler (`DemoService.check`), at most
 
@@ -138,42 +130,6 @@ def fit_to_sizes(picture: Image.Image, sizes: Sequence[tuple[int, int]]) -> tupl
     return picture.resize(target, Image.Resampling.LANCZOS, box=box), target
 
 
-@dataclasses.dataclass(frozen=True)
-class Choices:
-    """What the page offers, in the service's terms: each list of (label, value) pairs, the ranges of
-    its sliders, and their starting values."""
-
-    sizes: dict[str, tuple[int, int]]  # {label: (width, height)}, the model's first size first
-    loras: list[tuple[str, float]]  # each launched LoRA's label and launch scale
-    controlnets: list["ControlNetChoices"]
-    samplers: list[tuple[str, str]]
-    styles: list[str]  # "No style" first
-    examples: list[list[str]]  # (prompt, style)
-    emphasis: list[tuple[str, str]]
-    axes: list[tuple[str, str]]  # a grid's: "none" first
-    guidance_range: tuple[float, float]
-    max_steps: int
-    lora_scale_range: tuple[float, float]
-    max_seed: int
-    sampler: str
-    guidance_scale: float
-    steps: int
-    strength: float  # image-to-image's
-    control_scale: float
-    refine_from: float
-
-
-@dataclasses.dataclass(frozen=True)
-class ControlNetChoices:
-    """A launched ControlNet's part of the page: its label, the preprocessor it most likely wants, and
-    for a ControlNet Union its control modes as (label, name) and the one to start with."""
-
-    label: str
-    preprocessor: str
-    modes: list[tuple[str, str]]
-    mode: str | None
-
-
 @dataclasses.dataclass
 class Submission:
     """What one click submits: its device calls (one, or a grid's), a note for the status, and for a
@@ -241,37 +197,9 @@ class DemoService:
         self.sizes = list(recommended.sizes) if recommended.sizes else size_presets(pipe)
         self.queue = DeviceQueue(pipe, max_batch_images=self.max_images, max_queued=max_queued,
                                  max_per_owner=max_per_owner, runner=runner)
-        self.choices = self._choices()
+        self.choices = choices_of(self)
         self._checked: collections.OrderedDict = collections.OrderedDict()  # (owner, tab) -> (form, submission)
         self._lock = threading.Lock()
-
-    def _choices(self) -> Choices:
-        spec, names = self.pipe.spec, [lora.display_name(source) for source in self.loras]
-        control_axes = [(name.replace("control", "ControlNet").replace("_", " "), name)
-                        for name in grid.CONTROL_AXES] if self.pipe.controlnets else []
-        controlnets = []
-        for controlnet in self.pipe.controlnets:
-            label = images.controlnet_label(controlnet.name)
-            preprocessor, count = default_preprocessor(label), getattr(controlnet.config, "num_control_type", 0)
-            modes = [(describe_mode(m), CONTROL_MODES[m][0]) for m in range(count)]  # a Union's
-            controlnets.append(ControlNetChoices(label, preprocessor, modes, (
-                "canny" if preprocessor == "canny" else "depth") if modes else None))
-        return Choices(
-            sizes={size_label(w, h): (w, h) for w, h in self.sizes},
-            loras=[(f"LoRA {lora.display_name(source)}", scale) for source, scale in self.loras.items()],
-            controlnets=controlnets,
-            samplers=[(label, name) for name, label in SAMPLER_NAMES.items()],
-            styles=list(STYLES),
-            examples=[[text, NO_STYLE] for text in self.recommended.examples] or EXAMPLES,
-            emphasis=[(A1111_EMPHASIS_NAMES[mode], mode) for mode in EMPHASIS_MODES],
-            axes=[("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
-                  *((f"LoRA {name} scale", grid.LORA_AXIS + name) for name in names), *control_axes],
-            guidance_range=GUIDANCE_SCALE_RANGE, max_steps=self.pipe.max_steps, lora_scale_range=LORA_SCALE_RANGE,
-            max_seed=MAX_SEED, refine_from=DEFAULT_REFINE_FROM,
-            sampler=spec.default_sampler, guidance_scale=self.recommended.guidance_scale,
-            steps=self.recommended.steps, strength=default_strength(spec, inpainting=False),
-            control_scale=default_control_scale(spec, image=False, inpainting=False),
-        )
 
     @property
     def max_images(self) -> int:

@@ -1,0 +1,92 @@
+"""What the demo's page offers (`Choices`): its lists as (label, value) pairs, its sliders' ranges
+and starting values, in the service's terms, so that the page lists what the service takes."""
+
+import dataclasses
+
+from ..checkpoints import lora
+from ..engine import images
+from ..engine.control_maps import default_preprocessor
+from ..engine.controls import default_control_scale
+from ..engine.request import DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, default_strength
+from ..models.controlnet_union import CONTROL_MODES, describe_mode
+from ..prompts.styles import NO_STYLE, STYLES
+from ..prompts.syntax import A1111_EMPHASIS_NAMES, EMPHASIS_MODES
+from ..sampling.samplers import SAMPLER_NAMES
+from . import grid
+from .results import size_label
+
+# The Generate tab's examples for a model that has none of its own (`serving.known`): (prompt, style).
+EXAMPLES = [
+    ["a lighthouse on a cliff at dusk, waves crashing, warm light in the windows", "Cinematic"],
+    ["a red fox sleeping in fresh snow, morning light", "Photographic"],
+    ["a tiny robot watering a bonsai tree", "3D model"],
+    ["a castle floating above the clouds", "Fantasy art"],
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """What the page offers, in the service's terms: each list of (label, value) pairs, the ranges of
+    its sliders, and their starting values."""
+
+    sizes: dict[str, tuple[int, int]]  # {label: (width, height)}, the model's first size first
+    loras: list[tuple[str, float]]  # each launched LoRA's label and launch scale
+    controlnets: list["ControlNetChoices"]
+    samplers: list[tuple[str, str]]
+    styles: list[str]  # "No style" first
+    examples: list[list[str]]  # (prompt, style)
+    emphasis: list[tuple[str, str]]
+    axes: list[tuple[str, str]]  # a grid's: "none" first
+    guidance_range: tuple[float, float]
+    max_steps: int
+    lora_scale_range: tuple[float, float]
+    max_seed: int
+    sampler: str
+    guidance_scale: float
+    steps: int
+    strength: float  # image-to-image's
+    control_scale: float
+    refine_from: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlNetChoices:
+    """A launched ControlNet's part of the page: its label, the preprocessor it most likely wants, and
+    for a ControlNet Union its control modes as (label, name) and the one to start with."""
+
+    label: str
+    preprocessor: str
+    modes: list[tuple[str, str]]
+    mode: str | None
+
+
+
+
+def choices_of(service) -> Choices:
+    """What a `DemoService`'s page offers: its model's sizes and defaults, its LoRAs and ControlNets."""
+    spec, names = service.pipe.spec, [lora.display_name(source) for source in service.loras]
+    control_axes = [(name.replace("control", "ControlNet").replace("_", " "), name)
+                    for name in grid.CONTROL_AXES] if service.pipe.controlnets else []
+    controlnets = []
+    for controlnet in service.pipe.controlnets:
+        label = images.controlnet_label(controlnet.name)
+        preprocessor, count = default_preprocessor(label), getattr(controlnet.config, "num_control_type", 0)
+        modes = [(describe_mode(m), CONTROL_MODES[m][0]) for m in range(count)]  # a Union's
+        controlnets.append(ControlNetChoices(label, preprocessor, modes, (
+            "canny" if preprocessor == "canny" else "depth") if modes else None))
+    return Choices(
+        sizes={size_label(w, h): (w, h) for w, h in service.sizes},
+        loras=[(f"LoRA {lora.display_name(source)}", scale) for source, scale in service.loras.items()],
+        controlnets=controlnets,
+        samplers=[(label, name) for name, label in SAMPLER_NAMES.items()],
+        styles=list(STYLES),
+        examples=[[text, NO_STYLE] for text in service.recommended.examples] or EXAMPLES,
+        emphasis=[(A1111_EMPHASIS_NAMES[mode], mode) for mode in EMPHASIS_MODES],
+        axes=[("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
+              *((f"LoRA {name} scale", grid.LORA_AXIS + name) for name in names), *control_axes],
+        guidance_range=GUIDANCE_SCALE_RANGE, max_steps=service.pipe.max_steps, lora_scale_range=LORA_SCALE_RANGE,
+        max_seed=MAX_SEED, refine_from=DEFAULT_REFINE_FROM,
+        sampler=spec.default_sampler, guidance_scale=service.recommended.guidance_scale,
+        steps=service.recommended.steps, strength=default_strength(spec, inpainting=False),
+        control_scale=default_control_scale(spec, image=False, inpainting=False),
+    )
