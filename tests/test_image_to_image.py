@@ -33,6 +33,7 @@ from reference import diffusers_images, inpainting_mask, picture, sd_pipeline, s
 from sdxl.checkpoints import CheckpointError, random_models
 from sdxl.engine.compilation import CompileCounter
 from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.prepared import PreparedRequest
 from sdxl.engine.request import Request
 
 HEIGHT, WIDTH = 64, 96
@@ -266,6 +267,7 @@ def test_merged_requests_keep_their_own_images(sdxl):
     one = Request.from_prompt("a cat", num_images=2, seed=1, steps=4, height=HEIGHT, width=WIDTH)
     first = dataclasses.replace(one, images=np.stack([np.asarray(_picture(1))] * 2), strength=0.5)
     second = dataclasses.replace(first, images=np.stack([np.asarray(_picture(2))] * 2), seeds=(2, 2))
-    assert first.batch_key == second.batch_key
-    merged = pipe.render(Request.merged([first, second]), output_type="np").images
+    parts = [pipe.prepare(request, output_type="np") for request in (first, second)]
+    assert parts[0].batch_key == parts[1].batch_key
+    merged = pipe.render(PreparedRequest.merged(parts, batch=4)).images
     np.testing.assert_allclose(merged[2:], pipe.render(second, output_type="np").images, atol=1e-4)
