@@ -6,12 +6,18 @@ from pathlib import Path
 
 import jax
 from jax import monitoring
+from jax._src import compiler
 
 from ..config import cache_root
 
 # Recorded by JAX around every backend compilation, including ones answered from the persistent
 # cache: it counts "a new executable was needed", which is what a recompilation is.
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+# JAX's own write of a cache entry, made after a miss; `enable_compilation_cache` puts `_write_entry`
+# in its place. Private to JAX (no public API reaches it), so tests/test_compilation.py checks what
+# `_write_entry` adds.
+_jax_cache_write = compiler._cache_write
 
 
 def default_cache_dir() -> Path:
@@ -22,14 +28,29 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     """Turns on JAX's persistent compilation cache in `path`, so a restart skips XLA compilation.
 
     Every executable is cached, however quick it was to compile: the generate function for each
-    image size is the one that matters, and the small ones cost nothing to keep.
+    image size is the one that matters, and the small ones cost nothing to keep. An entry that
+    cannot be read is replaced by the fresh compile (`_write_entry`).
     """
     path = Path(path) if path is not None else default_cache_dir()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    compiler._cache_write = _write_entry
     return path
+
+
+def _write_entry(cache_key: str, compile_time_secs: float, module_name: str, backend, executable,
+                 host_callbacks) -> None:
+    """JAX's write of a cache entry after a miss, which replaces an entry JAX could not read.
+
+    JAX skips a key whose file exists, so an entry cut short by a crash or a full disk stayed: each
+    start warned, compiled and left it again. A miss whose file exists is such an entry: it is
+    removed first, so the fresh compile replaces it.
+    """
+    entry = Path(jax.config.jax_compilation_cache_dir) / f"{cache_key}-cache"  # the layout of JAX's LRUCache
+    entry.unlink(missing_ok=True)
+    _jax_cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
 
 
 class CompileCounter:
