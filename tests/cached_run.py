@@ -1,16 +1,21 @@
 """One start of a small program with the persistent compilation cache on, for test_compilation:
-`python cached_run.py CACHE_DIR`.
+`python cached_run.py CACHE_DIR [PROCESS_ID PROCESS_COUNT PORT]`.
 
 Prints one JSON line: what the program computed, how many compilations asked the cache and how many
-it answered, and the warnings.
+it answered, and the warnings. With a process count, each process has 2 CPU devices, jax.distributed
+joins them, and the program spans every process's devices, as the multi-host demo's do.
 """
 
 import json
+import os
 import sys
 import warnings
 
 
-def main(cache_dir: str) -> None:
+def main(cache_dir: str, process_id: str | None = None, process_count: str | None = None,
+         port: str | None = None) -> None:
+    if process_count is not None:
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import jax
     import jax.numpy as jnp
     from jax import monitoring
@@ -27,6 +32,10 @@ def main(cache_dir: str) -> None:
             counts[events[event]] += 1
 
     monitoring.register_event_listener(count)
+    if process_count is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"localhost:{port}", num_processes=int(process_count),
+                                   process_id=int(process_id))
     enable_compilation_cache(cache_dir)
     mesh = jax.make_mesh((jax.device_count(),), ("devices",))
     sharding = NamedSharding(mesh, PartitionSpec("devices"))

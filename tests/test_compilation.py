@@ -1,11 +1,14 @@
 """The persistent compilation cache (`sdxl/engine/compilation.py`), across restarts: an entry cut short
-is replaced by the fresh compile."""
+is replaced by the fresh compile, and every process of a multi-host run finds its own entries."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import cached_run
 
@@ -19,6 +22,24 @@ def _start(cache_dir: Path) -> dict:
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def _start_hosts(cache_dirs: list[Path]) -> list[dict]:
+    """One start of `cached_run` as a process per cache dir, joined: each process's JSON line."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    processes = [subprocess.Popen([sys.executable, str(RUN), str(cache_dir), str(i), str(len(cache_dirs)), str(port)],
+                                  env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i, cache_dir in enumerate(cache_dirs)]
+    try:
+        outputs = [process.communicate(timeout=300) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for process, (_, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr[-3000:]
+    return [json.loads(stdout.splitlines()[-1]) for stdout, _ in outputs]
 
 
 def test_an_entry_cut_short_is_replaced_by_the_fresh_compile(tmp_path):
@@ -39,3 +60,22 @@ def test_an_entry_cut_short_is_replaced_by_the_fresh_compile(tmp_path):
     assert warm["hits"] == warm["requests"] == len(entries) and warm["warnings"] == []
     assert warm["total"] == cold["total"]
 
+
+@pytest.mark.slow
+def test_every_host_reads_its_own_disk_on_a_restart(tmp_path):
+    """Two processes, each with a cache dir of its own (hosts have a disk each): the restart compiles
+    nothing on either; and with one host's entries gone, that host compiles while the other reads its
+    cache, without waiting on each other."""
+    disks = [tmp_path / "host-0", tmp_path / "host-1"]
+    cold = _start_hosts(disks)
+    assert [start["hits"] for start in cold] == [0, 0] and all(start["requests"] for start in cold)
+
+    warm = _start_hosts(disks)
+    assert [start["hits"] for start in warm] == [start["requests"] for start in cold], warm
+    assert warm[0]["total"] == warm[1]["total"] == cold[0]["total"]
+
+    for path in disks[1].glob("*-cache"):
+        path.unlink()
+    one_cold = _start_hosts(disks)
+    assert one_cold[0]["hits"] == one_cold[0]["requests"] and one_cold[1]["hits"] == 0
+    assert one_cold[1]["total"] == cold[0]["total"]
