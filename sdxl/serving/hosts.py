@@ -12,9 +12,10 @@ each follower (`Hosts.follow`) makes the same pipeline calls in the same order:
   follower builds the same arrays from it), then at each progress report the decision to go on or
   give up, so every process runs the same device calls and joins the same collectives;
 - the compile stream: the programs compiled in the background, in process 0's order, on a thread of
-  their own as on process 0, so a long compile never holds up rendering there either. (Compiling
-  is local to each process; a follower that has not finished a program its render needs compiles it
-  then.)
+  their own as on process 0, so a long compile never holds up rendering there either. Each follower
+  says when it has compiled them, and process 0 counts programs as compiled (its queue renders them)
+  only once every host has: a batch then starts on every host together. (A host still compiling
+  while the others wait in the batch's first collective would fail it: gloo waits 30 s.)
 
 Faults end the demo with a sentence rather than hang it: a collective that fails on process 0 (a
 follower died: gloo notices the closed connection at once) names the hosts and exits with status 3;
@@ -31,6 +32,7 @@ With `SDXL_HOSTS_STATS=FILE`, each process rewrites FILE with its counters (JSON
 (and process 0 after each compile it sends): `python -m sdxl bench --soak-hosts` reads them.
 """
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -53,6 +55,8 @@ AGREE_SECONDS = 1800  # how long process 0 waits for every host to load the mode
 REFUSED_WAIT_SECONDS = 30  # how long process 0 waits for a refused follower to say so before it exits
 REFUSED_GRACE_SECONDS = 1  # and then for the follower's exit, which takes microseconds
 POLL_MS = 10_000  # a follower waits for the next message this long at a time
+LIVE_NODES_SECONDS = 5  # how long a lost process asks the coordination service which processes live
+COMPILE_SECONDS = 3600  # how long process 0 waits for every follower to have compiled what it compiled
 CHUNK = 1 << 22  # the largest value written to the key-value store at once (bytes)
 PREFIX = "sdxl"
 STATS_VARIABLE = "SDXL_HOSTS_STATS"  # names a file each process rewrites with its counters (JSON)
@@ -253,9 +257,14 @@ class Hosts:
         """Ends this process after a collective failed: another process is gone, and the hosts can no
         longer render together."""
         others = [p for p in range(self.count) if p != self.process_id]
+        # The service answers only once every live process asks, and one may be waiting in a
+        # collective: asked aside, for a few seconds, or every other process is named.
+        asking = concurrent.futures.ThreadPoolExecutor(1).submit(self.client.get_live_nodes, list(range(self.count)))
         try:
-            live = set(self.client.get_live_nodes(list(range(self.count))))
+            live = set(asking.result(timeout=LIVE_NODES_SECONDS))
             dead = [p for p in others if p not in live] or others
+        except concurrent.futures.TimeoutError:
+            dead = others
         except Exception:  # the coordination service itself is gone (process 0 ended)
             dead = [0] if not self.leader else others
         names = ", ".join(self.describe(p) for p in dead)
@@ -299,6 +308,7 @@ class Hosts:
 
     def _follow_compiles(self, pipe) -> None:
         while True:
+            number = self.compiles.count
             try:
                 kind, programs = self.compiles.receive()
             except Exception as e:
@@ -307,6 +317,11 @@ class Hosts:
                 pipe.compile(programs, progress=True)
             except Exception:  # process 0 failed the same way; the requests that need it fail there
                 log.exception("a background compile failed")
+            self.client.key_value_set(self.compiled_key(number, self.process_id), "1")
+
+    def compiled_key(self, number: int, process_id: int) -> str:
+        """Where a process says it has done compile message `number` (`HostsRunner.compile` waits for it)."""
+        return f"{PREFIX}/compiled/{number}/{process_id}"
 
     def _render(self, pipe, prepared, previews: bool) -> None:
         import jax
@@ -345,6 +360,7 @@ class HostsRunner:
         self._sending = threading.Lock()  # the compile thread and the device worker both call
         self._counting = threading.Lock()  # and both count, and report the counts
         self.sent = {kind: Tally() for kind in ("render", "step", "compile")}
+        self._everywhere: set = set()  # the programs every host has compiled
 
     def _send(self, channel: Channel, message: tuple) -> None:
         start = time.perf_counter()
@@ -358,10 +374,29 @@ class HostsRunner:
         self.hosts.report({"sent": sent})
 
     def compile(self, programs) -> float:
+        """Compiles here and on every follower, and returns (the seconds here) once every follower has
+        too: a batch of these programs then starts on every host together. (One host compiling while
+        the others wait in the batch's first collective would fail it: gloo gives a late process 30 s.)"""
         with self._sending:
+            number = self.hosts.compiles.count
             self._send(self.hosts.compiles, ("compile", list(programs)))
         self._report()
-        return self.pipe.compile(programs, progress=True)
+        seconds = self.pipe.compile(programs, progress=True)
+        for follower in range(1, self.hosts.count):
+            key = self.hosts.compiled_key(number, follower)
+            try:
+                self.hosts.client.blocking_key_value_get(key, COMPILE_SECONDS * 1000)
+            except Exception as e:
+                self.hosts.lost(e)
+            self.hosts.client.key_value_delete(key)
+        with self._counting:
+            self._everywhere.update(programs)
+        return seconds
+
+    def is_compiled(self, programs) -> bool:
+        """Whether every host has compiled the programs (`compile`)."""
+        with self._counting:
+            return all(program in self._everywhere for program in programs)
 
     def render(self, prepared, on_step: Callable[[int], bool], on_preview):
         import jax

@@ -61,6 +61,10 @@ class Runner:
         """Compiles the staged programs a batch runs (the queue reports progress); returns the seconds."""
         return self.pipe.compile(programs, progress=True)
 
+    def is_compiled(self, programs: Sequence[GenerateProgram]) -> bool:
+        """Whether the staged programs a batch runs are compiled wherever it renders."""
+        return self.pipe.is_compiled(programs, progress=True)
+
     def render(self, prepared: PreparedRequest, on_step: Callable[[int], bool], on_preview) -> Generation | None:
         """The batch's images, or None if `on_step` gave it up."""
         return self.pipe.render(prepared, on_step=on_step, on_preview=on_preview)
@@ -126,7 +130,7 @@ class DeviceQueue:
         with self._changed:
             compiling = self._compiles.get(key)
             if compiling is None:
-                if self.pipe.is_compiled(key, progress=True):
+                if self.runner.is_compiled(key):
                     return None
                 compiling = self._compiles[key] = concurrent.futures.Future()
                 compiling.add_done_callback(self._notify)  # requests waiting for it may be ready
@@ -167,7 +171,7 @@ class DeviceQueue:
             raise ValueError(f"at most {self.max_batch_images} images per request, got {len(prepared)}")
         ticket = Ticket(prepared, owner)
         # Said from the start, not once the worker next looks: the first update a client gets is true.
-        ticket.compiling = not self.pipe.is_compiled(prepared.programs, progress=True)
+        ticket.compiling = not self.runner.is_compiled(prepared.programs)
         with self._changed:
             if len(self._waiting) >= self.max_queued:
                 raise QueueFullError(f"the queue is full ({self.max_queued} requests waiting); try again shortly")
@@ -232,7 +236,7 @@ class DeviceQueue:
         ready = []
         for ticket in list(self._waiting):
             programs = ticket.prepared.programs
-            if self.pipe.is_compiled(programs, progress=True):
+            if self.runner.is_compiled(programs):
                 ready.append(ticket)
                 continue
             ticket.compiling = True
@@ -261,7 +265,7 @@ class DeviceQueue:
                 continue
             grows = self.pipe.padded_batch(merged) > self.pipe.padded_batch(size)
             programs = lead.programs_at(self.pipe.padded_batch(merged))
-            if grows and not self.pipe.is_compiled(programs, progress=True):
+            if grows and not self.runner.is_compiled(programs):
                 self.compile_in_background(programs)
                 continue
             batch.append(ticket)
