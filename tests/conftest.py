@@ -1,4 +1,5 @@
-"""Test-wide setup: 4 forced CPU devices, so sharding is exercised on every machine."""
+"""Test-wide setup: 4 forced CPU devices, so sharding is exercised on every machine; one persistent
+compilation cache for the session; the slow kinds of test, which `-m "not slow"` leaves out."""
 
 import json
 import os
@@ -16,6 +17,27 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(os.cpu_count() or 1)
+
+# The kinds of slow test (pyproject.toml describes each); any of them is also `slow`.
+SLOW_KINDS = ("server", "browser", "hosts", "tpu", "oracle", "compiles", "cli")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xla_cache(tmp_path_factory) -> Path:
+    """One persistent compilation cache for the processes the tests start (demos read SDXL_CACHE_DIR; the
+    CLI's tests pass it as --cache-dir), so a program compiles once whichever of them needs it first. A
+    fresh folder each session, unless SDXL_TEST_CACHE_DIR names one to keep between runs. This process
+    keeps JAX's default (no persistent cache): its tests count compilations, and a hit is no compile."""
+    path = Path(os.environ.get("SDXL_TEST_CACHE_DIR") or tmp_path_factory.mktemp("xla-cache"))
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["SDXL_CACHE_DIR"] = str(path)
+    return path
 
 
 @pytest.fixture

@@ -83,9 +83,10 @@ def serve(tmp: Path, cache_dir: Path, *args: str):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    """One compilation cache for every server of this module: the NaN server reuses the main one's programs."""
-    return tmp_path_factory.mktemp("xla-cache")
+def cache_dir(xla_cache) -> Path:
+    """The session's compilation cache (conftest) for every server: the NaN server reuses the main one's programs,
+    and the default demo those of test_soak's."""
+    return xla_cache
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +144,7 @@ def _assert_serving(client: Client) -> None:
     assert len(gallery) == 4 and "4 images" in status, status
 
 
+@pytest.mark.server
 def test_startup_line_and_fallback_notice(shapes_server):
     output = shapes_server.output()
     startup = r"^startup: load [\d.]+ s, compile [\d.]+ s, warm-up [\d.]+ s, total [\d.]+ s$"
@@ -158,6 +160,7 @@ def test_startup_line_and_fallback_notice(shapes_server):
         assert notice in response.read().decode()
 
 
+@pytest.mark.server
 def test_generate_preset_size_with_png_parameters(client):
     prompt = "a red fox sleeping in fresh snow"
     gallery, status = _generate(client, prompt=prompt, seed=1234, width=144, height=112)
@@ -175,6 +178,7 @@ def test_generate_preset_size_with_png_parameters(client):
     assert len({p.tobytes() for p in pixels}) == 4, "the 4 images of a request must differ (index in the noise)"
 
 
+@pytest.mark.server
 def test_same_seed_same_images_other_seed_different(client):
     first = _pixels(_generate(client, seed=7)[0])
     again = _pixels(_generate(client, seed=7)[0])
@@ -184,6 +188,7 @@ def test_same_seed_same_images_other_seed_different(client):
         assert np.abs(a.astype(int) - c.astype(int)).mean() > 1, "another seed must give other images"
 
 
+@pytest.mark.server
 def test_compare_consecutive_seeds(client):
     gallery, status = client.submit(
         mode=COMPARE_SEEDS, prompts="a castle floating above the clouds", seed=41, num_seeds=3, steps=3,
@@ -197,6 +202,7 @@ def test_compare_consecutive_seeds(client):
     assert len({p.tobytes() for p in _pixels(gallery)}) == 3
 
 
+@pytest.mark.server
 def test_a_launched_lora_applies_at_the_scale_a_request_gives(client):
     plain, _ = _generate(client, seed=5)
     styled, status = _generate(client, seed=5, lora_style=0.75)
@@ -207,6 +213,7 @@ def test_a_launched_lora_applies_at_the_scale_a_request_gives(client):
     assert [p.tobytes() for p in _pixels(again)] == [p.tobytes() for p in _pixels(plain)]
 
 
+@pytest.mark.server
 def test_uploads_are_bounded(server):
     """Gradio's upload endpoint refuses files over 8 MB, a large phone photo (issue 21, hole 4)."""
     def upload(size: int) -> int:
@@ -233,6 +240,7 @@ def _picture(path: Path, width: int = 160, height: int = 120) -> str:
     return str(path)
 
 
+@pytest.mark.server
 def test_image_to_image_and_inpainting_over_http(client, tmp_path):
     """An upload of another size is fitted to the nearest preset (and says so); a mask inpaints; the
     PNGs record the strength."""
@@ -252,6 +260,7 @@ def test_image_to_image_and_inpainting_over_http(client, tmp_path):
     assert np.abs(_pixels(inpainted)[0].astype(int) - _pixels(edited)[0]).max() > 10, "the mask must matter"
 
 
+@pytest.mark.server
 def test_bad_uploads_are_named_and_the_server_keeps_serving(client, tmp_path):
     """A decompression bomb (a small PNG that claims 400 megapixels), a 16-bit image, an empty mask,
     a strength of 0, no image, and a path outside Gradio's uploads: each one sentence."""
@@ -292,6 +301,7 @@ def _control_picture(path: Path) -> str:
     return str(path)
 
 
+@pytest.mark.server
 def test_a_control_image_steers_over_http_and_a_grid_over_its_scale_is_one_call(client, tmp_path):
     """/generate with a control image: its PNGs record the ControlNet as A1111's extension does; a grid
     over the scale is one device call whose scale-0 cell is the unsteered image; a file that is no
@@ -320,6 +330,7 @@ def test_a_control_image_steers_over_http_and_a_grid_over_its_scale_is_one_call(
         _generate(client, control_image=control, control_preprocessor="sobel")
 
 
+@pytest.mark.server
 def test_previews_stream_to_a_client_that_asks_and_predict_gets_the_result(client):
     job = client.submit(prompt="a lighthouse", steps=40, seed=4, api_name="/generate")
     gallery, status = job.result(timeout=CALL_TIMEOUT)
@@ -331,6 +342,7 @@ def test_previews_stream_to_a_client_that_asks_and_predict_gets_the_result(clien
     assert client.predict(prompt="a lighthouse", steps=3, api_name="/generate")[1].startswith("4 images")
 
 
+@pytest.mark.server
 def test_the_refiner_finishes_images_when_switched_on(client):
     plain, _ = _generate(client, seed=6)
     refined, status = _generate(client, seed=6, refine=True, refine_from=0.6)
@@ -339,6 +351,7 @@ def test_the_refiner_finishes_images_when_switched_on(client):
     assert np.abs(_pixels(refined)[0].astype(int) - _pixels(plain)[0]).max() > 10
 
 
+@pytest.mark.server
 def test_a_grid_is_one_device_call_with_its_cells_in_order(client):
     """prompt x seed: 12 cells in one call; a steps axis is one call per value and never recompiles;
     the grid image holds the cells, in order, under their labels; its PNG has every cell's parameters."""
@@ -368,6 +381,7 @@ def test_a_grid_is_one_device_call_with_its_cells_in_order(client):
                       api_name="/grid").result(timeout=CALL_TIMEOUT)
 
 
+@pytest.mark.server
 def test_one_image_is_counted_in_the_singular(client):  # what a one-core demo says every time
     _, status = client.submit(
         mode=COMPARE_SEEDS, prompts="a castle", seed=1, num_seeds=1, steps=1, api_name="/compare"
@@ -380,6 +394,7 @@ def _bad(endpoint: str, message: str, **kwargs):
     return pytest.param(endpoint, kwargs, message, id=f"{endpoint.strip('/')}:{label}")
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     ("endpoint", "kwargs", "message"),
     [
@@ -445,6 +460,7 @@ def _refusals(log: str) -> list[str]:
     return re.findall(r"^(?:Invalid request|Queue full|refused a request to \S+): .*$", log, re.MULTILINE)
 
 
+@pytest.mark.server
 def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
     """Issue 21, hole 5: too few values, an unknown endpoint and a bad value on /run/ each get a
     sentence and a 4xx status, and one log line, not a traceback; /run/ answers with the final images."""
@@ -467,6 +483,7 @@ def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
     assert "Traceback" not in log and len(_refusals(log)) == 4, log
 
 
+@pytest.mark.server
 def test_a_full_queue_on_run_is_503_with_retry_after(server):
     """Raw HTTP calls count by address against the per-user bound (4 waiting): of seven at once, those
     over it get 503, a sentence and Retry-After; the others their images."""
@@ -506,6 +523,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.server
 def test_a_client_that_goes_away_has_its_work_given_up(server, downloads):
     """Issue 21, hole 2: a client killed with four long requests in the queue. Those waiting leave it,
     the running batch stops at its next progress report, and the next user is served."""
@@ -529,6 +547,7 @@ def test_a_client_that_goes_away_has_its_work_given_up(server, downloads):
     _assert_serving(Client(server.url, verbose=False, download_files=downloads))
 
 
+@pytest.mark.server
 def test_a_long_weighted_prompt_is_read_whole_and_one_over_the_limit_is_refused(client):
     """A prompt of several chunks compiles its program in the background while it waits, and says so;
     nothing is cut. One over 8 chunks gets a sentence with its length."""
@@ -548,6 +567,7 @@ def test_a_long_weighted_prompt_is_read_whole_and_one_over_the_limit_is_refused(
         client.predict(**(FAST | dict(prompt="ab " * 600)), api_name="/generate")
 
 
+@pytest.mark.server
 def test_concurrent_clients(server, downloads):
     """8 users at once: batched on the device queue, each gets its own 4 images, nothing fails."""
     seeds = range(100, 108)
@@ -572,6 +592,7 @@ def test_concurrent_clients(server, downloads):
     assert len(digests) == len(seeds), "every user's images must be their own"
 
 
+@pytest.mark.server
 def test_one_user_cannot_take_the_queue(server, downloads):
     """A user with six requests gets four queued and a clear refusal; another user's single request,
     which cannot merge with theirs (another size), is rendered after at most one of theirs."""
@@ -600,6 +621,7 @@ def test_one_user_cannot_take_the_queue(server, downloads):
     _assert_serving(greedy)  # and the greedy user is served again once their requests are done
 
 
+@pytest.mark.server
 def test_nan_output_is_an_error_and_the_queue_keeps_going(tmp_path, cache_dir, downloads):
     model = write_checkpoint(tmp_path / "nan-vae")
     vae = model / "vae" / "diffusion_pytorch_model.safetensors"
@@ -611,6 +633,7 @@ def test_nan_output_is_an_error_and_the_queue_keeps_going(tmp_path, cache_dir, d
                 nan_client.submit(**(FAST | dict(seed=seed)), api_name="/generate").result(timeout=CALL_TIMEOUT)
 
 
+@pytest.mark.server
 def test_corrupt_checkpoint_stops_the_launch_with_the_reason(tmp_path, cache_dir):
     model = write_checkpoint(tmp_path / "truncated")
     unet = model / "unet" / "diffusion_pytorch_model.safetensors"
@@ -625,6 +648,7 @@ def test_corrupt_checkpoint_stops_the_launch_with_the_reason(tmp_path, cache_dir
     assert "Traceback" not in launch.stderr
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     "args, env, message",
     [
@@ -648,6 +672,7 @@ def test_bad_launch_options_are_refused_before_loading(tmp_path, args, env, mess
     assert "loading" not in launch.stdout and "startup" not in launch.stdout
 
 
+@pytest.mark.server
 def test_sd1_layout_model_serves_its_own_presets(tmp_path, cache_dir, downloads):
     with serve(tmp_path / "app", cache_dir, "--model", "tiny-sd1") as running:
         sd1_client = Client(running.url, verbose=False, download_files=downloads)
@@ -658,6 +683,7 @@ def test_sd1_layout_model_serves_its_own_presets(tmp_path, cache_dir, downloads)
     assert all("Model: tiny-sd1" in Image.open(item["image"]).text["parameters"] for item in gallery)
 
 
+@pytest.mark.server
 def test_a_few_step_model_gets_its_own_defaults(tmp_path, cache_dir, downloads):
     distilled = write_checkpoint(tmp_path / "distilled", seed=3)
     unet = tmp_path / "sdxl_lightning_2step_unet.safetensors"
@@ -708,6 +734,8 @@ def _artifacts() -> Path:
     return artifacts
 
 
+@pytest.mark.server
+@pytest.mark.browser
 def test_browser_controlnet(server, tmp_path):
     """The ControlNet panel: an uploaded picture shows its Canny map, and Generate steers with it."""
     from playwright.sync_api import expect
@@ -735,6 +763,8 @@ def test_browser_controlnet(server, tmp_path):
     assert 'ControlNet 0: "Module: canny, Model: tiny-canny, Weight: 1' in parameters, parameters
 
 
+@pytest.mark.server
+@pytest.mark.browser
 def test_browser_generate(shapes_server, tmp_path):
     """A first visit, offline: the shapes model draws what the prompt typed into the page says."""
     from playwright.sync_api import expect
@@ -786,6 +816,8 @@ def test_browser_generate(shapes_server, tmp_path):
     assert sum(right) >= 3, scores  # the model's accuracy is measured in test_shapes; here, the page's
 
 
+@pytest.mark.server
+@pytest.mark.browser
 def test_browser_first_five_minutes(shapes_server, tmp_path):
     """Issue 29, on the real page: what a first visitor tripped over, checked by element sizes and
     positions (1 send after an upload, 2 the gallery's size, 4 grid labels, 5 the drop zone, 6 errors,

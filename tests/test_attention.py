@@ -18,6 +18,7 @@ def _qkv(batch, q_length, kv_length, heads, head_dim, dtype=jnp.float32):
     )
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize(
     "q_length, kv_length, heads, head_dim",
     [
@@ -35,6 +36,7 @@ def test_splash_matches_xla_attention(monkeypatch, q_length, kv_length, heads, h
     np.testing.assert_allclose(got, expected, atol=2e-6)
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("kernel", ["xla", "splash"])
 def test_each_image_attends_to_its_own_number_of_keys(monkeypatch, kernel):
     """A batch's shorter prompts: keys past an image's length are left out, as if they were not there,
@@ -50,6 +52,7 @@ def test_each_image_attends_to_its_own_number_of_keys(monkeypatch, kernel):
         np.testing.assert_allclose(got[b:b + 1], alone, atol=2e-6)
 
 
+@pytest.mark.compiles
 def test_splash_in_bfloat16_is_close_to_float32(monkeypatch):
     q, k, v = _qkv(1, 256, 77, 2, 64)
     expected = jax.nn.dot_product_attention(q, k, v)
@@ -59,6 +62,7 @@ def test_splash_in_bfloat16_is_close_to_float32(monkeypatch):
     assert float(jnp.abs(got.astype(jnp.float32) - expected).max()) < 0.05
 
 
+@pytest.mark.compiles
 def test_splash_splits_the_batch_over_the_mesh_without_communication(monkeypatch):
     assert len(jax.devices()) == 4
     mesh = Mesh(np.array(jax.devices()), ("batch",))

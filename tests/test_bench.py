@@ -3,6 +3,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from safetensors import safe_open
 
 from sdxl.bench import report, speed
@@ -12,6 +13,7 @@ from sdxl.engine.pipeline import Pipeline
 from sdxl.models import controlnet, unet
 
 
+@pytest.mark.cli
 def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
     args = "--model tiny --height 32 --width 32 --steps 4 --batch 1 --devices 1 --runs 3 --compare diffusers".split()
     r, stdout, markdown = bench(*args)
@@ -43,6 +45,7 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
     assert "| tiny float32, xla attention, xla convolutions |" in row
 
 
+@pytest.mark.cli
 def test_quick_bench_measures_the_accelerator_targets_alone(bench):
     """What fits a lease of minutes on a GPU: no fresh processes, other programs, sweep or LoRAs."""
     args = "--model tiny --height 32 --width 32 --steps 2 --batch 1 --devices 1 --runs 1 --quick".split()
@@ -56,6 +59,7 @@ def test_quick_bench_measures_the_accelerator_targets_alone(bench):
     assert row.count("|") == header.count("|") and "(quick: no warm)" in row
 
 
+@pytest.mark.cli
 def test_load_only_measures_warm_and_cold_loads_into_its_own_table(bench, tmp_path):
     markdown = tmp_path / "BENCHMARKS.md"
     markdown.write_text(report.MARKDOWN_HEADER + "| an earlier row |\n\nText after the table.\n")
@@ -155,6 +159,7 @@ def _analytic_unet_flops(config: unet.UNetConfig, height: int, width: int, conte
     return flops
 
 
+@pytest.mark.compiles
 def test_unet_flop_count_matches_an_independent_count(monkeypatch):
     config = config_from_dict(unet.UNetConfig, random_models.MEDIUM_CONFIGS["unet/config.json"])
     expected = 2 * _analytic_unet_flops(config, 32, 24, 77)
@@ -173,6 +178,7 @@ def test_unet_flop_count_matches_an_independent_count(monkeypatch):
     assert 1 <= bfloat16 / expected < 1.05
 
 
+@pytest.mark.compiles
 def test_flops_are_the_models_work_whatever_the_attention_kernel_and_device_count(monkeypatch):
     """Counted on the host with XLA's attention (`bench.counting`): a kernel XLA cannot see into, or
     the batch split over more devices, changes nothing."""
@@ -194,6 +200,7 @@ def test_the_benchmark_controlnet_of_sdxl_base_is_the_published_sdxl_controlnet(
     assert random_models.controlnet_config(spec) == config_from_dict(controlnet.ControlNetConfig, published)
 
 
+@pytest.mark.compiles
 def test_compile_counter_sees_a_new_size_or_chunk_count_but_not_new_prompts_weights_seeds_guidance_or_steps():
     pipe = Pipeline.from_pretrained("tiny", max_steps=4, devices=jax.devices()[:1])
     long_prompt = speed.prompt_of_chunks(pipe.prompts, speed.LONG_PROMPT_CHUNKS)

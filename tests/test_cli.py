@@ -13,13 +13,16 @@ ROOT = Path(__file__).parents[1]
 
 
 def _cli(*args, model="tiny", env=None):
-    """`python -m sdxl generate --model MODEL ARGS` (no --model where `model` is None)."""
+    """`python -m sdxl generate --model MODEL ARGS` (no --model where `model` is None), with the session's
+    compilation cache (conftest)."""
     return subprocess.run(
-        [sys.executable, "-m", "sdxl", "generate", *(["--model", model] if model else []), *args],
+        [sys.executable, "-m", "sdxl", "generate", "--cache-dir", os.environ["SDXL_CACHE_DIR"],
+         *(["--model", model] if model else []), *args],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
     )
 
 
+@pytest.mark.cli
 def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
     result = _cli("--prompt", "a lighthouse", "--negative-prompt", "fog", "--seed", "3", "--steps", "2",
                   "--num-images", "2", "--out", str(tmp_path))
@@ -33,6 +36,7 @@ def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
     assert Image.open(tmp_path / "3-grid.png").size == (256, 128)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "args, reason",
     [
@@ -59,12 +63,24 @@ def test_bad_input_exits_before_loading_the_model_with_one_line_reason(args, rea
     assert "loaded" not in result.stdout
 
 
+def test_bad_input_is_refused_in_this_process_too(capsys):
+    """The fast tier's own run of `sdxl.__main__` (the others start a process): every command's parser
+    builds, and a bad value is one line and status 2 before anything loads."""
+    from sdxl.__main__ import main
+
+    assert main(["generate", "--model", "tiny", "--prompt", "a lighthouse", "--guidance-scale", "-1"]) == 2
+    out, err = capsys.readouterr()
+    assert err == "error: guidance scale must be a number from 0 to 20, got -1.0\n" and "loaded" not in out
+
+
+@pytest.mark.cli
 def test_a_refiner_that_cannot_continue_the_model_exits_nonzero_with_one_line_reason():
     result = _cli("--prompt", "a lighthouse", "--refiner", "tiny-sd1")
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
     assert result.stderr.startswith("error: the refiner tiny-sd1 cannot continue tiny's latents: its latent scaling")
 
 
+@pytest.mark.cli
 def test_an_empty_prompt_is_refused_with_the_demos_sentence():
     from sdxl.serving.demo import DemoService, Settings
 
@@ -74,6 +90,7 @@ def test_an_empty_prompt_is_refused_with_the_demos_sentence():
     assert result.returncode == 2 and result.stderr.strip() == f"error: {refused.value}"
 
 
+@pytest.mark.cli
 def test_offline_without_a_cached_model_the_error_says_to_try_the_shapes_model(tmp_path):
     """No --model: SDXL base, not in an empty cache, and the Hub switched off. The CLI does not switch
     models by itself (a script gets what it asked for), but its one line says how to draw offline."""
@@ -84,6 +101,7 @@ def test_offline_without_a_cached_model_the_error_says_to_try_the_shapes_model(t
     assert result.stderr.strip().endswith("run the built-in model instead: --model shapes"), result.stderr
 
 
+@pytest.mark.cli
 def test_the_guidance_scale_defaults_to_the_models_recommended_one(tmp_path, capsys):
     """shapes recommends 2.5 (SDXL 5), and --help says the default is the model's."""
     from sdxl.__main__ import main
@@ -98,6 +116,7 @@ def test_the_guidance_scale_defaults_to_the_models_recommended_one(tmp_path, cap
     assert "CFG scale: 2.5," in Image.open(tmp_path / "0-0.png").text["parameters"]
 
 
+@pytest.mark.cli
 def test_an_image_is_edited_inpainted_and_refined(tmp_path):
     """--image with --strength (its size is the output's), --mask, and --refiner's handoff, each
     recorded in the PNGs; a mask of the wrong size is one line and exit status 2."""
@@ -123,12 +142,14 @@ def test_an_image_is_edited_inpainted_and_refined(tmp_path):
     assert wrong.returncode == 2 and wrong.stderr.startswith("error: masks must be") and wrong.stderr.count("\n") == 1
 
 
+@pytest.mark.cli
 def test_missing_checkpoint_exits_nonzero(tmp_path):
     result = _cli("--prompt", "x", model=str(tmp_path / "nope"))
     assert result.returncode == 2
     assert "not a checkpoint folder" in result.stderr
 
 
+@pytest.mark.cli
 def test_loras_apply_with_their_scales_and_a_missing_one_is_refused(tmp_path):
     ink = lora.write_random(tmp_path / "ink.safetensors", resolve("tiny").spec)
     common = ("--prompt", "a lighthouse", "--steps", "2", "--num-images", "1")
@@ -146,6 +167,7 @@ def test_loras_apply_with_their_scales_and_a_missing_one_is_refused(tmp_path):
     assert missing.stderr.startswith(f"error: LoRA {tmp_path / 'nope.safetensors'}: no such file"), missing.stderr
 
 
+@pytest.mark.cli
 def test_a_lightning_unet_brings_its_steps_guidance_and_trailing_spacing(tmp_path):
     distilled = random_models.write_checkpoint(tmp_path / "distilled", random_models.SDXL_CONFIGS, seed=3)
     unet = tmp_path / "sdxl_lightning_2step_unet.safetensors"
@@ -159,6 +181,7 @@ def test_a_lightning_unet_brings_its_steps_guidance_and_trailing_spacing(tmp_pat
     assert "Model: tiny + sdxl_lightning_2step_unet.safetensors" in parameters
 
 
+@pytest.mark.cli
 def test_a_controlnet_steers_with_a_canny_map_of_the_control_image(tmp_path):
     """--controlnet with --control-image FILE:SCALE and --canny; a control image without a ControlNet
     is one line and exit status 2."""

@@ -115,6 +115,7 @@ def check_parity(path, reference, config, ids):
         assert ours.text_embeds is None
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize(
     "hidden_act, eos_token_id, with_projection",
     [

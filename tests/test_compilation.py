@@ -42,6 +42,7 @@ def _start_hosts(cache_dirs: list[Path]) -> list[dict]:
     return [json.loads(stdout.splitlines()[-1]) for stdout, _ in outputs]
 
 
+@pytest.mark.cli
 def test_an_entry_cut_short_is_replaced_by_the_fresh_compile(tmp_path):
     """As a crash or a full disk leaves it: the start after warns once per entry and compiles; the
     next one reads the cache, silently."""

@@ -132,6 +132,7 @@ def _both(ref_pipe, pipe, label, control_image, scheduler=None, sampler=None, **
     return got
 
 
+@pytest.mark.oracle
 def test_sdxl_text_to_image_with_a_controlnet_matches_diffusers(sdxl, steered):
     _, ref, controlnets = sdxl
     pipe = steered
@@ -146,6 +147,7 @@ def test_sdxl_text_to_image_with_a_controlnet_matches_diffusers(sdxl, steered):
     assert np.abs(steered - unsteered).mean() > 1e-2 and np.abs(steered - other).mean() > 1e-2  # it steers
 
 
+@pytest.mark.oracle
 def test_two_controlnets_with_their_own_settings_match_diffusers(sdxl):
     folder, ref, controlnets = sdxl
     sources = [str(folder / f"controlnet-{i}") for i in range(2)]
@@ -156,6 +158,7 @@ def test_two_controlnets_with_their_own_settings_match_diffusers(sdxl):
           control_guidance_end=[0.8, 1.0])
 
 
+@pytest.mark.oracle
 def test_sdxl_image_to_image_with_a_controlnet_matches_diffusers(sdxl, diffusers_encodes_the_posterior_mean):
     folder, ref, controlnets = sdxl
     pipe = Pipeline.from_pretrained(folder, dtype="float32", max_steps=STEPS, controlnet=str(folder / "controlnet-1"))
@@ -165,6 +168,7 @@ def test_sdxl_image_to_image_with_a_controlnet_matches_diffusers(sdxl, diffusers
           control_guidance_end=0.5)
 
 
+@pytest.mark.oracle
 def test_sdxl_inpainting_with_a_controlnet_matches_diffusers(sdxl, steered, diffusers_encodes_the_posterior_mean):
     """A 4-channel UNet keeps the unmasked region after every step; the ControlNet sees the latents only.
     The scale is left to the defaults (1 for SDXL inpainting), and so is the strength (0.9999) once."""
@@ -183,6 +187,7 @@ def test_sdxl_inpainting_with_a_controlnet_matches_diffusers(sdxl, steered, diff
     assert np.abs(steered - unsteered).max() > 1e-2  # it steers
 
 
+@pytest.mark.oracle
 def test_sd1_text_to_image_with_a_controlnet_matches_diffusers(sd1):
     folder, ref, controlnet = sd1
     pipe = Pipeline.from_pretrained(folder, dtype="float32", max_steps=STEPS, controlnet=str(folder / "controlnet"))
@@ -190,6 +195,7 @@ def test_sd1_text_to_image_with_a_controlnet_matches_diffusers(sd1):
     _both(ref_pipe, pipe, "SD 1.x ControlNet", _control_image(3), controlnet_conditioning_scale=0.8)
 
 
+@pytest.mark.oracle
 def test_sd1_inpainting_with_a_controlnet_matches_diffusers(sd1, diffusers_encodes_the_posterior_mean):
     """The scale left to the default (0.5 for SD 1.x inpainting); strength 1 (the default) starts from
     noise alone, 0.6 from the noised image, with the Euler sampler."""
@@ -204,6 +210,7 @@ def test_sd1_inpainting_with_a_controlnet_matches_diffusers(sd1, diffusers_encod
           mask_image=mask, strength=0.6, control_guidance_end=0.7)
 
 
+@pytest.mark.oracle
 def test_sdxl_with_a_lora_and_a_controlnet_matches_diffusers(sdxl, steered, tmp_path):
     """A kohya LoRA over every UNet and text encoder layer, loaded by diffusers' `load_lora_weights`
     into its ControlNet pipeline (the ControlNet keeps its weights in both)."""
@@ -236,6 +243,7 @@ def test_a_controlnet_of_another_family_is_refused_before_its_weights(sdxl, sd1,
         Pipeline.from_pretrained(folder, dtype="float32", controlnet=str(tmp_path / "control.pth"))
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("prefix", ["control_model.", ""])
 def test_an_sd15_controlnet_in_the_original_layout_loads_as_diffusers_reads_it(tmp_path, prefix):
     """A single file in the ControlNet project's layout, written by inverting our key table: diffusers'

@@ -83,6 +83,7 @@ def _theirs(ref_pipe, image, mode: int, images=(0, 1), **settings) -> np.ndarray
     )
 
 
+@pytest.mark.oracle
 def test_the_model_matches_diffusers_however_the_rows_are_grouped(sdxl):
     """Residuals for a batch of 4 rows whose transformer attends across 1, 2 or all 4 rows, as diffusers'
     model does for a batch of that many (float32 within 2e-5); the groupings differ by more than 1e-4."""
@@ -118,6 +119,7 @@ def test_the_model_matches_diffusers_however_the_rows_are_grouped(sdxl):
         assert max(np.abs(x - y).max() for x, y in zip(ours_by_rows[a], ours_by_rows[b])) > 1e-4
 
 
+@pytest.mark.oracle
 def test_union_generations_match_diffusers_in_each_mode(sdxl):
     """Each image as diffusers renders it alone: its transformer attends across the rows of the batch
     (`sdxl.models.controlnet_union`'s docstring), which for one image are that image's own."""
@@ -142,6 +144,7 @@ def test_union_generations_match_diffusers_in_each_mode(sdxl):
     assert np.abs(got["depth"] - got["canny"]).mean() > 1e-2  # it steers
 
 
+@pytest.mark.compiles
 def test_modes_are_traced_per_image(sdxl):
     """Changing the mode reuses the compiled program, and one call can mix modes, each image as alone."""
     _, _, _, pipe = sdxl

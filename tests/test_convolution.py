@@ -70,6 +70,7 @@ def _conv3x3_layer(x, kernel, **variables):
     return layer.apply({"params": params, **variables}, x, mutable=[STEP_INVARIANTS])
 
 
+@pytest.mark.compiles
 def test_conv3x3_layer_runs_the_chosen_algorithm(monkeypatch):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 16, 16, 64), dtype=np.float32)
@@ -85,6 +86,7 @@ def test_conv3x3_layer_runs_the_chosen_algorithm(monkeypatch):
     assert not np.array_equal(results["xla"], results["winograd"])
 
 
+@pytest.mark.compiles
 def test_conv3x3_layer_reuses_a_given_winograd_kernel(monkeypatch):
     monkeypatch.setenv("SDXL_CONV", "winograd")
     rng = np.random.default_rng(2)

@@ -118,6 +118,7 @@ def test_a_controlnet_axis_needs_a_control_image(service):
     assert "control_end" in grid.CONTROL_AXES
 
 
+@pytest.mark.compiles
 def test_one_pipeline_renders_with_and_without_its_controlnets(service):
     plain = service.images(Settings(prompt="a fox", steps=2))
     steered = service.images(Settings(prompt="a fox", steps=2, controls=(ControlForm(_picture(), "canny"),
@@ -146,6 +147,7 @@ def union_service(tmp_path_factory):
     return DemoService(pipe, model_label="tiny", max_images_per_core=1)
 
 
+@pytest.mark.compiles
 def test_a_controlnet_union_takes_its_mode_from_the_panel(union_service):
     service = union_service
     assert service.control_parameters[0]["mode"] == "control_mode"

@@ -57,8 +57,8 @@ def _images(url: str, downloads: Path, **kwargs) -> tuple[np.ndarray, str]:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("xla-cache")
+def cache_dir(xla_cache) -> Path:
+    return xla_cache  # the session's (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,8 @@ def one_process(tmp_path_factory, cache_dir) -> np.ndarray:
     return images
 
 
+@pytest.mark.server
+@pytest.mark.hosts
 def test_two_hosts_serve_one_demo_and_stop_when_a_follower_dies(tmp_path, cache_dir, one_process):
     coordinator = f"localhost:{free_port()}"
     args = ["--model", "tiny", "--cache-dir", str(cache_dir), "--max-images-per-core", "2"]
@@ -108,6 +110,8 @@ def test_two_hosts_serve_one_demo_and_stop_when_a_follower_dies(tmp_path, cache_
             assert "error: lost process 1" in log or "another task died" in log, log[-3000:]
 
 
+@pytest.mark.server
+@pytest.mark.hosts
 def test_a_follower_started_differently_is_refused(tmp_path):
     coordinator = f"localhost:{free_port()}"
     with _follower(tmp_path, coordinator, "--model", "shapes") as (follower, follower_log):
@@ -175,6 +179,8 @@ def test_plain_app_py_joins_the_hosts_of_a_tpu_pod_slice_and_runs_alone_elsewher
         assert hosts.detected() == where and where.problem() is None
 
 
+@pytest.mark.server
+@pytest.mark.hosts
 def test_hosts_that_do_not_all_join_in_time_stop_with_a_sentence(tmp_path):
     """Process 0 alone, its follower never started: it stops within --join-timeout, status 3, saying so."""
     coordinator = f"localhost:{free_port()}"

@@ -106,6 +106,7 @@ def _both(ref_cls, ref, pipe, label, scheduler=None, sampler=None, **kwargs):
     return got
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("strength", [0.3, 0.55, 1.0])
 def test_image_to_image_matches_diffusers(sdxl, strength):
     ref, pipe = sdxl
@@ -115,6 +116,7 @@ def test_image_to_image_matches_diffusers(sdxl, strength):
     assert np.abs(got - text_only).max() > 1e-2, "the image must matter"
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(
     "sampler, scheduler_cls", [("ddim", DDIMScheduler), ("dpmpp_2m", DPMSolverMultistepScheduler)]
 )
@@ -126,6 +128,7 @@ def test_samplers_start_part_way_like_diffusers(sdxl, sampler, scheduler_cls):
           strength=0.55)
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("strength", [0.75, 1.0])
 def test_inpainting_with_a_text_to_image_unet_matches_diffusers(sdxl, strength):
     """A 4-channel UNet: the kept region is the image's latents, noised to each step's level."""
@@ -136,6 +139,7 @@ def test_inpainting_with_a_text_to_image_unet_matches_diffusers(sdxl, strength):
     assert np.abs(got - img2img).max() > 1e-2, "the mask must matter"
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("strength", [0.6, 1.0])
 def test_inpainting_with_an_inpainting_unet_matches_diffusers(tmp_path, strength):
     """A 9-channel UNet (the SDXL inpainting model's layout) sees the mask and the masked image."""
@@ -148,6 +152,7 @@ def test_inpainting_with_an_inpainting_unet_matches_diffusers(tmp_path, strength
         pipe.generate("a cat", steps=2, height=HEIGHT, width=WIDTH)
 
 
+@pytest.mark.oracle
 def test_sd1_image_to_image_and_inpainting_match_diffusers(tmp_path):
     ref = sd_pipeline(tmp_path, seed=30)
     pipe = _loaded(tmp_path)
@@ -159,6 +164,7 @@ def test_sd1_image_to_image_and_inpainting_match_diffusers(tmp_path):
         pipe.generate("a cat", steps=4, image=_picture(), strength=0.5)
 
 
+@pytest.mark.oracle
 def test_the_refiner_loads_and_refines_an_image_like_diffusers(refiner):
     ref, pipe = refiner
     assert pipe.spec.text_encoder_names == ("text_encoder_2",) and pipe.spec.requires_aesthetics_score
@@ -169,6 +175,7 @@ def test_the_refiner_loads_and_refines_an_image_like_diffusers(refiner):
     assert np.abs(got - scored).max() > 1e-3, "the aesthetic scores must matter"
 
 
+@pytest.mark.oracle
 def test_base_hands_its_latents_to_the_refiner_like_diffusers(sdxl, refiner):
     """diffusers' "ensemble of expert denoisers": the base runs to denoising_end and returns latents,
     the refiner continues them from denoising_start. Ours stay on the devices in between."""
@@ -205,6 +212,7 @@ def test_base_hands_its_latents_to_the_refiner_like_diffusers(sdxl, refiner):
         base.generate("a cat", steps=STEPS, height=HEIGHT, width=WIDTH, refine_from=0.7)
 
 
+@pytest.mark.compiles
 def test_strength_and_the_handoff_never_recompile(sdxl):
     """`programs_for` names what an image request runs, compiled once; strengths and steps reuse it."""
     _, pipe = sdxl
@@ -221,6 +229,7 @@ def test_strength_and_the_handoff_never_recompile(sdxl):
     assert compiles.count == 0
 
 
+@pytest.mark.compiles
 def test_one_image_or_one_per_image(sdxl):
     _, pipe = sdxl
     pictures = [_picture(1), _picture(2)]

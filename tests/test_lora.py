@@ -162,6 +162,7 @@ def assert_matches_diffusers(model, loras: dict):
     assert diff <= 1e-4
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("sgm", [True, False], ids=["sgm-names", "diffusers-names"])
 def test_kohya_sdxl_lora_matches_diffusers(sdxl, sgm, tmp_path):
     path = kohya_file(tmp_path / "kohya.safetensors", sdxl[0], sgm=sgm, seed=1)
@@ -178,11 +179,13 @@ def test_sd_scripts_text_encoder_names_load_as_transformers_5_names(sdxl, tmp_pa
     assert {layer.component for layer in read[0].layers} == set(COMPONENTS)
 
 
+@pytest.mark.oracle
 def test_kohya_sd1_lora_matches_diffusers(sd1, tmp_path):
     path = kohya_file(tmp_path / "kohya.safetensors", sd1[0], sgm=False, seed=2, te1_prefix="lora_te_")
     assert_matches_diffusers(sd1, {path: 0.8})
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("alpha", [None, 8.0], ids=["no-alpha", "alpha-in-metadata"])
 def test_peft_lora_matches_diffusers(sdxl, alpha, tmp_path):
     path = peft_file(tmp_path / "peft.safetensors", sdxl[0], seed=3, alpha=alpha)
@@ -194,6 +197,7 @@ def test_old_attention_processor_lora_matches_diffusers(sdxl, tmp_path):
     assert_matches_diffusers(sdxl, {path: 1.0})
 
 
+@pytest.mark.oracle
 def test_two_loras_with_their_own_scales_match_diffusers(sdxl, tmp_path):
     kohya = kohya_file(tmp_path / "kohya.safetensors", sdxl[0], sgm=True, seed=5)
     peft = peft_file(tmp_path / "peft.safetensors", sdxl[0], seed=6)

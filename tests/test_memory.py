@@ -32,6 +32,7 @@ def test_what_a_program_holds_beside_the_weights_is_the_inputs_it_reads_its_outp
     assert memory.bytes_beside_weights(compiled) == expected
 
 
+@pytest.mark.compiles
 def test_bigger_batches_need_more_and_the_check_names_the_largest_that_fits(pipe, monkeypatch):
     batches = _batches(pipe)
     in_use = 10_000_000  # weights "loaded" beside the program's own
@@ -67,6 +68,7 @@ def test_devices_that_report_no_memory_are_not_checked(pipe):
     memory.check_fits(pipe, lambda n: pytest.fail("nothing compiles for a check that cannot be made"), 64, str)
 
 
+@pytest.mark.compiles
 def test_with_a_refiner_that_leaves_no_room_the_check_says_what_fits_without_it(monkeypatch):
     base = Pipeline.from_pretrained("tiny", dtype="float32")
     base.set_refiner(Pipeline.from_pretrained("tiny-refiner", dtype="float32"))

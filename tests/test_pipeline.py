@@ -75,6 +75,7 @@ def _diffusers_images(ref, prompts, negatives, latents, steps, guidance, schedul
     )
 
 
+@pytest.mark.oracle
 def test_images_match_diffusers(reference, pipe):
     _, ref = reference
     latents = _latents(2)
@@ -89,6 +90,7 @@ def test_images_match_diffusers(reference, pipe):
     assert diff <= 1e-4
 
 
+@pytest.mark.oracle
 def test_a_vae_with_latents_mean_and_std_decodes_like_diffusers(tmp_path):
     """Playground v2.5's VAE config: SDXL's pipeline unscales its latents per channel."""
     vae = {
@@ -106,6 +108,7 @@ def test_a_vae_with_latents_mean_and_std_decodes_like_diffusers(tmp_path):
     assert np.abs(got - expected).max() <= 1e-4
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(
     "sampler, scheduler_cls, options",
     [
@@ -148,6 +151,7 @@ def _diffusers_draws_our_step_noise(monkeypatch, module, seed: int, n: int) -> l
     return drawn
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(
     "sampler, scheduler_cls, module, options, draws",
     [
@@ -179,6 +183,7 @@ def test_stochastic_samplers_match_diffusers_given_the_same_noise(
     assert np.abs(other_seed - got).max() > 1e-2, "the step noise must come from the seed"
 
 
+@pytest.mark.oracle
 def test_an_lcm_unet_takes_the_guidance_as_an_embedding_like_diffusers(tmp_path, monkeypatch):
     """An LCM UNet (time_cond_proj_dim, as SimianLuo/LCM_Dreamshaper_v7): guidance is the embedding
     of scale - 1 added to the time embedding, and there is no unconditional pass."""
@@ -205,6 +210,7 @@ def test_an_lcm_unet_takes_the_guidance_as_an_embedding_like_diffusers(tmp_path,
     assert compiles.count == 0
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(
     "sampler, scheduler_cls, options",
     [
@@ -231,6 +237,7 @@ def test_few_step_settings_match_diffusers_without_guidance(reference, sampler, 
     assert diff <= 1e-4
 
 
+@pytest.mark.oracle
 def test_empty_negative_prompt_is_zero_conditioning_like_diffusers(reference, pipe):
     _, ref = reference
     latents = _latents(2, seed=1)
@@ -243,6 +250,7 @@ def test_empty_negative_prompt_is_zero_conditioning_like_diffusers(reference, pi
     assert np.abs(with_text - expected).max() > 1e-3  # zeroing is not the same as encoding ""
 
 
+@pytest.mark.oracle
 def test_guidance_at_most_one_uses_the_conditional_branch_like_diffusers(reference, pipe):
     _, ref = reference
     latents = _latents(2, seed=2)
@@ -253,6 +261,7 @@ def test_guidance_at_most_one_uses_the_conditional_branch_like_diffusers(referen
     assert np.abs(got - expected).max() <= 1e-4
 
 
+@pytest.mark.compiles
 def test_without_guidance_the_unet_sees_the_prompts_alone(reference, pipe):
     """Guidance at most 1 everywhere: the variant with half the UNet work, the same images (within
     float noise) as the guided program's conditional branch, and one compile for all such scales."""
@@ -276,6 +285,7 @@ def test_without_guidance_the_unet_sees_the_prompts_alone(reference, pipe):
     assert compiles.count == 0
 
 
+@pytest.mark.compiles
 def test_same_seed_same_images_on_one_and_four_devices(reference, pipe):
     assert pipe.num_devices == 4
     one = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8, devices=jax.devices()[:1])
@@ -295,6 +305,7 @@ def test_same_seed_same_images_on_one_and_four_devices(reference, pipe):
     np.testing.assert_array_equal(np.asarray(pil[2]), np.round(four_images[2] * 255).astype(np.uint8))
 
 
+@pytest.mark.compiles
 def test_what_a_larger_batch_guarantees(pipe):
     """The README's promise: a request rendered alone (4 images) and merged into a batch of 16 gives
     floats within 1e-4 and uint8 pixels within 1, in at most 0.1% of the values; again alone, the same."""
@@ -312,6 +323,7 @@ def test_what_a_larger_batch_guarantees(pipe):
             assert difference.max() <= 1e-4
 
 
+@pytest.mark.hosts
 def test_two_processes_render_the_images_of_one(reference, pipe, tmp_path):
     """Several hosts, as on a TPU pod slice: 2 processes of 2 CPU devices make one 4-device mesh,
     and each gets every image of the batch, the same as one process with 4 devices."""
@@ -345,6 +357,7 @@ def test_two_processes_render_the_images_of_one(reference, pipe, tmp_path):
         assert list(got["reported"]) == list(expected["reported"]) == [1, 2, 3]
 
 
+@pytest.mark.compiles
 def test_prompt_seed_guidance_and_steps_do_not_recompile(pipe):
     kwargs = dict(height=HEIGHT, width=WIDTH)
     pipe.generate("first", seed=0, steps=2, guidance_scale=5.0, **kwargs)
@@ -361,6 +374,7 @@ def test_prompt_seed_guidance_and_steps_do_not_recompile(pipe):
     assert compiles.count >= 1, "the counter must see a new image size compile"
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("attention", ["xla", "splash"])
 def test_compiled_program_has_no_cross_device_communication(reference, monkeypatch, attention):
     monkeypatch.setenv("SDXL_ATTENTION", attention)
@@ -370,6 +384,7 @@ def test_compiled_program_has_no_cross_device_communication(reference, monkeypat
         assert collective not in hlo
 
 
+@pytest.mark.compiles
 def test_splash_attention_renders_the_same_images_on_four_devices(reference, pipe, monkeypatch):
     kwargs = dict(seed=3, steps=2, height=HEIGHT, width=WIDTH, output_type="np")
     expected = pipe.generate("a cat", **kwargs)
@@ -386,6 +401,7 @@ def _lowered_sdxl(platforms: tuple[str, ...]):
     return Executables(batch_mesh(jax.devices())).lowered(program, "whole", platforms)
 
 
+@pytest.mark.compiles
 def test_sdxl_program_lowers_for_a_tpu_with_a_splash_kernel_per_device(monkeypatch):
     """The TPU target at full size: 1024x1024, batch 4 on 4 devices. Pallas' Mosaic lowering checks
     each kernel's block shapes and dtypes, which its interpreter (the other splash tests) does not."""
@@ -407,6 +423,7 @@ def test_sdxl_program_lowers_for_a_tpu_with_a_splash_kernel_per_device(monkeypat
     assert shapes - unet == {((1, 16384, 512), (1, 16384, 512))}
 
 
+@pytest.mark.compiles
 def test_sdxl_program_lowers_for_a_gpu_with_a_cudnn_call_per_device(monkeypatch):
     """The GPU program at full size: 1024x1024, batch 4 on 4 devices. JAX lowers cuDNN's flash
     attention only where it finds cuDNN, so the test stands in a cuDNN 9.10 for it; what cuDNN itself
@@ -434,6 +451,7 @@ def _tensor_shape(mlir_type: str) -> tuple[int, ...]:  # "tensor<2x10x128x64xbf1
     return tuple(int(d) for d in mlir_type.removeprefix("tensor<").split("x")[:-1])
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("convolution", ["default", "winograd"])
 def test_progress_reports_every_step_and_changes_no_pixel(reference, pipe, monkeypatch, convolution):
     if convolution != "default":  # the per-step programs then reuse the kernels that `prepare` transformed
@@ -457,6 +475,7 @@ def _text_to_image(pipe, num_images=4, **settings) -> GenerateProgram:
     return pipe.prepare(request).program  # the steps are an input: any count names the same program
 
 
+@pytest.mark.compiles
 def test_is_compiled_tells_what_warmup_compiled(reference):
     pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
     programs = [_text_to_image(pipe)]
@@ -469,6 +488,7 @@ def test_is_compiled_tells_what_warmup_compiled(reference):
     assert not pipe.is_compiled([_text_to_image(pipe, sampler="ddim")])
 
 
+@pytest.mark.compiles
 def test_denoising_loops_leave_the_step_invariants_outside(reference, monkeypatch):
     """The text's keys and values and the Winograd kernels are alike in every step: the per-step
     program takes them from `prepare`, and XLA hoists them out of the single program's loop."""
@@ -534,6 +554,7 @@ def test_bad_arguments_raise_clear_errors(pipe, kwargs, message):
         pipe.generate("a cat", **args)
 
 
+@pytest.mark.compiles
 def test_bfloat16_is_finite_and_close_to_float32(reference, pipe):
     bf16 = Pipeline.from_pretrained(reference[0], dtype="bfloat16", max_steps=8)
     latents = _latents(2, seed=3)
@@ -563,6 +584,7 @@ def test_parameter_shapes_are_cached_per_config(tmp_path, monkeypatch):
         wider.abstract_params()
 
 
+@pytest.mark.compiles
 def test_a_refiner_shares_the_weights_it_has_of_the_base(tmp_path):
     """The published SDXL refiner's VAE and second text encoder are the base's: the devices hold them
     once. A refiner with weights of its own keeps them, and sharing changes no image."""

@@ -19,6 +19,7 @@ def _patch_means(images: np.ndarray, factor: int) -> np.ndarray:
     return images.reshape(n, height // factor, factor, width // factor, factor, 3).mean(axis=(2, 4))
 
 
+@pytest.mark.compiles
 def test_the_shapes_projection_is_the_least_squares_fit_of_its_vae(shapes_pipe):
     """Refitted on other images of the data set, the shipped factors come back within 0.05 (the
     bias, which follows the sample's mix of colours, within 0.1); and projected latents miss each
@@ -38,6 +39,7 @@ def test_the_shapes_projection_is_the_least_squares_fit_of_its_vae(shapes_pipe):
     assert error < spread / 2
 
 
+@pytest.mark.compiles
 def test_previews_follow_the_picture_as_it_forms(shapes_pipe):
     """One preview per step but the last (whose images are the result), at the latents' size; the
     last is close to the final image, the first far from it, and the images are the same as

@@ -112,6 +112,7 @@ BATCHES = {
 }
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("emphasis", ["original", "no-norm", "none"])
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_sdxl_reads_prompts_as_webui(sdxl, batch, emphasis):
@@ -129,6 +130,7 @@ def test_sdxl_reads_prompts_as_webui(sdxl, batch, emphasis):
     assert {_chunks(pipe, p) for p in prompts + negatives} != {1}, "the batch must mix chunk counts"
 
 
+@pytest.mark.compiles
 def test_sd1_reads_prompts_as_webui(sd1):
     ref, pipe = sd1
     prompts = ["a (red:1.3) fox BREAK [snow]", LONG]
@@ -140,6 +142,7 @@ def test_sd1_reads_prompts_as_webui(sd1):
     assert expected.std() > 0.05 and np.abs(got - expected).max() <= 1e-4
 
 
+@pytest.mark.compiles
 def test_a_prompt_gives_its_images_whatever_its_batch(sdxl):
     """A short prompt merged with a long one is padded and masked, not changed (webui would pad it with
     empty chunks, which changes it)."""
@@ -151,6 +154,7 @@ def test_a_prompt_gives_its_images_whatever_its_batch(sdxl):
     np.testing.assert_allclose(merged[4:], pipe.render(long, output_type="np").images, atol=1e-5)
 
 
+@pytest.mark.compiles
 def test_changing_weights_never_recompiles(sdxl):
     _, pipe = sdxl
     settings = dict(steps=2, height=HEIGHT, width=WIDTH, num_images=4)

@@ -19,6 +19,8 @@ from PIL import Image
 
 from sdxl.bench.soak import free_port, running_app
 
+pytestmark = pytest.mark.server
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 HAPROXY = Path(shutil.which("haproxy") or "/usr/sbin/haproxy")  # /usr/sbin is not on every user's PATH
 STARTUP_TIMEOUT = 300

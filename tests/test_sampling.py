@@ -171,6 +171,7 @@ def test_padding_is_not_read():
     np.testing.assert_array_equal(results[0], results[2])
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("name", sorted(SAMPLERS))
 def test_running_the_loop_in_chunks_gives_the_same_latents(name):
     """The app runs the loop a few steps at a time to report progress; that must change nothing."""
@@ -243,6 +244,7 @@ def test_ddim_matches_diffusers(values, num_steps):
     check_against_diffusers("ddim", DDIMScheduler, values, num_steps)
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("num_steps", [1, 7, 25])
 @pytest.mark.parametrize("values", [SDXL_SCHEDULER_CONFIG, SD15_SCHEDULER_CONFIG], ids=["sdxl", "sd15"])
 def test_euler_ancestral_matches_diffusers(values, num_steps, monkeypatch):

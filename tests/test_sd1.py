@@ -98,6 +98,7 @@ def test_a_saved_sd1_pipeline_is_read_as_sd1(reference, pipe):
     assert pipe.spec.native_size == 128 and pipe.spec.scheduler.timestep_spacing is None
 
 
+@pytest.mark.oracle
 def test_images_match_diffusers_with_euler(reference, pipe):
     """The usual `EulerDiscreteScheduler.from_config(pipe.scheduler.config)` swap on SD 1.5's PNDM config."""
     _, ref = reference
@@ -112,6 +113,7 @@ def test_images_match_diffusers_with_euler(reference, pipe):
     assert np.abs(with_leading - expected).max() > 1e-2, "the spacing must matter for the comparison to settle it"
 
 
+@pytest.mark.oracle
 def test_the_default_sampler_is_the_checkpoints_pndm_and_matches_diffusers(reference, pipe):
     """SD 1.5 ships PNDMScheduler (PLMS): that is what renders when no sampler is named, as in diffusers."""
     _, ref = reference
@@ -137,6 +139,7 @@ def test_empty_negative_prompt_encodes_the_empty_text_like_diffusers(reference, 
     assert np.abs(zeroed - expected).max() > 1e-2, "zero conditioning must differ for the test to mean something"
 
 
+@pytest.mark.oracle
 def test_dpmpp_2m_matches_diffusers(reference, pipe):
     _, ref = reference
     latents = _latents(2, seed=2)
@@ -145,6 +148,7 @@ def test_dpmpp_2m_matches_diffusers(reference, pipe):
     assert _max_diff("SD1 dpmpp_2m", _ours(pipe, NEGATIVES, latents, 4, "dpmpp_2m"), expected) <= 1e-4
 
 
+@pytest.mark.oracle
 def test_sd2_layout_with_v_prediction_and_ddim_matches_diffusers(tmp_path):
     """SD 2.x ships a DDIM config; diffusers runs it as is, eta = 0."""
     ref = sd_pipeline(tmp_path, SD2_CONFIGS, seed=10)
@@ -195,10 +199,12 @@ def test_tiny_sd1_is_an_sd1_checkpoint_that_diffusers_loads(tmp_path, monkeypatc
         assert all(np.array_equal(loaded[k], stored[k]) for k in stored), name
 
 
+@pytest.mark.cli
 def test_cli_generates_with_tiny_sd1(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "sdxl", "generate", "--model", "tiny-sd1", "--prompt", "a lighthouse",
-         "--negative-prompt", "fog", "--steps", "2", "--num-images", "1", "--out", str(tmp_path / "out")],
+         "--negative-prompt", "fog", "--steps", "2", "--num-images", "1", "--out", str(tmp_path / "out"),
+         "--cache-dir", os.environ["SDXL_CACHE_DIR"]],  # the session's compilation cache (conftest)
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path / "cache")},
     )

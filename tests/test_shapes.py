@@ -194,10 +194,12 @@ def test_model_files_are_small_and_in_the_diffusers_layout():
     assert spec.is_sdxl and spec.native_size == 64 and spec.scheduler.prediction_type == "epsilon"
 
 
+@pytest.mark.compiles
 def test_object_color():
     assert demo_accuracy()["color"] >= 0.90, demo_accuracy()
 
 
+@pytest.mark.compiles
 def test_background_color():
     assert demo_accuracy()["background"] >= 0.95, demo_accuracy()
 
@@ -210,6 +212,7 @@ def test_position():
     assert demo_accuracy()["position"] >= 0.80, demo_accuracy()
 
 
+@pytest.mark.compiles
 def test_guidance_matters():
     """Guidance 1 (the conditional prediction alone) scores worse than the demo's, from the same noise."""
     scenes = prompt_scenes() * len(SEEDS)
@@ -226,6 +229,7 @@ def test_seeds_give_different_pictures():
     assert np.mean(changed_pixels >= 10) >= 0.9, changed_pixels
 
 
+@pytest.mark.compiles
 def test_negative_prompt_moves_away_from_what_it_names():
     """Prompts that name no size; the negative prompt names the size drawn without it, and at least
     three pictures in four (from the same noise) change to the other size."""

@@ -64,6 +64,7 @@ def _images(pipe_or_ref, latents, **kwargs):
     )
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("family", ["sdxl", "sd1", "sd2"])
 def test_a_single_file_loads_as_diffusers_loads_it(family, tmp_path):
     build, configs, diffusers_class = FAMILIES[family]
@@ -134,12 +135,14 @@ def test_without_a_config_the_familys_published_one_is_chosen(family, config, tm
         resolve(str(file), config="sd-1.5" if family == "sdxl" else "sdxl-base-1.0")
 
 
+@pytest.mark.cli
 def test_the_cli_renders_a_single_file(tmp_path):
     sd_pipeline(tmp_path / "diffusers")
     file = _single_file(tmp_path / "diffusers", "sd1", tmp_path / "fine-tune.safetensors")
     result = subprocess.run(
         [sys.executable, "-m", "sdxl", "generate", "--model", str(file), "--config", str(tmp_path / "diffusers"),
-         "--prompt", "a lighthouse", "--steps", "2", "--num-images", "1", "--out", str(tmp_path / "out")],
+         "--prompt", "a lighthouse", "--steps", "2", "--num-images", "1", "--out", str(tmp_path / "out"),
+         "--cache-dir", os.environ["SDXL_CACHE_DIR"]],  # the session's compilation cache (conftest)
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr
@@ -151,6 +154,7 @@ def test_the_cli_renders_a_single_file(tmp_path):
     assert refused.returncode == 2 and refused.stderr.startswith("error: ") and refused.stderr.count("\n") == 1
 
 
+@pytest.mark.compiles
 def test_the_benchmarks_random_single_file_loads(tmp_path):
     """`write-checkpoint --single-file` streams random weights into the original layout."""
     path = random_models.write_single_file(tmp_path / "tiny.safetensors", random_models.configs_of("tiny"))

@@ -2,9 +2,12 @@
 with `--soak-hosts`, as one process and as two."""
 
 import numpy as np
+import pytest
 
 from sdxl.bench.hosts import HOSTS_MARKDOWN_HEADER
 from sdxl.bench.soak import SOAK_MARKDOWN_HEADER
+
+pytestmark = [pytest.mark.server, pytest.mark.cli]  # `python -m sdxl bench` starts the demos
 
 
 def test_a_small_soak_serves_every_surviving_request_and_reports_it(bench):
@@ -26,6 +29,7 @@ def test_a_small_soak_serves_every_surviving_request_and_reports_it(bench):
     assert markdown.read_text().startswith(SOAK_MARKDOWN_HEADER) and row.count("|") == header.count("|")
 
 
+@pytest.mark.hosts
 def test_a_soak_over_two_hosts_compares_them_with_one_and_reports_the_broadcasts(bench, monkeypatch):
     """The same load against 1 process x 4 CPU devices, then 2 processes x 2 (`sdxl.bench.hosts`).
     110 to 130 s on the 2-core VM at load average 4 to 5, most of it the two demos' starts and background

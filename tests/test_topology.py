@@ -12,6 +12,8 @@ pytest.importorskip("libtpu", reason="libtpu compiles for TPU slices on this hos
 from sdxl.__main__ import main  # noqa: E402
 from sdxl.bench import speed, topology  # noqa: E402
 
+pytestmark = pytest.mark.tpu
+
 CHIPS, IMAGES_PER_CHIP, SIZE = 4, 2, 64
 # Inpainting, guided: the one program that reads every kind of input (prompts, an image, a mask), and
 # whose stages run every model (the text encoders, the VAE's encoder and decoder, the UNet).

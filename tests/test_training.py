@@ -10,8 +10,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sdxl import Pipeline
+
+pytestmark = pytest.mark.cli
 
 ROOT = Path(__file__).parents[1]
 FEW_STEPS = "--vae-steps 2 --vae-batch 2 --steps 2 --batch 2 --decoder-steps 1 --checkpoint-every 1".split()

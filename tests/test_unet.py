@@ -132,6 +132,7 @@ def sdxl_style(tmp_path_factory):
     return path, values, torch_forward(model, values)
 
 
+@pytest.mark.oracle
 def test_sdxl_style_matches_diffusers(sdxl_style):
     path, values, expected = sdxl_style
     config, params = load_jax(path, np.float32)
@@ -144,6 +145,7 @@ def test_sdxl_style_matches_diffusers(sdxl_style):
     assert diff <= 1e-4
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("attention", ["xla", "splash"])
 def test_text_lengths_match_diffusers_encoder_attention_mask(sdxl_style, monkeypatch, attention):
     """Each image attends to its own number of text tokens, as diffusers' `encoder_attention_mask`
@@ -168,6 +170,7 @@ def test_text_lengths_match_diffusers_encoder_attention_mask(sdxl_style, monkeyp
     assert np.abs(out[0] - unmasked[0]).max() > 1e-2 and np.abs(out[1] - unmasked[1]).max() <= 1e-5
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(
     "variable, kernel",
     [
@@ -183,6 +186,7 @@ def test_other_kernels_match_diffusers(sdxl_style, monkeypatch, variable, kernel
     assert np.abs(out - expected).max() <= 1e-4
 
 
+@pytest.mark.oracle
 def test_sd1_style_odd_latent_matches_diffusers(tmp_path, rng):
     model = save_reference(SD1_STYLE, tmp_path, seed=1)
     # 18x22 -> 9x11 -> 4x5 on the way down, so the up blocks resize to the skips' sizes, not 2x.
@@ -197,6 +201,7 @@ def test_sd1_style_odd_latent_matches_diffusers(tmp_path, rng):
     assert diff <= 1e-4
 
 
+@pytest.mark.compiles
 def test_bfloat16_close_to_float32(sdxl_style):
     path, values, expected = sdxl_style
     config, params = load_jax(path, ml_dtypes.bfloat16)
@@ -214,6 +219,7 @@ def test_bfloat16_close_to_float32(sdxl_style):
     assert worst < 0.25
 
 
+@pytest.mark.compiles
 def test_sdxl_base_parameter_count():
     config = config_from_dict(UNetConfig, SDXL_BASE_CONFIG)
     assert config.num_heads == (5, 10, 20)

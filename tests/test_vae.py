@@ -73,6 +73,7 @@ def check_close(name, ours, theirs):
     assert diff <= 1e-4
 
 
+@pytest.mark.oracle
 def test_decode_matches_diffusers(reference):
     vae, path, _, latents = reference
     config, params = load(path)
@@ -81,6 +82,7 @@ def test_decode_matches_diffusers(reference):
     check_close("decode", decode(config, params, nhwc(latents)), nhwc(expected))
 
 
+@pytest.mark.oracle
 def test_winograd_decode_matches_diffusers(reference, monkeypatch):
     """The CPU's Winograd convolutions in every 3x3 layer, not only the wide ones it picks by default."""
     vae, path, _, latents = reference
