@@ -10,7 +10,7 @@ import numpy as np
 
 from . import bench, training
 from .checkpoints import CheckpointError, random_models
-from .engine import control_maps, images, memory
+from .engine import control_maps, images, infotext, memory
 from .engine.checks import integer, number
 from .engine.control_maps import DEFAULT_CANNY_THRESHOLDS
 from .engine.controls import Control, default_control_scale
@@ -76,7 +76,7 @@ def generate_command(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     pictures = to_pil(result.images)
     for i, image in enumerate(pictures):
-        print(save_png(image, out / f"{args.seed}-{i}.png", images.png_parameters(pipe, request, i, model.label)))
+        print(save_png(image, out / f"{args.seed}-{i}.png", infotext.png_parameters(pipe, request, i, model.label)))
     contact_sheet(pictures).save(out / f"{args.seed}-grid.png")
     print(out / f"{args.seed}-grid.png")
 

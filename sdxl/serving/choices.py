@@ -4,7 +4,7 @@ and starting values, in the service's terms, so that the page lists what the ser
 import dataclasses
 
 from ..checkpoints import lora
-from ..engine import images
+from ..engine import infotext
 from ..engine.control_maps import default_preprocessor
 from ..engine.controls import default_control_scale
 from ..engine.request import DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, default_strength
@@ -69,7 +69,7 @@ def choices_of(service) -> Choices:
                     for name in grid.CONTROL_AXES] if service.pipe.controlnets else []
     controlnets = []
     for controlnet in service.pipe.controlnets:
-        label = images.controlnet_label(controlnet.name)
+        label = infotext.controlnet_label(controlnet.name)
         preprocessor, count = default_preprocessor(label), getattr(controlnet.config, "num_control_type", 0)
         modes = [(describe_mode(m), CONTROL_MODES[m][0]) for m in range(count)]  # a Union's
         controlnets.append(ControlNetChoices(label, preprocessor, modes, (

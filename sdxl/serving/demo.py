@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image
 
 from ..checkpoints import lora
-from ..engine import images
+from ..engine import images, infotext
 from ..engine.checks import integer, number
 from ..engine.control_maps import DEFAULT_CANNY_THRESHOLDS
 from ..engine.controls import Control
@@ -374,7 +374,7 @@ class DemoService:
             return str(e)
 
     def png_parameters(self, prepared: PreparedRequest, i: int) -> str:
-        return images.png_parameters(self.pipe, prepared.request, i, self.model_label)
+        return infotext.png_parameters(self.pipe, prepared.request, i, self.model_label)
 
     def control_map(self, picture, preprocessor, canny_low, canny_high, width, height) -> np.ndarray:
         """The map a ControlNet panel's picture (an upload) makes at the chosen size, as the request will
@@ -386,7 +386,7 @@ class DemoService:
         """The form's fields, by name, that a PNG's "parameters" text (this demo's, A1111's or Forge's)
         fills in: the prompts, and of seed, guidance, steps, sampler, emphasis and size (one of this
         model's) those it names; and a sentence that says what was filled in. Raises ValueError."""
-        found = images.read_parameters(text)
+        found = infotext.read_parameters(text)
         label = size_label(found.get("width"), found.get("height"))
         fields = {"prompt": found["prompt"], "negative_prompt": found["negative_prompt"],
                   **{name: found[name] for name in ("seed", "guidance_scale", "steps", "sampler", "emphasis")
