@@ -261,7 +261,7 @@ class Request:
             raise ValueError(f"noise must have shape {latent_shape} (NHWC), got {tuple(np.shape(self.noise))}")
         steps = integer(self.steps, "steps", 1, limits.max_steps)
         strength = number(self.strength, "strength", 0.0, 1.0)
-        noise_settings = self._noise_settings()
+        noise_settings = self.checked_noise()
         if self.refine_from is not None and limits.refiner is None:
             raise ValueError("no refiner is loaded to refine with (start the demo or the CLI with --refiner)")
         self._check_start(spec, sampler, steps, strength, height, width, latent_shape)
@@ -288,8 +288,8 @@ class Request:
             **noise_settings,
         )
 
-    def _noise_settings(self) -> dict:
-        """The noise source and A1111's seed settings, checked against each other.
+    def checked_noise(self) -> dict:
+        """The noise source and A1111's seed settings, checked against each other, by field name.
 
         Raises:
           ValueError: one sentence.
