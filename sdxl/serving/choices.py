@@ -36,6 +36,7 @@ class Choices:
     styles: list[str]  # "No style" first
     examples: list[list[str]]  # (prompt, style)
     emphasis: list[tuple[str, str]]
+    noise_sources: list[tuple[str, str]]
     axes: list[tuple[str, str]]  # a grid's: "none" first
     guidance_range: tuple[float, float]
     max_steps: int
@@ -62,6 +63,11 @@ class ControlNetChoices:
 
 
 
+# The noise sources as the page names them: which tool's pictures each one draws again.
+NOISE_SOURCE_LABELS = [("JAX (this demo's)", "jax"), ("NV (A1111 and Forge on an NVIDIA GPU)", "nv"),
+                       ("CPU (A1111's CPU, ComfyUI, diffusers)", "cpu")]
+
+
 def choices_of(service) -> Choices:
     """What a `DemoService`'s page offers: its model's sizes and defaults, its LoRAs and ControlNets."""
     spec, names = service.pipe.spec, [lora.display_name(source) for source in service.loras]
@@ -82,6 +88,7 @@ def choices_of(service) -> Choices:
         styles=list(STYLES),
         examples=[[text, NO_STYLE] for text in service.recommended.examples] or EXAMPLES,
         emphasis=[(A1111_EMPHASIS_NAMES[mode], mode) for mode in EMPHASIS_MODES],
+        noise_sources=NOISE_SOURCE_LABELS,
         axes=[("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
               *((f"LoRA {name} scale", grid.LORA_AXIS + name) for name in names), *control_axes],
         guidance_range=GUIDANCE_SCALE_RANGE, max_steps=service.pipe.max_steps, lora_scale_range=LORA_SCALE_RANGE,
