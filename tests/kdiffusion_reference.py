@@ -275,8 +275,10 @@ class TorchHijack:
         return getattr(torch, item)
 
 
-def sample(sampler_name, model_wrap, noise, sigmas, draws):
-    """KDiffusionSampler.sample: the latents noise * sigmas[0], the sampler's function run on them.
+def sample(sampler_name, model_wrap, x, sigmas, draws):
+    """KDiffusionSampler.sample and sample_img2img: the sampler's function run from latents x (noise *
+    sigmas[0] from text; an image's latents noised to sigmas[0] for image to image, sigmas then the
+    schedule's last ones).
 
     Args:
       draws: the later draws, in order: what `torch.randn_like` returns (the ancestral samplers,
@@ -290,7 +292,7 @@ def sample(sampler_name, model_wrap, noise, sigmas, draws):
         given = iter(draws)
         kwargs["noise_sampler"] = lambda sigma, sigma_next: next(given)
     with mock.patch.object(sampling, "torch", TorchHijack(draws)):
-        return function(model_wrap, noise * sigmas[0], sigmas, extra_args={"cond": None}, disable=True, **kwargs)
+        return function(model_wrap, x, sigmas, extra_args={"cond": None}, disable=True, **kwargs)
 
 
 def toy_model(x_in, t, xp):
