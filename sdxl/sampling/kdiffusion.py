@@ -166,6 +166,11 @@ def lms_step(denoiser: Denoiser, schedule: LMSSchedule, num_steps, i, carry: Car
     return x + update, jnp.concatenate([d[:, None], history[:, :2]], axis=1), seen + 1
 
 
+def _around(schedule: KSchedule, i) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The sigmas of step i's neighbourhood: the previous step's (step 0's own at step 0), its own, the next."""
+    return schedule.sigmas[jnp.maximum(i - 1, 0)], schedule.sigmas[i], schedule.sigmas[i + 1]
+
+
 def dpmpp_2m_step(denoiser: Denoiser, schedule: KSchedule, num_steps, i, carry: Carry, noise) -> Carry:
     """k-diffusion's sample_dpmpp_2m: DPM-Solver++(2M), Lu et al. 2022 Algorithm 2; first order at the
     run's first step and at a step that ends at sigma 0.
@@ -173,7 +178,7 @@ def dpmpp_2m_step(denoiser: Denoiser, schedule: KSchedule, num_steps, i, carry: 
     The state is (x, the previous step's denoised prediction, [B] the steps run before).
     """
     x, denoised_prev, seen = carry
-    sigma_prev, sigma, sigma_next = schedule.sigmas[jnp.maximum(i - 1, 0)], schedule.sigmas[i], schedule.sigmas[i + 1]
+    sigma_prev, sigma, sigma_next = _around(schedule, i)
     denoised = denoiser(x, sigma, schedule.timesteps[i])
     t, t_next = _t(sigma), _t(sigma_next)
     h = t_next - t
@@ -191,7 +196,7 @@ def dpmpp_2m_sde_step(denoiser: Denoiser, schedule: KSchedule, num_steps, i, car
     The state is (x, the previous step's denoised prediction, [B] the steps run before).
     """
     x, denoised_prev, seen = carry
-    sigma_prev, sigma, sigma_next = schedule.sigmas[jnp.maximum(i - 1, 0)], schedule.sigmas[i], schedule.sigmas[i + 1]
+    sigma_prev, sigma, sigma_next = _around(schedule, i)
     denoised = denoiser(x, sigma, schedule.timesteps[i])
     t, t_next = _t(sigma), _t(sigma_next)
     h = t_next - t
