@@ -299,6 +299,17 @@ def _advanced(service: DemoService) -> dict:
                                       info=f"finish with {pipe.refiner is not None and pipe.refiner.name}")
             c["refine_from"] = gr.Slider(0.5, 0.95, value=choices.refine_from, step=0.05, label="Refiner takes over at",
                                          info="the fraction of the noise the base model removes first")
+        with gr.Row():
+            c["noise_source"] = gr.Dropdown(choices.noise_sources, value="jax", label="Noise (RNG)",
+                                            info="NV or CPU: the noise AUTOMATIC1111, Forge and ComfyUI draw for "
+                                            "a seed")
+            c["ensd"] = gr.Number(label="ENSD", value=0, precision=None, minimum=0, maximum=choices.max_seed,
+                                  info="A1111's eta noise seed delta (NV or CPU), often 31337")
+        with gr.Row():
+            c["variation_seed"] = gr.Number(label="Variation seed", value=0, precision=None, minimum=0,
+                                            maximum=choices.max_seed)
+            c["variation_strength"] = gr.Slider(0, 1, value=0, step=0.01, label="Variation strength",
+                                                info="mixes in the variation seed's noise, as A1111 (NV or CPU)")
         c["loras"] = [gr.Slider(*choices.lora_scale_range, value=scale, step=0.05, label=label,
                                 info="0 turns it off; changing LoRAs never recompiles")
                       for label, scale in choices.loras]
@@ -371,17 +382,20 @@ def _forms(service: DemoService, page: dict, controls: list[dict]) -> dict[str, 
     options = {"sampler": p["sampler"], "emphasis": p["emphasis"]}
     refining = {"refine": p["refine"], "refine_from": p["refine_from"]}
     prompts = {"negative_prompt": p["negative"], "style": p["style"]}
-    return {
+    noise = {name: p[name] for name in ("noise_source", "ensd", "variation_seed", "variation_strength")}  # last:
+    return {  # positional API calls of before keep their meaning
         "generate": {"prompt": p["prompt"], **prompts, **common, **size, "images_per_core": p["per_core"], **options,
-                     **refining, **loras, **control},
+                     **refining, **loras, **control, **noise},
         "image_to_image": {"prompt": p["image_prompt"], **prompts, **common, "image": p["image_in"],
                            "mask": p["mask_in"], "strength": p["strength"], "images_per_core": p["per_core"],
-                           **options, **refining, **loras, **control},
+                           **options, **refining, **loras, **control, **noise},
         "compare": {"mode": p["mode"], "prompts": p["compare_prompts"], "negative_prompt": p["compare_negative"],
                     "style": p["compare_style"], "seed": p["seed"], "num_seeds": p["num_seeds"],
-                    "guidance_scale": p["guidance"], "steps": p["steps"], **size, **options, **loras, **control},
+                    "guidance_scale": p["guidance"], "steps": p["steps"], **size, **options, **loras, **control,
+                    **noise},
         "grid": {"prompt": p["grid_prompt"], **prompts, **common, **size, **options, "x_axis": p["x_axis"],
-                 "x_values": p["x_values"], "y_axis": p["y_axis"], "y_values": p["y_values"], **loras, **control},
+                 "x_values": p["x_values"], "y_axis": p["y_axis"], "y_values": p["y_values"], **loras, **control,
+                 **noise},
     }
 
 
@@ -471,7 +485,8 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
                                                  queue=False)
     fields = {"prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
               "guidance_scale": p["guidance"], "steps": p["steps"], "sampler": p["sampler"],
-              "emphasis": p["emphasis"], "size": p["size"]}
+              "emphasis": p["emphasis"], "size": p["size"],
+              **{name: p[name] for name in ("noise_source", "ensd", "variation_seed", "variation_strength")}}
 
     def reuse(png) -> dict:
         """The fields a PNG fills in, a fixed seed where it has one, and Advanced opened to show them."""

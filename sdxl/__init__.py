@@ -4,6 +4,7 @@ from .checkpoints import CheckpointError
 from .engine import control_maps, images
 from .engine.compilation import CompileCounter, enable_compilation_cache
 from .engine.controls import Control
+from .engine.infotext import read_parameters
 from .engine.pipeline import Generation, NonFiniteImageError, Pipeline
 from .engine.prepared import PreparedRequest
 from .engine.request import Request
@@ -20,4 +21,5 @@ __all__ = [
     "control_maps",
     "enable_compilation_cache",
     "images",
+    "read_parameters",
 ]

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import bench, training
 from .checkpoints import CheckpointError, random_models
-from .engine import control_maps, images, memory
+from .engine import control_maps, images, infotext, memory
 from .engine.checks import integer, number
 from .engine.control_maps import DEFAULT_CANNY_THRESHOLDS
 from .engine.controls import Control, default_control_scale
@@ -21,6 +21,7 @@ from .engine.request import (
     guidance_scale, required_prompt,
 )
 from .models.controlnet_union import control_mode, describe_modes
+from .sampling.noise import NOISE_SOURCES
 from .sampling.samplers import SAMPLERS
 from .serving import launch
 
@@ -51,7 +52,7 @@ def generate_command(args: argparse.Namespace) -> None:
     )
     request = dataclasses.replace(
         request, loras=tuple(model.loras.items()), refine_from=args.refine_from if pipe.refiner else None,
-        emphasis=args.emphasis,
+        emphasis=args.emphasis, **_noise_arguments(args),
     )
     if picture is not None:
         strength = default_strength(pipe.spec, inpainting=mask is not None) if args.strength is None else args.strength
@@ -76,7 +77,7 @@ def generate_command(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     pictures = to_pil(result.images)
     for i, image in enumerate(pictures):
-        print(save_png(image, out / f"{args.seed}-{i}.png", images.png_parameters(pipe, request, i, model.label)))
+        print(save_png(image, out / f"{args.seed}-{i}.png", infotext.png_parameters(pipe, request, i, model.label)))
     contact_sheet(pictures).save(out / f"{args.seed}-grid.png")
     print(out / f"{args.seed}-grid.png")
 
@@ -117,6 +118,14 @@ def _check_before_loading(args: argparse.Namespace) -> None:
         control_mode(mode)
     if args.mask is not None and args.image is None:
         raise ValueError("--mask needs --image, the image to inpaint")
+    unsized = Request.from_prompt("", num_images=1, height=1, width=1)
+    dataclasses.replace(unsized, **_noise_arguments(args)).checked_noise()
+
+
+def _noise_arguments(args: argparse.Namespace) -> dict:
+    """The request's noise settings, from --noise-source and A1111's seed options."""
+    return dict(noise_source=args.noise_source, batch_noise=args.batch_noise, variation_seed=args.variation_seed,
+                variation_strength=args.variation_strength, ensd=args.ensd)
 
 
 def _controls(args: argparse.Namespace, pipe, request: Request) -> tuple:
@@ -157,6 +166,19 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_GUIDANCE_SCALE:g} (SDXL's)",
     )
     parser.add_argument("--sampler", choices=list(SAMPLERS), help="default: the one of the checkpoint's scheduler")
+    parser.add_argument(
+        "--noise-source", choices=NOISE_SOURCES, default="jax",
+        help="where the noise comes from: jax (JAX's generator, on the devices; the default), or torch's as "
+        "A1111, Forge, diffusers and ComfyUI draw it: nv (A1111's NV source, torch.randn on CUDA) or cpu "
+        "(torch.randn on the CPU); image i is then A1111's image of seed + i",
+    )
+    parser.add_argument("--batch-noise", action="store_true",
+                        help="with nv or cpu: one generator for all the images, as diffusers' generator= and ComfyUI")
+    parser.add_argument("--variation-seed", type=int, default=0, help="A1111's variation seed (with nv or cpu)")
+    parser.add_argument("--variation-strength", type=float, default=0.0,
+                        help="A1111's variation seed strength, 0 to 1 (default: %(default)s)")
+    parser.add_argument("--ensd", type=int, default=0,
+                        help="A1111's eta noise seed delta: re-seeds the noise after the starting noise (e.g. 31337)")
     parser.add_argument(
         "--image", help="an image to start from (image-to-image; a PNG or JPEG whose size the model renders)"
     )

@@ -52,6 +52,7 @@ def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
         (["--image", "missing.png"], "error: cannot read the image"),
         (["--image", str(ROOT / "assets/shapes/README.md")], "error: cannot read the image"),
         (["--prompt", " "], "error: please enter a prompt (an empty prompt would give unguided, random images)"),
+        (["--ensd", "31337"], "error: an ENSD needs torch's noise: choose the noise source nv or cpu, not jax"),
     ],
 )
 def test_bad_input_exits_before_loading_the_model_with_one_line_reason(args, reason):

@@ -150,3 +150,22 @@ def test_a_click_builds_its_submission_once_for_the_check_and_the_handler(servic
     assert compared.calls[0].request.seeds == (5, 6) and compared.grid is None
     with pytest.raises(ValueError, match="no tab 'paint'"):
         service.submission("paint", {})
+
+
+def test_an_a1111_text_fills_in_the_noise_and_says_what_it_leaves_out(service):
+    """Reuse of A1111's parameters: its RNG, ENSD and variation seed reach the form (and so the request),
+    the model and the hires pass are named as not used, and what the text leaves out is reset."""
+    text = ("a fox\nNegative prompt: blur\nSteps: 20, Sampler: Euler a, Schedule type: Automatic, CFG scale: 7, "
+            "Seed: 42, Size: 128x128, Model: juggernautXL, Variation seed: 9, Variation seed strength: 0.5, "
+            "ENSD: 31337, RNG: CPU, Hires upscale: 2")
+    fields, said = service.reused(text)
+    assert {k: fields[k] for k in ("seed", "noise_source", "ensd", "variation_seed", "variation_strength")} == dict(
+        seed=42, noise_source="cpu", ensd=31337, variation_seed=9, variation_strength=0.5)
+    assert said.endswith("noise CPU (A1111's CPU, ComfyUI, diffusers), ENSD 31337, variation seed 9, variation "
+                         "strength 0.5. Not used: Model, Hires upscale"), said
+    request = service.images(service.settings(fields)).request
+    assert (request.noise_source, request.ensd, request.variation_seed, request.variation_strength) == (
+        "cpu", 31337, 9, 0.5)
+    plain, _ = service.reused("a fox\nSteps: 20, Seed: 3")
+    assert (plain["noise_source"], plain["ensd"], plain["variation_strength"]) == ("nv", 0, 0.0), (
+        "no RNG: A1111's GPU source; no ENSD: none")

@@ -10,7 +10,7 @@ from PIL import Image
 
 from sdxl.checkpoints import resolve
 from sdxl.checkpoints.random_models import write_controlnet
-from sdxl.engine import images
+from sdxl.engine import images, infotext
 from sdxl.engine.control_maps import canny
 from sdxl.engine.pipeline import Pipeline
 from sdxl.serving import grid
@@ -77,7 +77,7 @@ def test_png_parameters_record_each_controlnet_as_the_a1111_extension(service):
     assert ('ControlNet 0: "Module: canny, Model: canny-cn, Weight: 0.7, Threshold A: 50, Threshold B: 200, '
             'Guidance Start: 0, Guidance End: 0.8"') in text
     assert 'ControlNet 1: "Module: none, Model: depth-cn, Weight: 1, Guidance Start: 0, Guidance End: 1"' in text
-    assert images.read_parameters(text)["prompt"] == "a fox", "the quoted entries leave the rest readable"
+    assert infotext.read_parameters(text)["prompt"] == "a fox", "the quoted entries leave the rest readable"
 
 
 def test_a_grid_over_the_controlnet_scale_is_one_device_call(service, monkeypatch):

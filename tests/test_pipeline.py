@@ -184,6 +184,46 @@ def test_stochastic_samplers_match_diffusers_given_the_same_noise(
 
 
 @pytest.mark.oracle
+@pytest.mark.parametrize("sampler, scheduler_cls", [("euler", EulerDiscreteScheduler),
+                                                    ("euler_ancestral", EulerAncestralDiscreteScheduler)])
+@pytest.mark.parametrize("batch_noise", [True, False], ids=["one generator", "one per image"])
+def test_cpu_noise_gives_diffusers_picture_for_its_torch_generators(reference, pipe, sampler, scheduler_cls,
+                                                                    batch_noise):
+    """noise_source="cpu" draws what diffusers draws from CPU generators: with `batch_noise`, one
+    generator for the call (`generator=torch.Generator().manual_seed(seed)`); without, one per image
+    at seed + i (A1111's convention, which diffusers takes as a list of generators). The starting
+    latents, and an ancestral sampler's noise at every step, continue each generator."""
+    folder, ref = reference
+    seed, steps = 11, 3
+    generators = torch.Generator().manual_seed(seed) if batch_noise else [
+        torch.Generator().manual_seed(seed + i) for i in range(len(PROMPTS))]
+    expected = diffusers_images(
+        ref, scheduler_cls.from_config(ref.scheduler.config), prompt=PROMPTS, negative_prompt=NEGATIVES,
+        height=HEIGHT, width=WIDTH, num_inference_steps=steps, guidance_scale=5.0, generator=generators,
+    )
+    kwargs = dict(seed=seed, sampler=sampler, steps=steps, guidance_scale=5.0, height=HEIGHT, width=WIDTH,
+                  output_type="np")
+    got = pipe.generate(PROMPTS, NEGATIVES, noise_source="cpu", batch_noise=batch_noise, **kwargs)
+    diff = np.abs(got - expected).max()
+    print(f"{sampler}, batch noise {batch_noise}: max abs diff vs diffusers with torch generators {diff:.2e}")
+    assert diff <= 1e-4
+    assert np.abs(pipe.generate(PROMPTS, NEGATIVES, **kwargs) - got).max() > 1e-2, "JAX's noise is other noise"
+
+
+@pytest.mark.compiles
+def test_a_refiner_continues_the_drawn_noise_where_the_base_stopped():
+    """The refiner's part of a handoff reads the draws of the steps it runs: with a "refiner" that is the
+    model itself, refining from halfway is the whole run, ancestral noise, ENSD and all."""
+    pipe = Pipeline.from_pretrained("tiny", max_steps=8, devices=jax.devices()[:1])
+    pipe.set_refiner(Pipeline.from_pretrained("tiny", max_steps=8, devices=jax.devices()[:1]))
+    kwargs = dict(seed=3, steps=4, num_images=2, sampler="euler_ancestral", output_type="np", noise_source="nv",
+                  ensd=31337)
+    whole = pipe.generate("a fox", **kwargs)
+    np.testing.assert_array_equal(pipe.generate("a fox", refine_from=0.5, **kwargs), whole)
+    assert np.abs(pipe.generate("a fox", **(kwargs | dict(ensd=0))) - whole).max() > 1e-2, "ENSD re-seeds the steps"
+
+
+@pytest.mark.oracle
 def test_an_lcm_unet_takes_the_guidance_as_an_embedding_like_diffusers(tmp_path, monkeypatch):
     """An LCM UNet (time_cond_proj_dim, as SimianLuo/LCM_Dreamshaper_v7): guidance is the embedding
     of scale - 1 added to the time embedding, and there is no unconditional pass."""

@@ -50,6 +50,25 @@ def test_a_bad_value_is_named_with_what_is_allowed(changes, message):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(noise_source="gpu"), "noise source must be one of jax, nv, cpu, got 'gpu'"),
+        (dict(variation_strength=0.5), "a variation strength needs torch's noise: choose the noise source nv or cpu"),
+        (dict(ensd=31337), "an ENSD needs torch's noise"),
+        (dict(batch_noise=True), "batch noise needs torch's noise"),
+        (dict(noise_source="cpu", batch_noise=True, ensd=31337), "A1111 draws noise per image, so an ENSD cannot go"),
+        (dict(noise_source="nv", variation_strength=2), "variation strength must be a number from 0 to 1, got 2"),
+        (dict(noise_source="nv", variation_seed=-1), "variation seed must be an integer from 0"),
+        (dict(noise_source="cpu", noise=np.zeros((2, 128, 96, 4))), "give starting noise, or a noise source to draw"),
+    ],
+)
+def test_noise_settings_are_checked_against_each_other(changes, message):
+    with pytest.raises(ValueError) as error:
+        dataclasses.replace(_request(), **changes).validated(LIMITS)
+    assert message in str(error.value)
+
+
 def test_per_image_lists_must_agree():
     with pytest.raises(ValueError, match="got 2 prompts and 1 negative prompts for 2 images"):
         _request(prompt=["a", "b"], negative_prompt=["c"])
@@ -64,6 +83,10 @@ def test_requests_merge_in_order_and_keep_their_call_settings():
     assert merged.prompts == ("a fox", "a fox", "a cat") and merged.seeds == (1, 1, 9)
     assert merged.image_index == (0, 1, 0) and merged.guidance_scales == (5.0, 5.0, 7.0)
     assert merged.call_settings == first.call_settings == second.call_settings
+    drawn = [dataclasses.replace(r, noise_source="cpu", noise=np.full((len(r), 4, 4, 4), i, np.float32))
+             for i, r in enumerate((first, second))]
+    assert drawn[0].call_settings != first.call_settings, "drawn noise never merges with JAX's"
+    assert Request.merged(drawn).noise[:, 0, 0, 0].tolist() == [0, 0, 1], "each image keeps its drawn noise"
 
 
 def test_loras_are_checked_sorted_and_part_of_the_batch_key():

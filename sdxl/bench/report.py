@@ -89,6 +89,11 @@ def _full_rows(r: dict) -> list[tuple[str, str]]:
         ),
         ("recompilations over the sweep", f"{r['recompiles']} in {r['sweep_runs']} calls"),
         (
+            "A1111's noise (NV, CPU), Euler a",
+            f"{_number(r['noise_nv_s'], ' s')}, {_number(r['noise_cpu_s'], ' s')} on the host per request: "
+            f"{r['noise_nv_cost']:.2f}x, {r['noise_cpu_cost']:.2f}x one call's time",
+        ),
+        (
             f"LoRA, rank 32 on {r['lora_layers']} layers",
             f"{_number(r['lora_first_s'], ' s')} to read and apply, {_number(r['lora_scale_s'], ' s')} to rescale, "
             f"{_number(r['lora_clear_s'], ' s')} to clear, {r['lora_recompiles']} recompilations",

@@ -2,6 +2,7 @@
 
 import dataclasses
 import datetime
+import functools
 import itertools
 import os
 import statistics
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from ..checkpoints import lora, random_models
 from ..engine.compilation import CompileCounter, enable_compilation_cache
 from ..engine.compiled import Executables
+from ..engine.pipeline import with_drawn_noise
 from ..engine.request import DEFAULT_GUIDANCE_SCALE, Request
 from ..models import attention, convolution, unet
 from ..prompts.tokens import TOKENS_PER_CHUNK
@@ -350,6 +352,8 @@ def run_benchmark(
             rest = dict(recompiles=count_compilations(pipe, sweep), sweep_runs=len(sweep))
             log("timing LoRA switches")
             rest |= time_lora_switches(pipe, scratch, request)
+            log("timing A1111's noise, drawn on the host")
+            rest |= time_noise_draws(pipe, request, runs, _median_s(timings["ours"]))
 
     result = dict(
         date=datetime.date.today().isoformat(),
@@ -374,6 +378,20 @@ def run_benchmark(
 
 
 LORA_RANK = 32  # a common rank for SDXL LoRAs
+
+
+def time_noise_draws(pipe, request: Request, runs: int, call_s: float) -> dict:
+    """Host seconds to draw a request's noise with A1111's NV and CPU sources (`with_drawn_noise`) for an
+    ancestral sampler, the most that is drawn (the starting noise and one draw per step, each image from
+    its own generator, ENSD on), and that against one of the benchmark's calls. It is drawn when a
+    request is prepared, before it waits for the devices."""
+    result = {}
+    for source in ("nv", "cpu"):
+        drawing = dataclasses.replace(request, sampler="euler_ancestral", noise_source=source, ensd=31337)
+        draw = functools.partial(with_drawn_noise, drawing, pipe.spec, 0)
+        seconds = statistics.median(_timed(draw)[0] for _ in range(runs))
+        result |= {f"noise_{source}_s": seconds, f"noise_{source}_cost": seconds / call_s}
+    return result
 
 
 def time_lora_switches(pipe, scratch: Path, request: Request) -> dict:

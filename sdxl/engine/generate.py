@@ -27,6 +27,11 @@ def generate(
     width: int | None = None,
     num_images: int | None = None,
     sampler: str | None = None,
+    noise_source: str = "jax",
+    batch_noise: bool = False,
+    variation_seed: int = 0,
+    variation_strength: float = 0.0,
+    ensd: int = 0,
     latents: np.ndarray | None = None,
     image=None,
     mask_image=None,
@@ -58,6 +63,14 @@ def generate(
         is none: SDXL's conditioning is then zeros (force_zeros_for_empty_prompt).
       num_images: default the prompt or image list's length, else one image per device.
       sampler: a name in `sampling.SAMPLERS`; default the one that reproduces the checkpoint's scheduler.
+      noise_source: "jax" (JAX's PRNG, made on the devices), or torch's noise as the tools people
+        compare with draw it (`sdxl.sampling.noise`): "nv", A1111's NV source, which is torch.randn on
+        CUDA, or "cpu", torch.randn on the CPU. With either, image i is A1111's image of seed + i,
+        from its own generator.
+      batch_noise: with "nv" or "cpu", one generator draws the whole batch's noise, as diffusers
+        called with `generator=torch.Generator(...).manual_seed(seed)` and ComfyUI draw it.
+      variation_seed, variation_strength, ensd: A1111's variation seed and strength, and its eta
+        noise seed delta, with "nv" or "cpu".
       latents: [N, C, h, w] noise in diffusers' layout, replacing the seeded noise.
       image: a PIL image or [H, W, 3] array (uint8, or floats in [0, 1]), or one per image, at a size
         the model renders; or the latents a base model returned (`output_type="latent"`), which
@@ -114,6 +127,10 @@ def generate(
         prompt, negative_prompt, num_images=num_images, seed=seed, guidance_scale=guidance_scale, steps=steps,
         height=height, width=width, sampler=sampler,
         noise=None if latents is None else np.asarray(latents, np.float32).transpose(0, 2, 3, 1),
+    )
+    request = dataclasses.replace(
+        request, noise_source=noise_source, batch_noise=batch_noise, variation_seed=variation_seed,
+        variation_strength=variation_strength, ensd=ensd,
     )
     request = dataclasses.replace(
         request, images=image, masks=mask_image, strength=strength, denoising_start=denoising_start,

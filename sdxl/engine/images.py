@@ -6,20 +6,12 @@ diffusers' image processor reads a PIL image's pixels as they are and a mask as 
 read with a sentence that says why.
 """
 
-import json
 import math
-import re
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, PngImagePlugin
 
-from ..checkpoints import lora
-from ..models.controlnet_union import CONTROL_MODES
-from ..prompts import syntax as prompt_syntax
-from ..prompts.syntax import A1111_EMPHASIS_NAMES
-from ..sampling.samplers import SAMPLER_NAMES
 
 
 # Modes PIL converts to RGB without losing what the picture shows; 16- and 32-bit modes would be
@@ -149,158 +141,6 @@ def image_count(n: int) -> str:
 def model_label(model: str, unet: str | None) -> str:
     """How a result names its model: the checkpoint, and the UNet file that replaced its UNet."""
     return f"{model} + {Path(unet).name}" if unet else model
-
-
-def parameters_text(prompt: str, negative_prompt: str, settings: dict[str, object]) -> str:
-    """Generation parameters in the widely read "parameters" PNG-chunk format, as webui writes it: the
-    prompt, the negative prompt, then the settings as "Key: value" pairs (quoted where a value holds a
-    comma, colon or newline), in order; None values left out."""
-    lines = [prompt]
-    if negative_prompt:
-        lines.append(f"Negative prompt: {negative_prompt}")
-    values = (f"{key}: {_infotext_value(value)}" for key, value in settings.items() if value is not None)
-    lines.append(", ".join(values))
-    return "\n".join(lines)
-
-
-def _infotext_value(value) -> str:
-    return infotext_quote(_number(value))
-
-
-def _number(value) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def png_parameters(pipe, request, i: int, model: str) -> str:
-    """The parameters of image `i` of a rendered request (on `pipe`, with its refiner), as the CLI and
-    the demo save them: the prompts as written, weights and LoRA tags included; webui's fields where it
-    has them ("Schedule type", "Emphasis", "Lora hashes"), then ours."""
-    sampler, schedule = A1111_SAMPLERS[request.sampler]
-    loras = request.loras or ()
-    readable = [prompt_syntax.lora_tags(request.prompts[i])[0], request.negative_prompts[i]]
-    return parameters_text(request.prompts[i], request.negative_prompts[i], {
-        "Steps": request.steps, "Sampler": sampler, "Schedule type": schedule,
-        "CFG scale": float(request.guidance_scales[i]), "Seed": request.seeds[i],
-        "Image index": request.image_index[i], "Size": f"{request.width}x{request.height}", "Model": model,
-        "Denoising strength": None if request.images is None else float(request.strength),
-        "Refiner": None if request.refine_from is None else pipe.refiner.name,
-        "Refiner switch at": None if request.refine_from is None else float(request.refine_from),
-        "Emphasis": emphasis_infotext(request.emphasis, readable),
-        "LoRAs": " ".join(f"{lora.display_name(source)}:{scale:g}" for source, scale in loras) or None,
-        "Lora hashes": lora_hashes_text(
-            (lora.display_name(source), pipe.lora_files[source].short_hash) for source, _ in loras
-        ) or None,
-        **controlnet_infotext(pipe, request, i),
-    })
-
-
-def controlnet_infotext(pipe, request, i: int) -> dict[str, str]:
-    """Image `i`'s ControlNets as A1111's ControlNet extension records them: "ControlNet 0" (and 1,
-    2, ...) with "Module: canny, Model: ..., Weight: 0.7, Threshold A: 100, Threshold B: 200, Guidance
-    Start: 0, Guidance End: 0.8" as its value. The module is how the control map was made from a
-    picture ("none": given as the map)."""
-    entries = {}
-    for k, (controlnet, control) in enumerate(zip(pipe.controlnets, request.controls[i] if request.controls else ())):
-        fields = {**control.made_by.infotext(), "Model": controlnet_label(controlnet.name), "Weight": control.scale,
-                  "Guidance Start": control.start, "Guidance End": control.end,
-                  **({} if control.mode is None else {"Union Control Type": CONTROL_MODES[control.mode][0]})}
-        order = ("Module", "Model", "Weight", "Threshold A", "Threshold B", "Guidance Start", "Guidance End",
-                 "Union Control Type")
-        entries[f"ControlNet {k}"] = ", ".join(f"{key}: {_number(fields[key])}" for key in order if key in fields)
-    return entries
-
-
-def controlnet_label(source: str) -> str:
-    """How results and the demo name a ControlNet: a Hub repo id as it is, a file or folder by its name."""
-    path = Path(source)
-    if source.endswith(".safetensors"):
-        return path.stem
-    return path.name if path.is_dir() else source
-
-
-def lora_hashes_text(loras: Iterable[tuple[str, str]]) -> str:
-    """The value of webui's "Lora hashes" field from (name as written in the tag, short hash) pairs:
-    "name: hash, name: hash", names without ":" and ",", one entry per name (a repeated name keeps its
-    first place and its last hash). In the infotext it is written quoted (`infotext_quote`)."""
-    entries: dict[str, str] = {}
-    for name, short_hash in loras:
-        entries[name.translate(str.maketrans("", "", ":,"))] = short_hash
-    return ", ".join(f"{name}: {short_hash}" for name, short_hash in entries.items())
-
-
-def infotext_quote(value: str) -> str:
-    """A value as webui writes it in the infotext: JSON-quoted when it holds a comma, colon or newline."""
-    value = str(value)
-    if "," not in value and ":" not in value and "\n" not in value:
-        return value
-    return json.dumps(value, ensure_ascii=False)
-
-
-def emphasis_infotext(emphasis: str, texts: Iterable[str]) -> str | None:
-    """webui's "Emphasis" infotext value: written only when the mode is not "original" and some prompt
-    (positive or negative, tags removed) holds "(" or "["."""
-    if emphasis == "original" or not any("(" in text or "[" in text for text in texts):
-        return None
-    return A1111_EMPHASIS_NAMES[emphasis]
-
-
-def read_parameters(text: str) -> dict:
-    """The settings in a "parameters" text (`png_parameters`', or webui's and Forge's): prompt,
-    negative_prompt, and those of steps, sampler (our name for it), guidance_scale, seed, width, height
-    and emphasis that it names. Raises ValueError if it has no settings line."""
-    lines = text.strip().split("\n")
-    settings_line = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Steps: ")), None)
-    if settings_line is None:
-        raise ValueError("no generation parameters in this image (no 'Steps:' line)")
-    prompt_lines, negative = lines[:settings_line], ""
-    for i, line in enumerate(prompt_lines):
-        if line.startswith("Negative prompt: "):
-            negative = "\n".join([line[len("Negative prompt: "):], *prompt_lines[i + 1:]])
-            prompt_lines = prompt_lines[:i]
-            break
-    fields = {key: json.loads(value) if value.startswith('"') else value
-              for key, value in _SETTING.findall(lines[settings_line])}
-    found = {"prompt": "\n".join(prompt_lines), "negative_prompt": negative}
-    for key, (name, parse) in _SETTINGS.items():
-        if key in fields:
-            try:
-                found[name] = parse(fields[key])
-            except ValueError:
-                pass  # a value this demo cannot use is left as it is
-    if "Size" in fields and "x" in fields["Size"]:
-        found["width"], found["height"] = (int(v) for v in fields["Size"].split("x"))
-    sampler = _sampler_named(fields.get("Sampler"), fields.get("Schedule type"))
-    if sampler is not None:
-        found["sampler"] = sampler
-    emphasis = {label: mode for mode, label in A1111_EMPHASIS_NAMES.items()}.get(fields.get("Emphasis", "Original"))
-    if emphasis is not None:
-        found["emphasis"] = emphasis
-    return found
-
-
-# "Key: value" pairs of a settings line; a value runs to the next comma (webui quotes values with commas).
-_SETTING = re.compile(r'\s*([\w ]+): ("(?:[^"\\]|\\.)*"|[^,]*)(?:,|$)')
-_SETTINGS = {"Steps": ("steps", int), "CFG scale": ("guidance_scale", float), "Seed": ("seed", int)}
-# Our samplers as webui (1.9 and later) names them: (Sampler, Schedule type); None: the model's own schedule.
-A1111_SAMPLERS = {name: (label.removesuffix(" Karras"), "Karras" if name.endswith("_karras") else None)
-                  for name, label in SAMPLER_NAMES.items()}
-# webui's "Automatic" schedule type is each sampler's default: Karras for DPM++ 2M, the model's own for ours.
-_AUTOMATIC_KARRAS = ("DPM++ 2M",)
-
-
-def _sampler_named(sampler: str | None, schedule: str | None) -> str | None:
-    """Our sampler for webui's sampler and schedule type (one field before 1.9: "DPM++ 2M Karras");
-    None when we have none like it."""
-    if sampler is None:
-        return None
-    if schedule == "Automatic" and sampler in _AUTOMATIC_KARRAS:
-        schedule = "Karras"
-    for name, (label, karras) in A1111_SAMPLERS.items():
-        if sampler == label and (karras == schedule or (karras is None and schedule != "Karras")):
-            return name
-        if karras and sampler == f"{label} {karras}":
-            return name
-    return next((name for name, (label, _) in A1111_SAMPLERS.items() if label == sampler), None)
 
 
 def save_png(image: Image.Image, path: Path, parameters: str) -> Path:

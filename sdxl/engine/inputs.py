@@ -116,6 +116,8 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
         first_step=np.int32(first),
         stop_step=np.int32(stop),
         noise=per_image(request.noise, np.float32) if program.given_noise else None,
+        step_noise=per_image(_padded_steps(request.step_noise, program.max_steps), np.float32)
+        if program.given_step_noise else None,
         mask=per_image(request.masks[..., None], np.float32) if program.inpaint else None,
         **start,
         **control,
@@ -128,6 +130,12 @@ def _stacked(maps: list[np.ndarray]) -> np.ndarray:
     if all(m is maps[0] for m in maps):
         return np.broadcast_to(_unit(maps[0])[None], (len(maps), *maps[0].shape))
     return np.stack([_unit(m) for m in maps])
+
+
+def _padded_steps(step_noise: np.ndarray, max_steps: int) -> np.ndarray:
+    """[N, steps, ...] noise as [N, max_steps, ...]: the padded steps, never run, hold zeros."""
+    missing = max_steps - step_noise.shape[1]
+    return np.pad(step_noise, [(0, 0), (0, missing)] + [(0, 0)] * (step_noise.ndim - 2)) if missing else step_noise
 
 
 def _unit(pixels: np.ndarray) -> np.ndarray:
@@ -177,6 +185,7 @@ def placeholder(program: GenerateProgram) -> PreparedRequest:
     request = Request(
         ("",) * n, ("",) * n, (0,) * n, (0,) * n, (guidance,) * n, 1, program.height, program.width, program.sampler,
         noise=latents if program.given_noise else None,
+        step_noise=zeros(n, program.max_steps, *latents.shape[1:]) if program.given_step_noise else None,
         images=zeros(n, program.height, program.width, 3) if program.start_from == "image" else None,
         masks=zeros(n, program.height, program.width) if program.inpaint else None,
         start_latents=latents if program.start_from == "latents" else None,

@@ -26,6 +26,7 @@ from ..checkpoints.controlnets import ControlNetCheckpoint
 from ..checkpoints.tokenizer import load_tokenizer
 from ..models.previews import factors_for
 from ..prompts.tokens import Prompts
+from ..sampling import noise
 from ..sampling.samplers import SAMPLERS
 from . import inputs, mesh as meshes
 from .checks import number
@@ -255,23 +256,33 @@ class Pipeline:
         if request.refine_from is None:
             return self._prepared(request, output_type)
         base, refining = _handoff(request)
-        refined = self.refiner._prepared(refining, output_type)
+        base = self._prepared(base, "latent")
+        # The refiner continues the base's noise: a stochastic sampler's draws go on where it stopped.
+        drawn = dict(noise=base.request.noise, step_noise=base.request.step_noise)
+        refined = self.refiner._prepared(dataclasses.replace(refining, **drawn), output_type)
         # The request as asked (its PNG parameters name the refiner): its arrays are its base part's.
-        return dataclasses.replace(self._prepared(base, "latent"), request=request, refined=refined)
+        return dataclasses.replace(base, request=dataclasses.replace(request, **drawn), refined=refined)
 
     def _prepared(self, request: Request, output_type: str) -> PreparedRequest:
-        """A validated request prepared for this model's program."""
+        """A validated request prepared for this model's program, with the noise its source draws on
+        the host (`with_drawn_noise`)."""
         spec, tokens = self.spec, self.prompts.tokens(request.prompts, request.negative_prompts, request.emphasis)
+        drawn = request.noise_source != "jax"
         program = GenerateProgram(
             spec, request.sampler, request.height, request.width, self.padded_batch(len(request)), self.dtype,
             self.max_steps, output_type,
             # An LCM UNet takes the guidance scale as an embedding, with no unconditional pass (as diffusers).
             guided=request.guided and spec.unet.time_cond_proj_dim is None,
-            start_from=request.start_from, inpaint=request.masks is not None, given_noise=request.noise is not None,
+            start_from=request.start_from, inpaint=request.masks is not None,
+            given_noise=drawn or request.noise is not None,
+            given_step_noise=drawn and SAMPLERS[request.sampler].stochastic,
             chunks=tokens.num_chunks, preview_factors=self.preview_factors,
             controlnets=tuple(c.config for c in self.controlnets) if request.controls else (),
         )
-        return PreparedRequest(request, tokens, program, inputs.steps_run(program, request))
+        steps = inputs.steps_run(program, request)
+        if drawn and request.noise is None:
+            request = with_drawn_noise(request, spec, first_step=steps[0])
+        return PreparedRequest(request, tokens, program, steps)
 
     def programs_for(self, request: Request, num_images: int | None = None) -> tuple[GenerateProgram, ...]:
         """The programs `request` runs (`prepare`), at `num_images` images (default its own count)."""
@@ -432,6 +443,24 @@ class Pipeline:
         refined = prepared.refined
         refined = dataclasses.replace(refined, request=dataclasses.replace(refined.request, start_latents=latents))
         return self.refiner._render_part(refined, continued(on_step), continued(on_preview), steps_per_report)
+
+
+def with_drawn_noise(request: Request, spec: ModelSpec, first_step: int) -> Request:
+    """`request` with the noise its source draws on the host (`sdxl.sampling.noise.drawn`): the starting
+    noise, and for a stochastic sampler the draws after it, the j-th at step first_step + j, where the
+    tools it comes from draw it."""
+    height, width, channels = spec.latent_shape(request.height, request.width)
+    later = request.steps - first_step if SAMPLERS[request.sampler].stochastic else 0
+    start, after = noise.drawn(
+        request.noise_source, (channels, height, width), request.seeds, request.image_index, later_draws=later,
+        batch_noise=request.batch_noise, variation_seed=request.variation_seed,
+        variation_strength=request.variation_strength, ensd=request.ensd,
+    )
+    step_noise = None
+    if later:
+        step_noise = np.zeros((len(request), request.steps, height, width, channels), np.float32)
+        step_noise[:, first_step:] = after.transpose(0, 1, 3, 4, 2)
+    return dataclasses.replace(request, noise=start.transpose(0, 2, 3, 1), step_noise=step_noise)
 
 
 def _handoff(request: Request) -> tuple[Request, Request]:

@@ -74,6 +74,9 @@ class Inputs:
     first_step: jax.Array
     stop_step: jax.Array
     noise: jax.Array | None  # optional [B, h, w, C] float32 latents that replace the sampled noise
+    # Optional [B, S, h, w, C] float32 the noise a stochastic sampler adds at step i ([:, i]), drawn on
+    # the host, replacing the seeded noise (`GenerateProgram.given_step_noise`).
+    step_noise: jax.Array | None = None
     # start_from "image": [B, H, W, 3] float32 in [0, 1], the images to start from; start_from
     # "latents": [B, h, w, C] float32, the sampler's state to continue.
     image: jax.Array | None = None
@@ -103,7 +106,9 @@ class State:
 
     cond: dict  # the UNet's text conditioning, [2B, ...] as (negative, positive) pairs
     carry: Any  # the sampler's loop state (`sdxl.sampling.samplers`)
-    keys: jax.Array | None  # [B] PRNG keys for the noise a stochastic sampler adds, else None
+    # What a stochastic sampler's noise comes from (`sampling.samplers.step_noise`): [B] PRNG keys, or
+    # [B, S, h, w, C] noise drawn on the host; None for other samplers.
+    step_noise: jax.Array | None
     known: "Known | None" = None  # inpainting: what the mask keeps
 
 
@@ -254,6 +259,7 @@ class GenerateProgram:
     start_from: str = "noise"  # one of `START_FROM`
     inpaint: bool = False  # `Inputs.mask` says what to repaint; the rest is kept (`Known`)
     given_noise: bool = False  # `Inputs.noise` replaces the seeded starting noise
+    given_step_noise: bool = False  # `Inputs.step_noise` replaces a stochastic sampler's seeded noise
     chunks: int = 1  # the prompts' chunks of 77 tokens (`sdxl.prompts.tokens.CHUNK_COUNTS`)
     # `previews.project`'s (matrix, bias) for the previews `denoise` returns; None: the family's.
     preview_factors: tuple | None = None
@@ -308,8 +314,10 @@ class GenerateProgram:
                 latents = jnp.where(inputs.from_noise, from_noise, latents)
             if self.inpaint:
                 known = self._known(params, inputs, encoded, noise)
-        stochastic = method.stochastic
-        return State(cond, method.init(latents), sampler_keys if stochastic else None, known)
+        step_noise = None
+        if method.stochastic:
+            step_noise = inputs.step_noise if self.given_step_noise else sampler_keys
+        return State(cond, method.init(latents), step_noise, known)
 
     def encode(self, params, images: jax.Array) -> jax.Array:
         """[B, H, W, 3] images in [-1, 1] -> [B, h, w, C] the diffusion model's latents.
@@ -454,7 +462,8 @@ class GenerateProgram:
         if known is not None and known.latents is not None:
             method = _blending_known(method, known, method.evaluations(inputs.stop_step))
         return run_steps(
-            method, denoiser, state.carry, inputs.schedule, inputs.num_steps, start, stop, state.keys, denoised=denoised
+            method, denoiser, state.carry, inputs.schedule, inputs.num_steps, start, stop, state.step_noise,
+            denoised=denoised,
         )
 
     def finish(self, params, state: State) -> tuple[jax.Array, jax.Array]:
@@ -495,8 +504,8 @@ def _blending_known(method: Sampler, known: Known, stop) -> Sampler:
     """`method` with diffusers' inpainting step for a 4-channel UNet: after every step, the kept region
     is the image's latents noised to the level the step reached (clean after the last, stop - 1)."""
 
-    def step(denoiser, schedule, num_steps, i, carry, keys):
-        carry = method.step(denoiser, schedule, num_steps, i, carry, keys)
+    def step(denoiser, schedule, num_steps, i, carry, noise):
+        carry = method.step(denoiser, schedule, num_steps, i, carry, noise)
         sigma = jnp.where(i < stop - 1, schedule.sigmas[i + 1], 0.0)
         kept = add_noise(method, known.latents, known.noise, sigma)
         latents = (1 - known.mask) * kept + known.mask * method.finish(carry)

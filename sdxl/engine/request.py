@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..prompts.syntax import EMPHASIS_MODES, lora_tags
+from ..sampling.noise import NOISE_SOURCES
 from ..sampling.samplers import SAMPLER_NAMES, SAMPLERS, WHOLE_SCHEDULE_ONLY
 from .checks import choice, fraction, integer, number, text
 from .controls import Control
@@ -115,6 +116,21 @@ class Request:
     sampler: str | None = None  # a name in `sampling.SAMPLERS`; None: the model's (`ModelSpec.default_sampler`)
     # [N, h, w, C] float32 latents (NHWC) that replace the seeded starting noise.
     noise: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    # Where the noise comes from (`sdxl.sampling.noise`): "jax", JAX's PRNG at (seed, image index),
+    # made on the devices; or torch's, made on the host as the tools people compare with draw it:
+    # "nv" (A1111's NV source, which is CUDA's torch.randn) or "cpu" (torch.randn on the CPU).
+    noise_source: str = "jax"
+    # With "nv" or "cpu": one generator draws all the images of a seed, as diffusers and ComfyUI draw
+    # a batch (True); or, as A1111 and Forge, each image has its own, at seed + image index (False).
+    batch_noise: bool = False
+    # A1111's variation seed ("subseed"; image i's is variation_seed + its index) and strength, and its
+    # eta noise seed delta (ENSD), which re-seeds the draws after the starting noise.
+    variation_seed: int = 0
+    variation_strength: float = 0.0
+    ensd: int = 0
+    # [N, steps, h, w, C] float32 the noise a stochastic sampler adds at each step (those before the
+    # first step that runs unread); drawn on the host (`Pipeline.prepare`) with a noise source.
+    step_noise: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
     # ((LoRA source, scale), ...): exactly these LoRAs (() for none; validated: sorted, scale 0 left
     # out, the prompts' tags added); None: the pipeline's active ones (`Pipeline.set_loras`).
     loras: tuple[tuple[str, float], ...] | None = None
@@ -201,22 +217,27 @@ class Request:
         return (
             self.height, self.width, self.steps, self.sampler, self.loras, self.start_from, self.masks is not None,
             self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores, self.refine_from,
-            self.emphasis, self.control_count,
+            self.emphasis, self.control_count, self.noise_source, self.noise is not None,
         )
 
     @classmethod
     def merged(cls, requests: Sequence["Request"]) -> "Request":
-        """One request for the images of several with the same `call_settings`, in order (no noise, no
-        start latents)."""
+        """One request for the images of several with the same `call_settings`, in order (no start latents).
+
+        Raises:
+          ValueError: some give noise and others do not.
+        """
         first = requests[0]
-        arrays = {
-            name: None if getattr(first, name) is None else np.concatenate([getattr(r, name) for r in requests])
-            for name in ("images", "masks")
-        }
+        arrays = {}
+        for name in ("images", "masks", "noise", "step_noise"):
+            given = [getattr(r, name) is not None for r in requests]
+            if any(given) and not all(given):
+                raise ValueError(f"cannot merge requests with {name} and requests without")
+            arrays[name] = np.concatenate([getattr(r, name) for r in requests]) if all(given) else None
         per_image = [f for f in (*_PER_IMAGE, "controls") if getattr(first, f) is not None]
         return dataclasses.replace(
             first, **{f: tuple(v for r in requests for v in getattr(r, f)) for f in per_image}, **arrays,
-            noise=None, start_latents=None,
+            start_latents=None,
         )
 
     def validated(self, limits: Limits) -> "Request":
@@ -240,6 +261,7 @@ class Request:
             raise ValueError(f"noise must have shape {latent_shape} (NHWC), got {tuple(np.shape(self.noise))}")
         steps = integer(self.steps, "steps", 1, limits.max_steps)
         strength = number(self.strength, "strength", 0.0, 1.0)
+        noise_settings = self.checked_noise()
         if self.refine_from is not None and limits.refiner is None:
             raise ValueError("no refiner is loaded to refine with (start the demo or the CLI with --refiner)")
         self._check_start(spec, sampler, steps, strength, height, width, latent_shape)
@@ -263,7 +285,32 @@ class Request:
             aesthetic_scores=tuple(number(a, label, *AESTHETIC_SCORE_RANGE) for a, label in zip(
                 self.aesthetic_scores, ("aesthetic score", "negative aesthetic score"))),
             controls=_controls(self.controls, n, limits.controlnets, height, width),
+            **noise_settings,
         )
+
+    def checked_noise(self) -> dict:
+        """The noise source and A1111's seed settings, checked against each other, by field name.
+
+        Raises:
+          ValueError: one sentence.
+        """
+        source = choice(self.noise_source, "noise source", NOISE_SOURCES)
+        settings = dict(
+            noise_source=source, batch_noise=bool(self.batch_noise),
+            variation_seed=integer(self.variation_seed, "variation seed", 0, MAX_SEED),
+            variation_strength=number(self.variation_strength, "variation strength", 0.0, 1.0),
+            ensd=integer(self.ensd, "ENSD (eta noise seed delta)", 0, MAX_SEED),
+        )
+        a1111 = [label for label, used in (("a variation strength", settings["variation_strength"]),
+                                           ("an ENSD", settings["ensd"])) if used]
+        if source == "jax" and (a1111 or settings["batch_noise"]):
+            asked = " and ".join(a1111) or "batch noise"
+            raise ValueError(f"{asked} needs torch's noise: choose the noise source nv or cpu, not jax")
+        if settings["batch_noise"] and a1111:
+            raise ValueError(f"A1111 draws noise per image, so {' and '.join(a1111)} cannot go with batch noise")
+        if source != "jax" and self.noise is not None:
+            raise ValueError(f"give starting noise, or a noise source to draw it ({source}), not both")
+        return settings
 
     def _check_start(
         self, spec, sampler: str, steps: int, strength: float, height: int, width: int, latent_shape: tuple

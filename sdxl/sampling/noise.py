@@ -461,3 +461,49 @@ def a1111_seeds(
     """
     seeds = tuple(seed + (i if subseed_strength == 0 else 0) for i in image_indices)
     return seeds, tuple(subseed + i for i in image_indices)
+
+
+def drawn(
+    source: str,
+    shape: tuple[int, int, int],
+    seeds: Sequence[int],
+    image_index: Sequence[int],
+    *,
+    later_draws: int = 0,
+    batch_noise: bool = False,
+    variation_seed: int = 0,
+    variation_strength: float = 0.0,
+    ensd: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each image's starting noise and its later draws, image i being image `image_index[i]` of a job
+    of seed `seeds[i]`, as the tool whose convention is asked draws them.
+
+    A1111's and Forge's (`ImageNoise`): image i has its own generator, at seed + index (`a1111_seeds`;
+    the seed alone, and variation seed + index, at a nonzero variation strength). diffusers' and
+    ComfyUI's (`batch_noise`): the images of one seed are the rows of one generator's draws over
+    (rows, C, H, W), rows being the highest index + 1: a call of that many images.
+
+    Args:
+      source: "nv" or "cpu".
+      shape: (C, H, W) of one image's latents.
+      later_draws: the draws after the starting noise (one per step of a stochastic sampler).
+
+    Returns:
+      ([N, C, H, W], [N, later_draws, C, H, W]) float32.
+    """
+    if batch_noise:
+        first, later = np.empty((len(seeds), *shape), _f32), np.empty((len(seeds), later_draws, *shape), _f32)
+        for seed in set(seeds):
+            images = [i for i, s in enumerate(seeds) if s == seed]
+            rows = [image_index[i] for i in images]
+            batch = BatchNoise(source, (max(rows) + 1, *shape), seed)
+            first[images] = batch.first()[rows]
+            for draw in range(later_draws):
+                later[images, draw] = batch.next()[rows]
+        return first, later
+    job = [a1111_seeds(seed, [index], variation_seed, variation_strength) for seed, index in zip(seeds, image_index)]
+    images = ImageNoise(source, shape, [s[0] for s, _ in job], [s[0] for _, s in job], variation_strength, ensd)
+    first = images.first()
+    later = np.stack([images.next() for _ in range(later_draws)], axis=1) if later_draws else (
+        np.empty((len(seeds), 0, *shape), _f32))
+    return first, later

@@ -68,9 +68,13 @@ def denoised_from_model_output(
     raise ValueError(f"prediction_type {prediction_type!r} is not supported")
 
 
-def step_noise(keys: jax.Array, step: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """[B, *shape] standard normal noise for one step, image b's drawn from keys[b] and the step alone."""
-    return jax.vmap(lambda key: jax.random.normal(jax.random.fold_in(key, step), shape, jnp.float32))(keys)
+def step_noise(noise: jax.Array, step: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """[B, *shape] standard normal noise for one step, from what a stochastic sampler is given: [B]
+    PRNG keys, image b's noise drawn from keys[b] and the step alone; or [B, S, *shape] noise drawn on
+    the host (`sdxl.sampling.noise`), step i's at [:, i]."""
+    if jax.dtypes.issubdtype(noise.dtype, jax.dtypes.prng_key):
+        return jax.vmap(lambda key: jax.random.normal(jax.random.fold_in(key, step), shape, jnp.float32))(noise)
+    return jax.lax.dynamic_index_in_dim(noise, step, axis=1, keepdims=False).astype(jnp.float32)
 
 
 def _euler_step(x: jax.Array, denoised: jax.Array, sigma: jax.Array, sigma_next: jax.Array) -> jax.Array:
@@ -83,7 +87,7 @@ def _vp_scale(sigma: jax.Array) -> jax.Array:
     return jax.lax.rsqrt(sigma**2 + 1)
 
 
-def euler_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, x: jax.Array, keys) -> jax.Array:
+def euler_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, x: jax.Array, noise) -> jax.Array:
     """Euler's method: Karras et al. 2022 Algorithm 2 with Euler steps only and S_churn = 0.
 
     The state is the latents x at schedule.sigmas[i]; they start as noise * init_noise_sigma.
@@ -93,22 +97,22 @@ def euler_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, x: jax.Arra
     return _euler_step(x, denoised, sigma, schedule.sigmas[i + 1])
 
 
-def euler_ancestral_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, x: jax.Array, keys) -> jax.Array:
+def euler_ancestral_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, x: jax.Array, noise) -> jax.Array:
     """Euler ancestral sampling (k-diffusion's sample_euler_ancestral, eta = 1), as EulerAncestralDiscreteScheduler.
 
     An Euler step down to sigma_down, then fresh noise of scale sigma_up, where
     sigma_down^2 + sigma_up^2 = sigma_next^2: together a DDPM ancestral step. The noise of step i is
-    `step_noise(keys, i, ...)`, so each image depends only on its own key ([B] PRNG keys).
+    `step_noise(noise, i, ...)`, so each image depends only on its own key, or its own drawn noise.
     """
     sigma, sigma_next = schedule.sigmas[i], schedule.sigmas[i + 1]
     denoised = denoiser(x, sigma, schedule.timesteps[i])
     sigma_up = jnp.sqrt(sigma_next**2 * (sigma**2 - sigma_next**2) / sigma**2)
     sigma_down = jnp.sqrt(sigma_next**2 - sigma_up**2)
     x = _euler_step(x, denoised, sigma, sigma_down)
-    return x + step_noise(keys, i, x.shape[1:]) * sigma_up
+    return x + step_noise(noise, i, x.shape[1:]) * sigma_up
 
 
-def dpmpp_2m_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, carry: Carry, keys) -> Carry:
+def dpmpp_2m_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, carry: Carry, noise) -> Carry:
     """DPM-Solver++(2M), Lu et al. 2022 Algorithm 2, as DPMSolverMultistepScheduler with its defaults.
 
     That is algorithm_type "dpmsolver++", solver_order 2, solver_type "midpoint", and
@@ -135,7 +139,7 @@ def dpmpp_2m_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, carry: C
     return x, denoised, jnp.ones_like(has_previous)
 
 
-def ddim_step(denoiser: Denoiser, schedule: DDIMSchedule, num_steps, i, x_vp: jax.Array, keys) -> jax.Array:
+def ddim_step(denoiser: Denoiser, schedule: DDIMSchedule, num_steps, i, x_vp: jax.Array, noise) -> jax.Array:
     """DDIM with eta = 0, Song et al. 2021 eq. 12, as DDIMScheduler.
 
     In terms of x = x_vp / alpha it is Euler's method (Karras et al. 2022, sec. 4), stepping to
@@ -148,7 +152,7 @@ def ddim_step(denoiser: Denoiser, schedule: DDIMSchedule, num_steps, i, x_vp: ja
     return _euler_step(x, denoised, sigma, sigma_next) * _vp_scale(sigma_next)
 
 
-def pndm_step(denoiser: Denoiser, schedule: PNDMSchedule, num_steps, i, carry: Carry, keys) -> Carry:
+def pndm_step(denoiser: Denoiser, schedule: PNDMSchedule, num_steps, i, carry: Carry, noise) -> Carry:
     """PLMS (Liu et al. 2022, "Pseudo Numerical Methods for Diffusion Models", eq. 9 with the linear
     multistep noise estimate), as PNDMScheduler with skip_prk_steps: a trapezoidal start, then
     Adams-Bashforth of growing order over the kept noise predictions.
@@ -169,28 +173,28 @@ def pndm_step(denoiser: Denoiser, schedule: PNDMSchedule, num_steps, i, carry: C
     return x_next, kept, jnp.where(i == 0, x_vp, first_sample)
 
 
-def lcm_step(denoiser: Denoiser, schedule: LCMSchedule, num_steps, i, x_vp: jax.Array, keys) -> jax.Array:
+def lcm_step(denoiser: Denoiser, schedule: LCMSchedule, num_steps, i, x_vp: jax.Array, noise) -> jax.Array:
     """Multistep latent consistency sampling (Luo et al. 2023, Algorithm 1), as LCMScheduler.
 
     Each step maps the sample to the consistency function's clean estimate (the model's clean
     prediction, blended with the sample by the boundary condition's c_out and c_skip), then, but for
-    the last step, noises it afresh to the next timestep's level with `step_noise(keys, i, ...)`.
+    the last step, noises it afresh to the next timestep's level with `step_noise(noise, i, ...)`.
     The state is diffusers' variance-preserving sample (init_noise_sigma 1).
     """
     sigma, sigma_next = schedule.sigmas[i], schedule.sigmas[i + 1]
     clean = denoiser(x_vp / _vp_scale(sigma), sigma, schedule.timesteps[i])
     denoised = schedule.c_out[i] * clean + schedule.c_skip[i] * x_vp
     alpha_next = _vp_scale(sigma_next)
-    renoised = alpha_next * denoised + sigma_next * alpha_next * step_noise(keys, i, x_vp.shape[1:])
+    renoised = alpha_next * denoised + sigma_next * alpha_next * step_noise(noise, i, x_vp.shape[1:])
     return jnp.where(i == num_steps - 1, denoised, renoised)
 
 
-def tcd_step(denoiser: Denoiser, schedule: TCDSchedule, num_steps, i, x_vp: jax.Array, keys) -> jax.Array:
+def tcd_step(denoiser: Denoiser, schedule: TCDSchedule, num_steps, i, x_vp: jax.Array, noise) -> jax.Array:
     """Trajectory consistency distillation's strategic stochastic sampling (Zheng et al. 2024), as
     TCDScheduler with gamma `schedules.TCD_GAMMA`.
 
     A DDIM jump from the sample's level to the lower level `gamma_sigmas[i]`, then, but for the last
-    step, fresh noise (`step_noise(keys, i, ...)`) up to the next step's level. The state is
+    step, fresh noise (`step_noise(noise, i, ...)`) up to the next step's level. The state is
     diffusers' variance-preserving sample (init_noise_sigma 1).
     """
     sigma, sigma_s, sigma_next = schedule.sigmas[i], schedule.gamma_sigmas[i], schedule.sigmas[i + 1]
@@ -199,7 +203,7 @@ def tcd_step(denoiser: Denoiser, schedule: TCDSchedule, num_steps, i, x_vp: jax.
     jumped = _euler_step(x, clean, sigma, sigma_s) * _vp_scale(sigma_s)  # DDIM's step to sigma_s (`ddim_step`)
     # (alpha_next / alpha_s) * jumped + sqrt(1 - alpha_next^2 / alpha_s^2) * noise
     ratio = _vp_scale(sigma_next) / _vp_scale(sigma_s)
-    renoised = ratio * jumped + jnp.sqrt(jnp.maximum(1 - ratio**2, 0)) * step_noise(keys, i, x_vp.shape[1:])
+    renoised = ratio * jumped + jnp.sqrt(jnp.maximum(1 - ratio**2, 0)) * step_noise(noise, i, x_vp.shape[1:])
     return jnp.where(i == num_steps - 1, jumped, renoised)
 
 
@@ -224,9 +228,9 @@ class Sampler(NamedTuple):
     """A sampler as the pieces of its loop, and the schedule it runs on."""
 
     schedule: Callable[[SchedulerConfig, int, int], Schedule]
-    # step(denoiser, schedule, num_steps, i, carry, keys) -> carry
+    # step(denoiser, schedule, num_steps, i, carry, noise) -> carry
     step: Callable[..., Carry]
-    # Whether `step` injects noise drawn from `keys`: [B] per-image PRNG keys.
+    # Whether `step` adds noise, from `noise`: [B] per-image PRNG keys, or [B, S, ...] drawn noise (`step_noise`).
     stochastic: bool = False
     # Whether its latents are diffusers' variance-preserving sample x / sqrt(sigma^2 + 1), not x.
     variance_preserving: bool = False
@@ -246,7 +250,7 @@ def add_noise(sampler: Sampler, latents: jax.Array, noise: jax.Array, sigma: jax
 
 def run_steps(
     sampler: Sampler, denoiser: SteppedDenoiser, carry: Carry, schedule: Schedule, num_steps, start, stop,
-    keys=None, *, denoised: jax.Array | None = None,
+    noise=None, *, denoised: jax.Array | None = None,
 ) -> Carry:
     """Runs steps start..stop-1 (each possibly traced) of a `num_steps`-step loop.
 
@@ -256,7 +260,7 @@ def run_steps(
     if denoised is None:
         return jax.lax.fori_loop(
             start, stop,
-            lambda i, c: sampler.step(functools.partial(denoiser, step=i), schedule, num_steps, i, c, keys), carry,
+            lambda i, c: sampler.step(functools.partial(denoiser, step=i), schedule, num_steps, i, c, noise), carry,
         )
 
     def step(i, state):
@@ -266,7 +270,7 @@ def run_steps(
             seen.append(denoiser(x, sigma, timestep, step=i))
             return seen[-1]
 
-        carry = sampler.step(recording, schedule, num_steps, i, state[0], keys)
+        carry = sampler.step(recording, schedule, num_steps, i, state[0], noise)
         return carry, seen[-1]
 
     return jax.lax.fori_loop(start, stop, step, (carry, denoised))

@@ -4,7 +4,7 @@ and starting values, in the service's terms, so that the page lists what the ser
 import dataclasses
 
 from ..checkpoints import lora
-from ..engine import images
+from ..engine import infotext
 from ..engine.control_maps import default_preprocessor
 from ..engine.controls import default_control_scale
 from ..engine.request import DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, default_strength
@@ -36,6 +36,7 @@ class Choices:
     styles: list[str]  # "No style" first
     examples: list[list[str]]  # (prompt, style)
     emphasis: list[tuple[str, str]]
+    noise_sources: list[tuple[str, str]]
     axes: list[tuple[str, str]]  # a grid's: "none" first
     guidance_range: tuple[float, float]
     max_steps: int
@@ -62,6 +63,11 @@ class ControlNetChoices:
 
 
 
+# The noise sources as the page names them: which tool's pictures each one draws again.
+NOISE_SOURCE_LABELS = [("JAX (this demo's)", "jax"), ("NV (A1111 and Forge on an NVIDIA GPU)", "nv"),
+                       ("CPU (A1111's CPU, ComfyUI, diffusers)", "cpu")]
+
+
 def choices_of(service) -> Choices:
     """What a `DemoService`'s page offers: its model's sizes and defaults, its LoRAs and ControlNets."""
     spec, names = service.pipe.spec, [lora.display_name(source) for source in service.loras]
@@ -69,7 +75,7 @@ def choices_of(service) -> Choices:
                     for name in grid.CONTROL_AXES] if service.pipe.controlnets else []
     controlnets = []
     for controlnet in service.pipe.controlnets:
-        label = images.controlnet_label(controlnet.name)
+        label = infotext.controlnet_label(controlnet.name)
         preprocessor, count = default_preprocessor(label), getattr(controlnet.config, "num_control_type", 0)
         modes = [(describe_mode(m), CONTROL_MODES[m][0]) for m in range(count)]  # a Union's
         controlnets.append(ControlNetChoices(label, preprocessor, modes, (
@@ -82,6 +88,7 @@ def choices_of(service) -> Choices:
         styles=list(STYLES),
         examples=[[text, NO_STYLE] for text in service.recommended.examples] or EXAMPLES,
         emphasis=[(A1111_EMPHASIS_NAMES[mode], mode) for mode in EMPHASIS_MODES],
+        noise_sources=NOISE_SOURCE_LABELS,
         axes=[("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
               *((f"LoRA {name} scale", grid.LORA_AXIS + name) for name in names), *control_axes],
         guidance_range=GUIDANCE_SCALE_RANGE, max_steps=service.pipe.max_steps, lora_scale_range=LORA_SCALE_RANGE,

@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image
 
 from ..checkpoints import lora
-from ..engine import images
+from ..engine import images, infotext
 from ..engine.checks import integer, number
 from ..engine.control_maps import DEFAULT_CANNY_THRESHOLDS
 from ..engine.controls import Control
@@ -91,12 +91,23 @@ class Settings:
     refine_from: float = DEFAULT_REFINE_FROM
     lora_scales: tuple[float, ...] | None = None  # one per launched LoRA (`DemoService.loras`); None: their own
     controls: tuple[ControlForm, ...] = ()  # one per launched ControlNet (`Pipeline.controlnets`), or none
+    # Where the noise comes from (`Request.noise_source`), and A1111's seed settings for its sources.
+    noise_source: str = "jax"
+    ensd: int = 0
+    variation_seed: int = 0
+    variation_strength: float = 0.0
 
 
 # Each `ControlForm` field's name in the form (and the API) for the first ControlNet; the others' add "_2", ...
 CONTROL_PARAMETERS = {"picture": "control_image", "preprocessor": "control_preprocessor", "canny_low": "canny_low",
                       "canny_high": "canny_high", "scale": "control_scale", "start": "control_start",
                       "end": "control_end", "mode": "control_mode"}
+
+
+# The fields `DemoService.reused` fills in besides the prompts, and how its sentence names them.
+REUSED = {"seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
+          "emphasis": "emphasis", "size": "size", "noise_source": "noise", "ensd": "ENSD",
+          "variation_seed": "variation seed", "variation_strength": "variation strength"}
 
 
 def control_parameters(count: int) -> list[dict[str, str]]:
@@ -374,7 +385,7 @@ class DemoService:
             return str(e)
 
     def png_parameters(self, prepared: PreparedRequest, i: int) -> str:
-        return images.png_parameters(self.pipe, prepared.request, i, self.model_label)
+        return infotext.png_parameters(self.pipe, prepared.request, i, self.model_label)
 
     def control_map(self, picture, preprocessor, canny_low, canny_high, width, height) -> np.ndarray:
         """The map a ControlNet panel's picture (an upload) makes at the chosen size, as the request will
@@ -384,20 +395,23 @@ class DemoService:
 
     def reused(self, text: str) -> tuple[dict, str]:
         """The form's fields, by name, that a PNG's "parameters" text (this demo's, A1111's or Forge's)
-        fills in: the prompts, and of seed, guidance, steps, sampler, emphasis and size (one of this
-        model's) those it names; and a sentence that says what was filled in. Raises ValueError."""
-        found = images.read_parameters(text)
+        fills in: the prompts, and of seed, guidance, steps, sampler, emphasis, size (one of this
+        model's), noise source, ENSD and variation seed those it names; and a sentence that says what was
+        filled in, and what was not. Raises ValueError."""
+        found, unused = infotext.read_infotext(text)
         label = size_label(found.get("width"), found.get("height"))
         fields = {"prompt": found["prompt"], "negative_prompt": found["negative_prompt"],
-                  **{name: found[name] for name in ("seed", "guidance_scale", "steps", "sampler", "emphasis")
-                     if name in found},
+                  **{name: found[name] for name in REUSED if name in found},
                   **({"size": label} if label in self.choices.sizes else {})}
-        said = {"seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
-                "emphasis": "emphasis", "size": "size"}
-        samplers = {name: label for label, name in self.choices.samplers}
-        filled = "".join(f", {word} {samplers.get(fields[name], fields[name])}" for name, word in said.items()
-                         if name in fields)
-        return fields, f"Filled in: the prompts{filled}"
+        labels = {"sampler": dict(map(reversed, self.choices.samplers)),
+                  "noise_source": dict(map(reversed, self.choices.noise_sources))}
+        filled = "".join(f", {word} {labels.get(name, {}).get(fields[name], fields[name])}"
+                         for name, word in REUSED.items() if name in fields)
+        if "width" in found and "size" not in fields:
+            unused = (f"Size {found['width']}x{found['height']}", *unused)
+        said = f"Filled in: the prompts{filled}" + (f". Not used: {', '.join(unused)}" if unused else "")
+        # A1111's settings a text leaves out are off in it: one reused before must not stay.
+        return {"ensd": 0, "variation_seed": 0, "variation_strength": 0.0} | fields, said
 
     def _images(self, settings: Settings) -> Request:
         n = self.pipe.num_devices * integer(settings.images_per_core, "images per core", 1, self.max_images_per_core)
@@ -415,7 +429,8 @@ class DemoService:
             (styled[0],) * n, (styled[1],) * n, seeds, image_index, (settings.guidance_scale,) * n, settings.steps,
             height, width, settings.sampler, loras=tuple(zip(self.loras, self._lora_scales(settings))),
             refine_from=float(settings.refine_from) if settings.refine else None, emphasis=settings.emphasis,
-            controls=None if controls is None else (controls,) * n,
+            controls=None if controls is None else (controls,) * n, noise_source=settings.noise_source,
+            ensd=settings.ensd, variation_seed=settings.variation_seed, variation_strength=settings.variation_strength,
         )
 
     def _controls(self, settings: Settings, width, height) -> tuple[Control, ...] | None:

@@ -1,0 +1,301 @@
+"""The test oracle for sdxl.sampling.kdiffusion: k-diffusion's own sampling and external modules, and
+AUTOMATIC1111's webui (1.10) around them, in torch.
+
+k-diffusion 0.1.1.post1 is installed without its dependencies (requirements-dev.txt): its package
+`__init__` imports its training and evaluation code (clip, clean-fid, wandb, kornia, ...). `kdiffusion()`
+loads `k_diffusion.sampling` and `k_diffusion.external` alone, with their own `k_diffusion.utils`,
+whose top-level torchvision import (for image helpers neither module calls) is answered by an empty
+stand-in while it loads.
+
+A transcription in spirit of webui's steps, written apart from sdxl.sampling (which it must not
+import) so that the two can be held against each other:
+
+- modules/sd_models_xl.py and ldm's DDPM: alphas_cumprod from float64 betas, held as float32, wrapped
+  as k-diffusion's CompVisDenoiser (CompVisVDenoiser for v-prediction);
+- modules/sd_schedulers.py: the schedule types, with the model's sigma_min and sigma_max;
+- modules/sd_samplers_kdiffusion.py: the sampler table and `KDiffusionSampler.get_sigmas` (Automatic,
+  discard_next_to_last_sigma), the starting latents noise * sigmas[0];
+- modules/sd_samplers_common.py `TorchHijack`: k-diffusion's `torch.randn_like` answered by the
+  per-image generators' next draw;
+- modules/sd_samplers_extra.py: the Restart sampler.
+"""
+
+import importlib
+import importlib.util
+import math
+import sys
+import types
+from unittest import mock
+
+import numpy as np
+import torch
+from scipy import stats
+
+
+def kdiffusion() -> tuple[types.ModuleType, types.ModuleType]:
+    """(k_diffusion.sampling, k_diffusion.external), loaded without the package's other modules."""
+    if "k_diffusion.sampling" in sys.modules:
+        return sys.modules["k_diffusion.sampling"], sys.modules["k_diffusion.external"]
+    package = types.ModuleType("k_diffusion")
+    package.__path__ = list(importlib.util.find_spec("k_diffusion").submodule_search_locations)
+    stand_ins = {name: types.ModuleType(name) for name in ("torchvision", "torchvision.transforms")}
+    stand_ins["torchvision.transforms"].functional = types.ModuleType("torchvision.transforms.functional")
+    with mock.patch.dict(sys.modules, {"k_diffusion": package, **stand_ins}):
+        loaded = {name: importlib.import_module(name) for name in ("k_diffusion.utils", "k_diffusion.sampling",
+                                                                    "k_diffusion.external")}
+    sys.modules.update({"k_diffusion": package, **loaded})
+    return loaded["k_diffusion.sampling"], loaded["k_diffusion.external"]
+
+
+class ToyUNet(torch.nn.Module):
+    """A CompVis model as k-diffusion's wrappers call it: `apply_model(x_in, t, cond)`, and its
+    alphas_cumprod as A1111's models hold them (ldm's make_beta_schedule in float64, stored float32)."""
+
+    def __init__(self, model, beta_start=0.00085, beta_end=0.012, steps=1000, scaled_linear=True):
+        super().__init__()
+        if scaled_linear:  # ldm's "linear"
+            betas = torch.linspace(beta_start**0.5, beta_end**0.5, steps, dtype=torch.float64) ** 2
+        else:
+            betas = torch.linspace(beta_start, beta_end, steps, dtype=torch.float64)
+        self.alphas_cumprod = torch.asarray(np.cumprod(1 - betas.numpy(), axis=0), dtype=torch.float32)
+        self.model = model
+
+    def apply_model(self, x, t, cond=None):
+        return self.model(x, t.reshape(-1, *[1] * (x.ndim - 1)))  # [B] timesteps, one per image
+
+
+def model_wrap(unet: ToyUNet, prediction_type: str = "epsilon"):
+    """A1111's KDiffusionSampler.model_wrap: k-diffusion's denoiser for the model's parametrisation."""
+    _, external = kdiffusion()
+    wrapper = external.CompVisVDenoiser if prediction_type == "v_prediction" else external.CompVisDenoiser
+    return wrapper(unet, quantize=False)
+
+
+# modules/sd_schedulers.py: (n, sigma_min, sigma_max, inner_model, is_sdxl) -> sigmas.
+
+
+def uniform(n, sigma_min, sigma_max, inner_model, is_sdxl):
+    return inner_model.get_sigmas(n)
+
+
+def karras(n, sigma_min, sigma_max, inner_model, is_sdxl):
+    return kdiffusion()[0].get_sigmas_karras(n=n, sigma_min=sigma_min, sigma_max=sigma_max)
+
+
+def exponential(n, sigma_min, sigma_max, inner_model, is_sdxl):
+    return kdiffusion()[0].get_sigmas_exponential(n=n, sigma_min=sigma_min, sigma_max=sigma_max)
+
+
+def polyexponential(n, sigma_min, sigma_max, inner_model, is_sdxl):
+    return kdiffusion()[0].get_sigmas_polyexponential(n=n, sigma_min=sigma_min, sigma_max=sigma_max, rho=1.0)
+
+
+def sgm_uniform(n, sigma_min, sigma_max, inner_model, is_sdxl):
+    start = inner_model.sigma_to_t(torch.tensor(sigma_max))
+    end = inner_model.sigma_to_t(torch.tensor(sigma_min))
+    sigs = [inner_model.t_to_sigma(ts) for ts in torch.linspace(start, end, n + 1)[:-1]]
+    return torch.FloatTensor(sigs + [0.0])
+
+
+def align_your_steps(n, sigma_min, sigma_max, inner_model, is_sdxl):
+    def loglinear_interp(t_steps, num_steps):
+        xs = np.linspace(0, 1, len(t_steps))
+        ys = np.log(t_steps[::-1])
+        new_ys = np.interp(np.linspace(0, 1, num_steps), xs, ys)
+        return np.exp(new_ys)[::-1].copy()
+
+    if is_sdxl:
+        sigmas = [14.615, 6.315, 3.771, 2.181, 1.342, 0.862, 0.555, 0.380, 0.234, 0.113, 0.029]
+    else:
+        sigmas = [14.615, 6.475, 3.861, 2.697, 1.886, 1.396, 0.963, 0.652, 0.399, 0.152, 0.029]
+    if n != len(sigmas):
+        sigmas = np.append(loglinear_interp(sigmas, n), [0.0])
+    else:
+        sigmas.append(0.0)
+    return torch.FloatTensor(sigmas)
+
+
+def kl_optimal(n, sigma_min, sigma_max, inner_model, is_sdxl):
+    alpha_min = torch.arctan(torch.tensor(sigma_min))
+    alpha_max = torch.arctan(torch.tensor(sigma_max))
+    step_indices = torch.arange(n + 1)
+    return torch.tan(step_indices / n * alpha_min + (1.0 - step_indices / n) * alpha_max)
+
+
+def simple(n, sigma_min, sigma_max, inner_model, is_sdxl):
+    ss = len(inner_model.sigmas) / n
+    sigs = [float(inner_model.sigmas[-(1 + int(x * ss))]) for x in range(n)]
+    return torch.FloatTensor(sigs + [0.0])
+
+
+def normal(n, sigma_min, sigma_max, inner_model, is_sdxl):
+    start = inner_model.sigma_to_t(torch.tensor(sigma_max))
+    end = inner_model.sigma_to_t(torch.tensor(sigma_min))
+    sigs = [inner_model.t_to_sigma(ts) for ts in torch.linspace(start, end, n)]
+    return torch.FloatTensor(sigs + [0.0])
+
+
+def ddim(n, sigma_min, sigma_max, inner_model, is_sdxl):
+    sigs = []
+    ss = max(len(inner_model.sigmas) // n, 1)
+    x = 1
+    while x < len(inner_model.sigmas):
+        sigs += [float(inner_model.sigmas[x])]
+        x += ss
+    return torch.FloatTensor(sigs[::-1] + [0.0])
+
+
+def beta(n, sigma_min, sigma_max, inner_model, is_sdxl):
+    alpha, beta = 0.6, 0.6  # shared_options: beta_dist_alpha, beta_dist_beta
+    timesteps = [stats.beta.ppf(x, alpha, beta) for x in 1 - np.linspace(0, 1, n)]
+    return torch.FloatTensor([sigma_min + x * (sigma_max - sigma_min) for x in timesteps] + [0.0])
+
+
+SCHEDULERS = {  # sd_schedulers.schedulers: name -> (label, function)
+    "uniform": ("Uniform", uniform),
+    "karras": ("Karras", karras),
+    "exponential": ("Exponential", exponential),
+    "polyexponential": ("Polyexponential", polyexponential),
+    "sgm_uniform": ("SGM Uniform", sgm_uniform),
+    "kl_optimal": ("KL Optimal", kl_optimal),
+    "align_your_steps": ("Align Your Steps", align_your_steps),
+    "simple": ("Simple", simple),
+    "normal": ("Normal", normal),
+    "ddim": ("DDIM", ddim),
+    "beta": ("Beta", beta),
+}
+SCHEDULERS_MAP = {**{name: f for name, (_, f) in SCHEDULERS.items()}, **{label: f for label, f in SCHEDULERS.values()}}
+
+
+def restart_sampler(model, x, sigmas, extra_args=None, callback=None, disable=None, s_noise=1.0, restart_list=None):
+    """sd_samplers_extra.restart_sampler (Xu et al. 2023), its noise from k-diffusion's `torch.randn_like`."""
+    sampling, _ = kdiffusion()
+    extra_args = {} if extra_args is None else extra_args
+    s_in = x.new_ones([x.shape[0]])
+
+    def heun_step(x, old_sigma, new_sigma):
+        denoised = model(x, old_sigma * s_in, **extra_args)
+        d = sampling.to_d(x, old_sigma, denoised)
+        dt = new_sigma - old_sigma
+        if new_sigma == 0:
+            return x + d * dt
+        x_2 = x + d * dt
+        denoised_2 = model(x_2, new_sigma * s_in, **extra_args)
+        d_2 = sampling.to_d(x_2, new_sigma, denoised_2)
+        return x + (d + d_2) / 2 * dt
+
+    steps = sigmas.shape[0] - 1
+    if restart_list is None:
+        if steps >= 20:
+            restart_steps, restart_times = 9, 1
+            if steps >= 36:
+                restart_steps, restart_times = steps // 4, 2
+            sigmas = sampling.get_sigmas_karras(
+                steps - restart_steps * restart_times, sigmas[-2].item(), sigmas[0].item()
+            )
+            restart_list = {0.1: [restart_steps + 1, restart_times, 2]}
+        else:
+            restart_list = {}
+    restart_list = {int(torch.argmin(abs(sigmas - key), dim=0)): value for key, value in restart_list.items()}
+
+    step_list = []
+    for i in range(len(sigmas) - 1):
+        step_list.append((sigmas[i], sigmas[i + 1]))
+        if i + 1 in restart_list:
+            restart_steps, restart_times, restart_max = restart_list[i + 1]
+            min_idx = i + 1
+            max_idx = int(torch.argmin(abs(sigmas - restart_max), dim=0))
+            if max_idx < min_idx:
+                sigma_restart = sampling.get_sigmas_karras(
+                    restart_steps, sigmas[min_idx].item(), sigmas[max_idx].item()
+                )[:-1]
+                while restart_times > 0:
+                    restart_times -= 1
+                    step_list.extend(zip(sigma_restart[:-1], sigma_restart[1:]))
+
+    last_sigma = None
+    for old_sigma, new_sigma in step_list:
+        if last_sigma is None:
+            last_sigma = old_sigma
+        elif last_sigma < old_sigma:
+            x = x + sampling.torch.randn_like(x) * s_noise * (old_sigma**2 - last_sigma**2) ** 0.5
+        x = heun_step(x, old_sigma, new_sigma)
+        last_sigma = new_sigma
+    return x
+
+
+SAMPLERS = {  # sd_samplers_kdiffusion.samplers_k_diffusion (1.10): label -> (function, options)
+    "DPM++ 2M": ("sample_dpmpp_2m", {"scheduler": "karras"}),
+    "DPM++ SDE": ("sample_dpmpp_sde", {"scheduler": "karras", "second_order": True, "brownian_noise": True}),
+    "DPM++ 2M SDE": ("sample_dpmpp_2m_sde", {"scheduler": "exponential", "brownian_noise": True}),
+    "DPM++ 2S a": ("sample_dpmpp_2s_ancestral", {"scheduler": "karras", "uses_ensd": True, "second_order": True}),
+    "DPM++ 3M SDE": (
+        "sample_dpmpp_3m_sde", {"scheduler": "exponential", "discard_next_to_last_sigma": True, "brownian_noise": True},
+    ),
+    "Euler a": ("sample_euler_ancestral", {"uses_ensd": True}),
+    "Euler": ("sample_euler", {}),
+    "LMS": ("sample_lms", {}),
+    "Heun": ("sample_heun", {"second_order": True}),
+    "DPM2": ("sample_dpm_2", {"scheduler": "karras", "discard_next_to_last_sigma": True, "second_order": True}),
+    "DPM2 a": (
+        "sample_dpm_2_ancestral",
+        {"scheduler": "karras", "discard_next_to_last_sigma": True, "uses_ensd": True, "second_order": True},
+    ),
+    "Restart": (restart_sampler, {"scheduler": "karras", "second_order": True}),
+}
+
+
+def get_sigmas(model_wrap, sampler_name: str, scheduler_name: str, steps: int, is_sdxl: bool = True):
+    """KDiffusionSampler.get_sigmas with A1111's default settings."""
+    options = SAMPLERS[sampler_name][1]
+    discard_next_to_last_sigma = options.get("discard_next_to_last_sigma", False)
+    steps += 1 if discard_next_to_last_sigma else 0
+    if scheduler_name == "Automatic":
+        scheduler_name = options.get("scheduler", None)
+    scheduler = SCHEDULERS_MAP.get(scheduler_name)
+    sigma_min, sigma_max = model_wrap.sigmas[0].item(), model_wrap.sigmas[-1].item()
+    if scheduler is None:
+        sigmas = model_wrap.get_sigmas(steps)
+    else:
+        sigmas = scheduler(steps, sigma_min, sigma_max, model_wrap, is_sdxl)
+    if discard_next_to_last_sigma:
+        sigmas = torch.cat([sigmas[:-2], sigmas[-1:]])
+    return sigmas
+
+
+class TorchHijack:
+    """sd_samplers_common.TorchHijack: k-diffusion's `torch`, its `randn_like` the next given draw."""
+
+    def __init__(self, draws):
+        self.draws = iter(draws)
+
+    def __getattr__(self, item):
+        if item == "randn_like":
+            return lambda x: next(self.draws)
+        return getattr(torch, item)
+
+
+def sample(sampler_name, model_wrap, x, sigmas, draws):
+    """KDiffusionSampler.sample and sample_img2img: the sampler's function run from latents x (noise *
+    sigmas[0] from text; an image's latents noised to sigmas[0] for image to image, sigmas then the
+    schedule's last ones).
+
+    Args:
+      draws: the later draws, in order: what `torch.randn_like` returns (the ancestral samplers,
+        Restart), or the noise sampler (the SDE samplers, given none of A1111's Brownian trees).
+    """
+    sampling, _ = kdiffusion()
+    function, options = SAMPLERS[sampler_name]
+    function = getattr(sampling, function) if isinstance(function, str) else function
+    kwargs = {}
+    if options.get("brownian_noise"):
+        given = iter(draws)
+        kwargs["noise_sampler"] = lambda sigma, sigma_next: next(given)
+    with mock.patch.object(sampling, "torch", TorchHijack(draws)):
+        return function(model_wrap, x, sigmas, extra_args={"cond": None}, disable=True, **kwargs)
+
+
+def toy_model(x_in, t, xp):
+    """A fixed stand-in for the UNet, the same in torch and JAX: nonlinear in its input and in the
+    (fractional) timestep, near the noise a unit-variance image's noisy latents hold."""
+    return x_in * xp.sin((t + 20) / 1020 * (math.pi / 2)) + 0.05 * xp.tanh(x_in) * xp.cos(t / 150)

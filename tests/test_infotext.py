@@ -1,0 +1,111 @@
+"""Generation parameters as webui writes and reads them, and ours read back (`sdxl.engine.infotext`)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from sdxl.engine import infotext
+from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.request import Request
+
+
+@pytest.mark.parametrize("sampler, schedule, ours", [
+    ("DPM++ 2M", "Karras", "dpmpp_2m_karras"),  # webui 1.9 and later, and Forge
+    ("DPM++ 2M", "Automatic", "dpmpp_2m_karras"),  # webui's automatic schedule for DPM++ 2M is Karras
+    ("DPM++ 2M Karras", None, "dpmpp_2m_karras"),  # before 1.9: one field
+    ("DPM++ 2M", None, "dpmpp_2m"),
+    ("DPM++ 2M", "Exponential", "dpmpp_2m"),  # a schedule we lack: the nearest sampler we have
+    ("Euler a", "Automatic", "euler_ancestral"),
+    ("Euler", "Karras", "euler"),
+    ("DDIM", None, "ddim"),
+])
+def test_webui_samplers_and_schedule_types_read_as_ours(sampler, schedule, ours):
+    fields = f"Steps: 20, Sampler: {sampler}, " + (f"Schedule type: {schedule}, " if schedule else "") + "CFG scale: 7"
+    assert infotext.read_infotext(f"a fox\n{fields}")[0]["sampler"] == ours
+
+
+def test_a_sampler_we_lack_is_named_as_not_applied():
+    with pytest.warns(UserWarning, match="^parameters not applied: Sampler$"):
+        assert "sampler" not in infotext.read_parameters("a fox\nSteps: 20, Sampler: Heun, CFG scale: 7")
+
+
+def test_written_parameters_read_back_with_quoted_values_and_emphasis():
+    text = infotext.parameters_text("a (red:1.2) fox, <lora:ink:0.5>", "blur, (watermark)", {
+        "Steps": 30, "Sampler": "DPM++ 2M", "Schedule type": "Karras", "CFG scale": 6.5, "Seed": 7,
+        "Size": "1152x896", "Model": None, "Emphasis": "No norm", "Lora hashes": "ink: 0123456789ab, glow: ba98",
+    })
+    assert text.splitlines()[-1] == ('Steps: 30, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 6.5, Seed: 7, '
+                                     'Size: 1152x896, Emphasis: No norm, Lora hashes: "ink: 0123456789ab, glow: ba98"')
+    found = infotext.read_parameters(text)
+    assert found == dict(prompt="a (red:1.2) fox, <lora:ink:0.5>", negative_prompt="blur, (watermark)", steps=30,
+                         guidance_scale=6.5, seed=7, width=1152, height=896, sampler="dpmpp_2m_karras",
+                         emphasis="no-norm", noise_source="nv")  # no RNG: webui's GPU source, its NV on NVIDIA
+    assert infotext.read_parameters("a fox\nSteps: 20")["emphasis"] == "original"
+
+
+def test_lora_hashes_text_and_its_infotext_quoting():
+    value = infotext.lora_hashes_text(
+        [("foxy:v2, final", "0123456789ab"), ("owl", "ba9876543210"), ("foxyv2 final", "c" * 12)])
+    assert value == "foxyv2 final: cccccccccccc, owl: ba9876543210"
+    assert infotext.infotext_quote(value) == '"foxyv2 final: cccccccccccc, owl: ba9876543210"'
+    assert infotext.infotext_quote("No norm") == "No norm"
+
+
+def test_emphasis_infotext():
+    assert infotext.emphasis_infotext("original", ["(a:1.2)"]) is None
+    assert infotext.emphasis_infotext("no-norm", ["(a:1.2)", ""]) == "No norm"
+    assert infotext.emphasis_infotext("no-norm", ["a", "b"]) is None
+    assert infotext.emphasis_infotext("none", ["a", "[b]"]) == "None"
+
+
+A1111_TEXT = """a lighthouse at dusk, (storm:1.2)
+Negative prompt: blurry
+Steps: 30, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 6.5, Seed: 1234, Size: 1152x896, \
+Model hash: 31e35c80fc, Model: sd_xl_base_1.0, Variation seed: 99, Variation seed strength: 0.25, Clip skip: 2, \
+ENSD: 31337, RNG: CPU, Hires upscale: 1.5, Version: v1.10.1"""
+
+
+def test_an_a1111_text_gives_generates_arguments_and_names_what_it_cannot_apply():
+    with pytest.warns(UserWarning, match=r"^parameters not applied: Model, Clip skip, Hires upscale$"):
+        found = infotext.read_parameters(A1111_TEXT)
+    assert found == dict(
+        prompt="a lighthouse at dusk, (storm:1.2)", negative_prompt="blurry", steps=30, guidance_scale=6.5, seed=1234,
+        width=1152, height=896, sampler="dpmpp_2m_karras", emphasis="original", noise_source="cpu", variation_seed=99,
+        variation_strength=0.25, ensd=31337,
+    )
+    for rng, source in (("NV", "nv"), ("GPU", "nv"), ("JAX", "jax")):
+        assert infotext.read_infotext(f"a fox\nSteps: 20, RNG: {rng}")[0]["noise_source"] == source
+    assert infotext.read_infotext("a fox\nSteps: 20, Seed: 3, Image index: 2")[0]["noise_source"] == "jax", (
+        "our texts from before RNG was written")
+    assert infotext.read_infotext("a fox\nSteps: 20, Sampler: DPM++ 2M, Schedule type: Exponential")[1] == (
+        "Schedule type",), "a schedule no sampler here follows is named"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Pipeline.from_pretrained("tiny", max_steps=4, devices=jax.devices()[:1])
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("noise", [
+    dict(noise_source="nv", ensd=31337),
+    dict(noise_source="cpu", variation_seed=7, variation_strength=0.3),
+    # One generator per batch: a stochastic sampler's later draws depend on the batch's size (diffusers'
+    # convention), so the text redraws a picture of Euler's, whose noise is the starting noise alone.
+    dict(noise_source="cpu", batch_noise=True, sampler="euler"),
+    dict(),  # JAX's
+])
+def test_our_texts_draw_their_picture_again(tiny, noise):
+    """An image's text, read back, renders it as the first image: A1111's sources write the image's own
+    seed (and variation seed), so the second image of a request comes back from its text alone."""
+    request = Request.from_prompt("a fox", num_images=2, seed=5, steps=2, height=128, width=128,
+                                  sampler="euler_ancestral")
+    prepared = tiny.prepare(dataclasses.replace(request, **noise), output_type="np")
+    rendered = tiny.render(prepared).images
+    i = 1 if noise.get("noise_source", "jax") != "jax" and not noise.get("batch_noise") else 0
+    text = infotext.png_parameters(tiny, prepared.request, i, "tiny")
+    with pytest.warns(UserWarning, match="^parameters not applied: Model$"):  # the pipeline's own
+        again = tiny.generate(**infotext.read_parameters(text), num_images=1, output_type="np")
+    np.testing.assert_array_equal(again[0], rendered[i])
