@@ -469,7 +469,7 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
 
     def chosen(button, picked):
         """`button`'s click, refused with a message unless an image is picked; returns the `success` chain."""
-        return button.click(require_picked, picked, None, api_name=False, queue=False, show_progress="hidden").success
+        return button.click(require_picked, picked, None, api_name=False, show_progress="hidden").success
 
     p["gallery"].select(select, None, p["selected"], api_name=False, queue=False)
     p["history"].select(select, None, p["history_selected"], api_name=False, queue=False)

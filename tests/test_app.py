@@ -447,12 +447,13 @@ def _post(server: Server, route: str, payload: dict) -> tuple[int, dict, dict]:
 
 
 def _generate_values(**kwargs) -> list:
-    """/generate's 21 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
-    settings come last)."""
+    """/generate's 25 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
+    settings come before the noise's)."""
     values = dict(prompt="a lighthouse", negative_prompt="", style="No style", seed=0, guidance_scale=5, steps=3,
                   width=128, height=128, images_per_core=1, sampler="euler", emphasis="original", refine=False,
                   refine_from=0.8, lora_style=0, control_image=None, control_preprocessor="canny", canny_low=100,
-                  canny_high=200, control_scale=1, control_start=0, control_end=1)
+                  canny_high=200, control_scale=1, control_start=0, control_end=1, noise_source="jax", ensd=0,
+                  variation_seed=0, variation_strength=0)
     return list((values | kwargs).values())
 
 
@@ -465,10 +466,10 @@ def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
     """Issue 21, hole 5: too few values, an unknown endpoint and a bad value on /run/ each get a
     sentence and a 4xx status, and one log line, not a traceback; /run/ answers with the final images."""
     logged = len(server.output())
-    takes = ("/generate takes 21 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
+    takes = ("/generate takes 25 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
              "steps, width, height, images_per_core, sampler, emphasis, refine, refine_from, lora_style, "
-             "control_image, control_preprocessor, canny_low, canny_high, control_scale, control_start, control_end; "
-             "got 1")
+             "control_image, control_preprocessor, canny_low, canny_high, control_scale, control_start, control_end, "
+             "noise_source, ensd, variation_seed, variation_strength; got 1")
     assert _post(server, "run/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "call/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "run/nope", {"data": []})[:2] == (404, {
@@ -844,7 +845,12 @@ def test_browser_first_five_minutes(shapes_server, tmp_path):
         assert box("#model-notice")["height"] <= 60 and box("#prompt textarea")["y"] < 400
         # 5: the drop zone shows its whole prompt.
         expect(page.locator("#reuse-png")).to_contain_text("Click to Upload")
-        assert inside(box("#reuse-png .upload-container .wrap"), box("#reuse-png"))
+        settled = lambda: inside(box("#reuse-png .upload-container .wrap"), box("#reuse-png"))  # noqa: E731
+        for _ in range(50):  # a loaded page's columns still move while the gallery below lays out
+            if settled():
+                break
+            page.wait_for_timeout(100)
+        assert settled(), (box("#reuse-png .upload-container .wrap"), box("#reuse-png"))
         # 1 (the setup): a picture uploaded to the image editor before anything is sent there.
         page.get_by_role("tab", name="Image to image").click()
         page.locator("#image-editor input[type=file]").set_input_files(str(upload))
@@ -873,8 +879,9 @@ def test_browser_first_five_minutes(shapes_server, tmp_path):
         assert inside(box("#gallery .preview img"), box("#gallery"))
         assert inside(box("#gallery .preview .caption"), box("#gallery"))
         # 1: sent after the upload, the picture shows in the editor within seconds, with the prompt.
-        page.locator("#send").click()
-        expect(page.get_by_role("tab", name="Image to image")).to_have_attribute("aria-selected", "true")
+        page.locator("#send").click()  # queued (its refusal is a toast), so under load it waits its turn
+        expect(page.get_by_role("tab", name="Image to image")).to_have_attribute("aria-selected", "true",
+                                                                                timeout=30_000)
         expect(page.locator("#image-prompt textarea")).to_have_value("a red circle on a blue background")
         page.wait_for_timeout(3000)
         assert "processing" not in page.locator("#image-editor").inner_text()

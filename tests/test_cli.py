@@ -159,7 +159,8 @@ def test_loras_apply_with_their_scales_and_a_missing_one_is_refused(tmp_path):
     assert plain.returncode == 0 and styled.returncode == 0, styled.stderr
     assert "applied 1 LoRA(s)" in styled.stdout  # the same file twice: the last scale wins
     parameters = Image.open(tmp_path / "styled" / "0-0.png").text["parameters"]
-    assert parameters.endswith(f'Model: tiny, LoRAs: "ink:1", Lora hashes: "ink: {lora.short_hash(ink)}"'), parameters
+    expected = f'Model: tiny, RNG: JAX, LoRAs: "ink:1", Lora hashes: "ink: {lora.short_hash(ink)}"'
+    assert parameters.endswith(expected), parameters
     pixels = [np.asarray(Image.open(tmp_path / d / "0-0.png"), int) for d in ("plain", "styled")]
     assert np.abs(pixels[0] - pixels[1]).mean() > 5
 
