@@ -77,7 +77,9 @@ def test_png_parameters_record_each_controlnet_as_the_a1111_extension(service):
     assert ('ControlNet 0: "Module: canny, Model: canny-cn, Weight: 0.7, Threshold A: 50, Threshold B: 200, '
             'Guidance Start: 0, Guidance End: 0.8"') in text
     assert 'ControlNet 1: "Module: none, Model: depth-cn, Weight: 1, Guidance Start: 0, Guidance End: 1"' in text
-    assert infotext.read_parameters(text)["prompt"] == "a fox", "the quoted entries leave the rest readable"
+    found, unused = infotext.read_infotext(text)
+    assert found["prompt"] == "a fox", "the quoted entries leave the rest readable"
+    assert unused == ("Model", "ControlNet 0", "ControlNet 1"), "generate applies no ControlNet from a text"
 
 
 def test_a_grid_over_the_controlnet_scale_is_one_device_call(service, monkeypatch):
