@@ -371,6 +371,10 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
     return blocks
 
 
+# The noise's settings under Advanced, by their names in every form (`Settings`' fields).
+NOISE_FIELDS = ("noise_source", "ensd", "variation_seed", "variation_strength")
+
+
 def _forms(service: DemoService, page: dict, controls: list[dict]) -> dict[str, dict]:
     """Each tab's form: its fields by the names its handler and its API endpoint take, in the API's order."""
     p = page
@@ -382,8 +386,8 @@ def _forms(service: DemoService, page: dict, controls: list[dict]) -> dict[str, 
     options = {"sampler": p["sampler"], "emphasis": p["emphasis"]}
     refining = {"refine": p["refine"], "refine_from": p["refine_from"]}
     prompts = {"negative_prompt": p["negative"], "style": p["style"]}
-    noise = {name: p[name] for name in ("noise_source", "ensd", "variation_seed", "variation_strength")}  # last:
-    return {  # positional API calls of before keep their meaning
+    noise = {name: p[name] for name in NOISE_FIELDS}  # last in every form: the other values keep their places
+    return {
         "generate": {"prompt": p["prompt"], **prompts, **common, **size, "images_per_core": p["per_core"], **options,
                      **refining, **loras, **control, **noise},
         "image_to_image": {"prompt": p["image_prompt"], **prompts, **common, "image": p["image_in"],
@@ -486,7 +490,7 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
     fields = {"prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
               "guidance_scale": p["guidance"], "steps": p["steps"], "sampler": p["sampler"],
               "emphasis": p["emphasis"], "size": p["size"],
-              **{name: p[name] for name in ("noise_source", "ensd", "variation_seed", "variation_strength")}}
+              **{name: p[name] for name in NOISE_FIELDS}}
 
     def reuse(png) -> dict:
         """The fields a PNG fills in, a fixed seed where it has one, and Advanced opened to show them."""

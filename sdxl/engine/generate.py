@@ -130,11 +130,8 @@ def generate(
     )
     request = dataclasses.replace(
         request, noise_source=noise_source, batch_noise=batch_noise, variation_seed=variation_seed,
-        variation_strength=variation_strength, ensd=ensd,
-    )
-    request = dataclasses.replace(
-        request, images=image, masks=mask_image, strength=strength, denoising_start=denoising_start,
-        denoising_end=denoising_end, start_latents=start_latents,
+        variation_strength=variation_strength, ensd=ensd, images=image, masks=mask_image, strength=strength,
+        denoising_start=denoising_start, denoising_end=denoising_end, start_latents=start_latents,
         aesthetic_scores=(aesthetic_score, negative_aesthetic_score), refine_from=refine_from, emphasis=emphasis,
         controls=_controls(pictures, num_images, width, height, controlnet_conditioning_scale, control_guidance_start,
                            control_guidance_end, control_mode),

@@ -13,7 +13,6 @@ import numpy as np
 from PIL import Image, PngImagePlugin
 
 
-
 # Modes PIL converts to RGB without losing what the picture shows; 16- and 32-bit modes would be
 # clipped, not scaled, so they are refused.
 _CONVERTIBLE_MODES = ("RGB", "RGBA", "RGBX", "RGBa", "L", "LA", "La", "P", "PA", "1", "CMYK", "YCbCr", "LAB", "HSV")
