@@ -289,8 +289,12 @@ def _advanced(service: DemoService) -> dict:
                                 info="Image to image takes the size nearest its picture's")
         c["per_core"] = gr.Slider(1, max(2, service.max_images_per_core), value=1, step=1, label="Images per core",
                                   visible=service.max_images_per_core > 1)
-        c["sampler"] = gr.Dropdown(choices.samplers, value=choices.sampler, label="Sampler",
-                                   info="the model's own by default; each compiles once, then stays cached")
+        with gr.Row():
+            c["sampler"] = gr.Dropdown(choices.samplers, value=choices.sampler, label="Sampler",
+                                       info="the model's own by default; each compiles once, then stays cached")
+            c["schedule_type"] = gr.Dropdown(choices.schedule_types, value="", label="Schedule type",
+                                             info="an A1111 type (Karras, ...) samples as AUTOMATIC1111 and Forge "
+                                             "do, from text")
         c["emphasis"] = gr.Dropdown(choices.emphasis, value=service.emphasis, label="Emphasis",
                                     info="how (word:1.2) weights apply, as in AUTOMATIC1111: Original keeps each "
                                     "chunk's mean, No norm does not, None reads brackets as text")
@@ -371,8 +375,9 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
     return blocks
 
 
-# The noise's settings under Advanced, by their names in every form (`Settings`' fields).
-NOISE_FIELDS = ("noise_source", "ensd", "variation_seed", "variation_strength")
+# The settings under Advanced that draw A1111's pictures, by their names in every form (`Settings`'
+# fields): last in every form, in the order they joined, so that the API's other values keep their places.
+A1111_FIELDS = ("noise_source", "ensd", "variation_seed", "variation_strength", "schedule_type")
 
 
 def _forms(service: DemoService, page: dict, controls: list[dict]) -> dict[str, dict]:
@@ -386,20 +391,20 @@ def _forms(service: DemoService, page: dict, controls: list[dict]) -> dict[str, 
     options = {"sampler": p["sampler"], "emphasis": p["emphasis"]}
     refining = {"refine": p["refine"], "refine_from": p["refine_from"]}
     prompts = {"negative_prompt": p["negative"], "style": p["style"]}
-    noise = {name: p[name] for name in NOISE_FIELDS}  # last in every form: the other values keep their places
+    a1111 = {name: p[name] for name in A1111_FIELDS}
     return {
         "generate": {"prompt": p["prompt"], **prompts, **common, **size, "images_per_core": p["per_core"], **options,
-                     **refining, **loras, **control, **noise},
+                     **refining, **loras, **control, **a1111},
         "image_to_image": {"prompt": p["image_prompt"], **prompts, **common, "image": p["image_in"],
                            "mask": p["mask_in"], "strength": p["strength"], "images_per_core": p["per_core"],
-                           **options, **refining, **loras, **control, **noise},
+                           **options, **refining, **loras, **control, **a1111},
         "compare": {"mode": p["mode"], "prompts": p["compare_prompts"], "negative_prompt": p["compare_negative"],
                     "style": p["compare_style"], "seed": p["seed"], "num_seeds": p["num_seeds"],
                     "guidance_scale": p["guidance"], "steps": p["steps"], **size, **options, **loras, **control,
-                    **noise},
+                    **a1111},
         "grid": {"prompt": p["grid_prompt"], **prompts, **common, **size, **options, "x_axis": p["x_axis"],
                  "x_values": p["x_values"], "y_axis": p["y_axis"], "y_values": p["y_values"], **loras, **control,
-                 **noise},
+                 **a1111},
     }
 
 
@@ -490,7 +495,7 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
     fields = {"prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
               "guidance_scale": p["guidance"], "steps": p["steps"], "sampler": p["sampler"],
               "emphasis": p["emphasis"], "size": p["size"],
-              **{name: p[name] for name in NOISE_FIELDS}}
+              **{name: p[name] for name in A1111_FIELDS}}
 
     def reuse(png) -> dict:
         """The fields a PNG fills in, a fixed seed where it has one, and Advanced opened to show them."""

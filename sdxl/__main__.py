@@ -22,7 +22,7 @@ from .engine.request import (
 )
 from .models.controlnet_union import control_mode, describe_modes
 from .sampling.noise import NOISE_SOURCES
-from .sampling.samplers import SAMPLERS
+from .sampling.methods import SAMPLER_NAMES, SCHEDULE_TYPES, schedule_type_for
 from .serving import launch
 
 
@@ -52,7 +52,7 @@ def generate_command(args: argparse.Namespace) -> None:
     )
     request = dataclasses.replace(
         request, loras=tuple(model.loras.items()), refine_from=args.refine_from if pipe.refiner else None,
-        emphasis=args.emphasis, **_noise_arguments(args),
+        emphasis=args.emphasis, schedule_type=args.schedule_type, **_noise_arguments(args),
     )
     if picture is not None:
         strength = default_strength(pipe.spec, inpainting=mask is not None) if args.strength is None else args.strength
@@ -120,6 +120,8 @@ def _check_before_loading(args: argparse.Namespace) -> None:
         raise ValueError("--mask needs --image, the image to inpaint")
     unsized = Request.from_prompt("", num_images=1, height=1, width=1)
     dataclasses.replace(unsized, **_noise_arguments(args)).checked_noise()
+    if args.sampler is not None:
+        schedule_type_for(args.sampler, args.schedule_type)
 
 
 def _noise_arguments(args: argparse.Namespace) -> dict:
@@ -165,7 +167,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: the model's recommended value (2.5 for shapes, 0 for SDXL-Turbo and SDXL-Lightning), else "
         f"{DEFAULT_GUIDANCE_SCALE:g} (SDXL's)",
     )
-    parser.add_argument("--sampler", choices=list(SAMPLERS), help="default: the one of the checkpoint's scheduler")
+    parser.add_argument("--sampler", choices=list(SAMPLER_NAMES), help="default: the one of the checkpoint's scheduler")
+    parser.add_argument(
+        "--schedule-type", choices=SCHEDULE_TYPES, metavar="TYPE",
+        help="diffusers (the checkpoint's scheduler, as diffusers steps), or one of A1111's, on which the sampler "
+        "runs as A1111 and Forge run it (from text): " + ", ".join(SCHEDULE_TYPES[1:]) + "; default: diffusers for "
+        "the samplers diffusers has, Automatic for the others",
+    )
     parser.add_argument(
         "--noise-source", choices=NOISE_SOURCES, default="jax",
         help="where the noise comes from: jax (JAX's generator, on the devices; the default), or torch's as "

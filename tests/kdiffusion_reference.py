@@ -17,10 +17,15 @@ import) so that the two can be held against each other:
   discard_next_to_last_sigma), the starting latents noise * sigmas[0];
 - modules/sd_samplers_common.py `TorchHijack`: k-diffusion's `torch.randn_like` answered by the
   per-image generators' next draw;
-- modules/sd_samplers_extra.py: the Restart sampler.
+- modules/sd_samplers_extra.py: the Restart sampler;
+- modules/rng.py and rng_philox.py: `ImageRNG`, one generator per image, torch's CPU generator or the
+  "NV" Philox generator (numpy), variation seeds by `slerp`, ENSD;
+- modules/processing.py and sd_samplers_cfg_denoiser.py: `txt2img`, a batch's seeds, its latents
+  sampled with classifier-free guidance on the model's predictions, decoded.
 """
 
 import importlib
+import itertools
 import importlib.util
 import math
 import sys
@@ -47,9 +52,11 @@ def kdiffusion() -> tuple[types.ModuleType, types.ModuleType]:
     return loaded["k_diffusion.sampling"], loaded["k_diffusion.external"]
 
 
-class ToyUNet(torch.nn.Module):
+class CompVisModel(torch.nn.Module):
     """A CompVis model as k-diffusion's wrappers call it: `apply_model(x_in, t, cond)`, and its
-    alphas_cumprod as A1111's models hold them (ldm's make_beta_schedule in float64, stored float32)."""
+    alphas_cumprod as A1111's models hold them (ldm's make_beta_schedule in float64, stored float32).
+    `model(x_in, t)` gets [B, 1, 1, 1] timesteps, one per image, or with a conditioning
+    `model(x_in, t, cond)`."""
 
     def __init__(self, model, beta_start=0.00085, beta_end=0.012, steps=1000, scaled_linear=True):
         super().__init__()
@@ -61,10 +68,11 @@ class ToyUNet(torch.nn.Module):
         self.model = model
 
     def apply_model(self, x, t, cond=None):
-        return self.model(x, t.reshape(-1, *[1] * (x.ndim - 1)))  # [B] timesteps, one per image
+        t = t.reshape(-1, *[1] * (x.ndim - 1))
+        return self.model(x, t) if cond is None else self.model(x, t, cond)
 
 
-def model_wrap(unet: ToyUNet, prediction_type: str = "epsilon"):
+def model_wrap(unet: CompVisModel, prediction_type: str = "epsilon"):
     """A1111's KDiffusionSampler.model_wrap: k-diffusion's denoiser for the model's parametrisation."""
     _, external = kdiffusion()
     wrapper = external.CompVisVDenoiser if prediction_type == "v_prediction" else external.CompVisDenoiser
@@ -299,3 +307,149 @@ def toy_model(x_in, t, xp):
     """A fixed stand-in for the UNet, the same in torch and JAX: nonlinear in its input and in the
     (fractional) timestep, near the noise a unit-variance image's noisy latents hold."""
     return x_in * xp.sin((t + 20) / 1020 * (math.pi / 2)) + 0.05 * xp.tanh(x_in) * xp.cos(t / 150)
+
+
+# --- modules/rng_philox.py: the "NV" source, Philox-4x32-10 with a float64 Box-Muller, in numpy ------
+
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+TWO_POW32_INV = np.array([2.3283064e-10], dtype=np.float32)
+TWO_POW32_INV_2PI = np.array([2.3283064e-10 * 6.2831855], dtype=np.float32)
+
+
+def _words(x: np.ndarray) -> np.ndarray:
+    """uint64 values as [2, n] uint32: low words, then high words."""
+    return x.view(np.uint32).reshape(-1, 2).transpose(1, 0)
+
+
+def _philox_round(counter, key):
+    low_high_0 = _words(counter[0].astype(np.uint64) * PHILOX_M[0])
+    low_high_2 = _words(counter[2].astype(np.uint64) * PHILOX_M[1])
+    counter[0] = low_high_2[1] ^ counter[1] ^ key[0]
+    counter[1] = low_high_2[0]
+    counter[2] = low_high_0[1] ^ counter[3] ^ key[1]
+    counter[3] = low_high_0[0]
+
+
+class PhiloxGenerator:
+    """rng_philox.Generator: draw k of `randn` is element i's Philox output at counter (k, 0, i, 0)."""
+
+    def __init__(self, seed: int):
+        self.seed, self.offset = seed, 0
+
+    def randn(self, shape) -> np.ndarray:
+        n = int(np.prod(shape))
+        counter = np.zeros((4, n), dtype=np.uint32)
+        counter[0] = self.offset
+        counter[2] = np.arange(n, dtype=np.uint32)
+        self.offset += 1
+        key = _words(np.full(n, self.seed, dtype=np.uint64))
+        for _ in range(9):
+            _philox_round(counter, key)
+            key[0] += PHILOX_W[0]
+            key[1] += PHILOX_W[1]
+        _philox_round(counter, key)
+        u = counter[0] * TWO_POW32_INV + TWO_POW32_INV / 2
+        v = counter[1] * TWO_POW32_INV_2PI + TWO_POW32_INV_2PI / 2
+        return (np.sqrt(-2.0 * np.log(u)) * np.sin(v)).astype(np.float32).reshape(shape)
+
+
+# --- modules/rng.py ---------------------------------------------------------------------------------
+
+
+def create_generator(source: str, seed: int):
+    return PhiloxGenerator(seed) if source == "NV" else torch.Generator().manual_seed(seed)
+
+
+def randn(source: str, generator, shape) -> torch.Tensor:
+    if source == "NV":
+        return torch.asarray(generator.randn(shape))
+    return torch.randn(shape, generator=generator)
+
+
+def slerp(strength, low, high):
+    """rng.slerp on one image's [C, H, W]: an angle per (channel, column), along H."""
+    low_unit, high_unit = low / low.norm(dim=1, keepdim=True), high / high.norm(dim=1, keepdim=True)
+    cosine = (low_unit * high_unit).sum(1)
+    if cosine.mean() > 0.9995:
+        return low * strength + high * (1 - strength)
+    angle = torch.acos(cosine)
+    low_weight = torch.sin((1.0 - strength) * angle) / torch.sin(angle)
+    high_weight = torch.sin(strength * angle) / torch.sin(angle)
+    return low_weight.unsqueeze(1) * low + high_weight.unsqueeze(1) * high
+
+
+class ImageRNG:
+    """rng.ImageRNG: one generator per image; `next()` is the starting noise first, then the later draws."""
+
+    def __init__(self, shape, seeds, subseeds=None, subseed_strength=0.0, ensd=0, seed_resize_from=(0, 0),
+                 source="CPU"):
+        self.shape, self.seeds, self.subseeds, self.strength, self.ensd = shape, seeds, subseeds, subseed_strength, ensd
+        self.source = source
+        height, width = seed_resize_from
+        self.noise_shape = shape if height <= 0 or width <= 0 else (shape[0], height // 8, width // 8)
+        self.generators = [create_generator(source, s) for s in seeds]
+        self.drawn_first = False
+
+    def _fresh(self, seed, shape):
+        return randn(self.source, create_generator(self.source, seed), shape)
+
+    def next(self):
+        if not self.drawn_first:
+            self.drawn_first = True
+            return self.first()
+        return torch.stack([randn(self.source, g, self.shape) for g in self.generators])
+
+    def first(self):
+        images = []
+        for i, (seed, g) in enumerate(zip(self.seeds, self.generators)):
+            resized = self.noise_shape != self.shape
+            x = self._fresh(seed, self.noise_shape) if resized else randn(self.source, g, self.shape)
+            if self.subseeds is not None and self.strength != 0:
+                subseed = self.subseeds[i] if i < len(self.subseeds) else 0
+                x = slerp(self.strength, x, self._fresh(subseed, self.noise_shape))
+            if resized:  # the paste: centred, cropped, its row and column counts as A1111 computes them
+                canvas = randn(self.source, g, self.shape)
+                dx, dy = (self.shape[2] - self.noise_shape[2]) // 2, (self.shape[1] - self.noise_shape[1]) // 2
+                w = self.noise_shape[2] if dx >= 0 else self.noise_shape[2] + 2 * dx
+                h = self.noise_shape[1] if dy >= 0 else self.noise_shape[1] + 2 * dy
+                tx, ty, sx, sy = max(dx, 0), max(dy, 0), max(-dx, 0), max(-dy, 0)
+                canvas[:, ty:ty + h, tx:tx + w] = x[:, sy:sy + h, sx:sx + w]
+                x = canvas
+            images.append(x)
+        if self.ensd:
+            self.generators = [create_generator(self.source, s + self.ensd) for s in self.seeds]
+        return torch.stack(images)
+
+
+# --- modules/processing.py txt2img, for a model given as a CompVis-style `apply_model` ---------------
+
+
+class CFGDenoiser:
+    """sd_samplers_cfg_denoiser.CFGDenoiser for one prompt per image: the model's denoised predictions
+    of the prompts and the negative prompts, mixed as uncond + (cond - uncond) * cfg_scale."""
+
+    def __init__(self, model_wrap, cond: dict, uncond: dict, cfg_scale: float):
+        self.model_wrap, self.cond, self.uncond, self.cfg_scale = model_wrap, cond, uncond, cfg_scale
+
+    def __call__(self, x, sigma, **extra_args):
+        both = {key: torch.cat([self.cond[key], self.uncond[key]]) for key in self.cond}
+        out = self.model_wrap(torch.cat([x, x]), torch.cat([sigma, sigma]), cond=both)
+        denoised, denoised_uncond = out.chunk(2)
+        return denoised_uncond + (denoised - denoised_uncond) * self.cfg_scale
+
+
+def txt2img(model_wrap, cond: dict, uncond: dict, *, sampler: str, scheduler: str, steps: int, cfg_scale: float,
+            seed: int, subseed: int, subseed_strength: float, ensd: int, source: str, shape) -> torch.Tensor:
+    """[B, C, h, w] the latents A1111 samples for a batch of B images (B = the conditioning's), from
+    its first seed: processing.py's seeds (seed + i; with a variation strength the seed stays and the
+    variation seeds advance), ImageRNG's starting noise times sigmas[0], then the sampler's function
+    with the later draws from the same ImageRNG (`sample`)."""
+    n = len(next(iter(cond.values())))
+    seeds = [seed + (i if subseed_strength == 0 else 0) for i in range(n)]
+    subseeds = [subseed + i for i in range(n)]
+    rng = ImageRNG(shape, seeds, subseeds, subseed_strength, ensd, source=source)
+    sigmas = get_sigmas(model_wrap, sampler, scheduler, steps)
+    x = rng.next() * sigmas[0]
+    draws = (rng.next() for _ in itertools.count())
+    return sample(sampler, CFGDenoiser(model_wrap, cond, uncond, cfg_scale), x, sigmas, draws)

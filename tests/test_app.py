@@ -447,13 +447,13 @@ def _post(server: Server, route: str, payload: dict) -> tuple[int, dict, dict]:
 
 
 def _generate_values(**kwargs) -> list:
-    """/generate's 25 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
-    settings come before the noise's)."""
+    """/generate's 26 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
+    settings come before A1111's)."""
     values = dict(prompt="a lighthouse", negative_prompt="", style="No style", seed=0, guidance_scale=5, steps=3,
                   width=128, height=128, images_per_core=1, sampler="euler", emphasis="original", refine=False,
                   refine_from=0.8, lora_style=0, control_image=None, control_preprocessor="canny", canny_low=100,
                   canny_high=200, control_scale=1, control_start=0, control_end=1, noise_source="jax", ensd=0,
-                  variation_seed=0, variation_strength=0)
+                  variation_seed=0, variation_strength=0, schedule_type="")
     return list((values | kwargs).values())
 
 
@@ -466,10 +466,10 @@ def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
     """Issue 21, hole 5: too few values, an unknown endpoint and a bad value on /run/ each get a
     sentence and a 4xx status, and one log line, not a traceback; /run/ answers with the final images."""
     logged = len(server.output())
-    takes = ("/generate takes 25 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
+    takes = ("/generate takes 26 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
              "steps, width, height, images_per_core, sampler, emphasis, refine, refine_from, lora_style, "
              "control_image, control_preprocessor, canny_low, canny_high, control_scale, control_start, control_end, "
-             "noise_source, ensd, variation_seed, variation_strength; got 1")
+             "noise_source, ensd, variation_seed, variation_strength, schedule_type; got 1")
     assert _post(server, "run/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "call/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "run/nope", {"data": []})[:2] == (404, {

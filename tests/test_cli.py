@@ -25,7 +25,7 @@ def _cli(*args, model="tiny", env=None):
 @pytest.mark.cli
 def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
     result = _cli("--prompt", "a lighthouse", "--negative-prompt", "fog", "--seed", "3", "--steps", "2",
-                  "--num-images", "2", "--out", str(tmp_path))
+                  "--num-images", "2", "--sampler", "euler", "--schedule-type", "Karras", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert "loaded tiny" in result.stdout and "compiled" in result.stdout and "generated 2 images" in result.stdout
     image = Image.open(tmp_path / "3-1.png")
@@ -33,6 +33,7 @@ def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
     parameters = image.text["parameters"]
     assert parameters.startswith("a lighthouse\nNegative prompt: fog\n")
     assert "Steps: 2" in parameters and "Seed: 3" in parameters and "Image index: 1" in parameters
+    assert "Sampler: Euler, Schedule type: Karras" in parameters
     assert Image.open(tmp_path / "3-grid.png").size == (256, 128)
 
 
@@ -53,6 +54,8 @@ def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
         (["--image", str(ROOT / "assets/shapes/README.md")], "error: cannot read the image"),
         (["--prompt", " "], "error: please enter a prompt (an empty prompt would give unguided, random images)"),
         (["--ensd", "31337"], "error: an ENSD needs torch's noise: choose the noise source nv or cpu, not jax"),
+        (["--sampler", "ddim", "--schedule-type", "Karras"],
+         "error: DDIM runs on diffusers' schedule only, not on the Karras schedule type"),
     ],
 )
 def test_bad_input_exits_before_loading_the_model_with_one_line_reason(args, reason):
@@ -72,6 +75,9 @@ def test_bad_input_is_refused_in_this_process_too(capsys):
     assert main(["generate", "--model", "tiny", "--prompt", "a lighthouse", "--guidance-scale", "-1"]) == 2
     out, err = capsys.readouterr()
     assert err == "error: guidance scale must be a number from 0 to 20, got -1.0\n" and "loaded" not in out
+    assert main(["generate", "--model", "tiny", "--prompt", "a fox", "--sampler", "heun", "--schedule-type",
+                 "diffusers"]) == 2
+    assert capsys.readouterr().err.startswith("error: Heun is one of A1111's samplers, not diffusers'")
 
 
 @pytest.mark.cli

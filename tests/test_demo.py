@@ -105,6 +105,16 @@ def test_a_grid_plans_its_cells_into_as_few_device_calls_as_fit(service):
     assert len(by_scale.requests) == 4, "steps and LoRA scales change the call"
     loras = {call.request.loras for call in by_scale.requests}
     assert len(loras) == 2 and any(all("ink" not in source for source, _ in set_) for set_ in loras)
+    by_schedule = service.grid(settings, "sampler", "Euler a, DPM++ 2M SDE", "schedule_type", "Karras, Exponential")
+    assert len(by_schedule.requests) == 4 and by_schedule.y.labels == ("Karras", "Exponential")
+    assert {(call.request.sampler, call.request.schedule_type) for call in by_schedule.requests} == {
+        ("euler_ancestral", "Karras"), ("euler_ancestral", "Exponential"), ("dpmpp_2m_sde", "Karras"),
+        ("dpmpp_2m_sde", "Exponential")}
+    by_sampler = service.grid(settings, "sampler", "Euler, DPM++ 2M SDE", None, "")
+    assert [call.request.schedule_type for call in by_sampler.requests] == ["diffusers", "Automatic"], (
+        "with the default schedule type each sampler gets its own")
+    with pytest.raises(ValueError, match="DDIM runs on diffusers' schedule only, not on the Karras schedule type"):
+        service.grid(settings, "sampler", "Euler, DDIM", "schedule_type", "Karras")
     with pytest.raises(ValueError, match="both seed"):
         service.grid(settings, "seed", "1, 2", "seed", "3")
     with pytest.raises(ValueError, match="unknown axis 'lora:nope'"):
@@ -153,19 +163,23 @@ def test_a_click_builds_its_submission_once_for_the_check_and_the_handler(servic
 
 
 def test_an_a1111_text_fills_in_the_noise_and_says_what_it_leaves_out(service):
-    """Reuse of A1111's parameters: its RNG, ENSD and variation seed reach the form (and so the request),
-    the model and the hires pass are named as not used, and what the text leaves out is reset."""
-    text = ("a fox\nNegative prompt: blur\nSteps: 20, Sampler: Euler a, Schedule type: Automatic, CFG scale: 7, "
+    """Reuse of A1111's parameters: its sampler and schedule type, RNG, ENSD and variation seed reach
+    the form (and so the request), the model and the hires pass are named as not used, and what the
+    text leaves out is reset."""
+    text = ("a fox\nNegative prompt: blur\nSteps: 20, Sampler: DPM++ 2M SDE, Schedule type: Karras, CFG scale: 7, "
             "Seed: 42, Size: 128x128, Model: juggernautXL, Variation seed: 9, Variation seed strength: 0.5, "
             "ENSD: 31337, RNG: CPU, Hires upscale: 2")
     fields, said = service.reused(text)
-    assert {k: fields[k] for k in ("seed", "noise_source", "ensd", "variation_seed", "variation_strength")} == dict(
-        seed=42, noise_source="cpu", ensd=31337, variation_seed=9, variation_strength=0.5)
+    assert {k: fields[k] for k in ("seed", "sampler", "schedule_type", "noise_source", "ensd", "variation_seed",
+                                   "variation_strength")} == dict(
+        seed=42, sampler="dpmpp_2m_sde", schedule_type="Karras", noise_source="cpu", ensd=31337, variation_seed=9,
+        variation_strength=0.5)
+    assert "sampler DPM++ 2M SDE, schedule type Karras," in said
     assert said.endswith("noise CPU (A1111's CPU, ComfyUI, diffusers), ENSD 31337, variation seed 9, variation "
                          "strength 0.5. Not used: Model, Hires upscale"), said
     request = service.images(service.settings(fields)).request
-    assert (request.noise_source, request.ensd, request.variation_seed, request.variation_strength) == (
-        "cpu", 31337, 9, 0.5)
+    assert (request.sampler, request.schedule_type, request.noise_source, request.ensd, request.variation_seed,
+            request.variation_strength) == ("dpmpp_2m_sde", "Karras", "cpu", 31337, 9, 0.5)
     plain, _ = service.reused("a fox\nSteps: 20, Seed: 3")
     assert (plain["noise_source"], plain["ensd"], plain["variation_strength"]) == ("nv", 0, 0.0), (
         "no RNG: A1111's GPU source; no ENSD: none")

@@ -14,6 +14,8 @@ def test_values_are_comma_separated_or_one_per_line_with_ranges_for_seeds_and_st
     axis = grid.parse_axis("sampler", "euler, Euler a, DPM++ 2M Karras")
     assert axis.values == ("euler", "euler_ancestral", "dpmpp_2m_karras")
     assert axis.labels == ("Euler", "Euler a", "DPM++ 2M Karras")
+    axis = grid.parse_axis("schedule_type", "diffusers, karras, SGM uniform")
+    assert axis.values == axis.labels == ("diffusers", "Karras", "SGM Uniform")
     assert grid.parse_axis("lora:ink", "0, 0.5, 1", loras=["ink"]).values == (0.0, 0.5, 1.0)
 
 
@@ -35,7 +37,8 @@ def test_a_prompt_axis_is_search_and_replace_when_its_first_value_is_in_the_prom
         ("steps", "0", "steps axis: steps must be an integer from 1 to 100"),
         ("steps", "9-2", "the range 9-2 must run upwards"),
         ("guidance_scale", "99", "guidance scale must be a number from 0 to 20"),
-        ("sampler", "heun", "unknown sampler 'heun'"),
+        ("sampler", "unipc", "unknown sampler 'unipc'"),
+        ("schedule_type", "Karras, Turbo", "schedule_type axis: unknown schedule type 'Turbo'"),
         ("style", "Baroque", "unknown style 'Baroque'"),
         ("lora:missing", "1", "unknown axis 'lora:missing'"),
         ("width", "64", "unknown axis 'width'"),

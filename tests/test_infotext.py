@@ -12,23 +12,35 @@ from sdxl.engine.request import Request
 
 
 @pytest.mark.parametrize("sampler, schedule, ours", [
-    ("DPM++ 2M", "Karras", "dpmpp_2m_karras"),  # webui 1.9 and later, and Forge
-    ("DPM++ 2M", "Automatic", "dpmpp_2m_karras"),  # webui's automatic schedule for DPM++ 2M is Karras
-    ("DPM++ 2M Karras", None, "dpmpp_2m_karras"),  # before 1.9: one field
-    ("DPM++ 2M", None, "dpmpp_2m"),
-    ("DPM++ 2M", "Exponential", "dpmpp_2m"),  # a schedule we lack: the nearest sampler we have
-    ("Euler a", "Automatic", "euler_ancestral"),
-    ("Euler", "Karras", "euler"),
-    ("DDIM", None, "ddim"),
+    ("DPM++ 2M", "Karras", ("dpmpp_2m", "Karras")),  # webui 1.9 and later, and Forge
+    ("DPM++ 2M", "Automatic", ("dpmpp_2m", "Automatic")),
+    ("DPM++ 2M", None, ("dpmpp_2m", "Automatic")),
+    ("DPM++ 2M Karras", None, ("dpmpp_2m", "Karras")),  # before 1.9: one field
+    ("DPM++ 2M SDE Exponential", "Automatic", ("dpmpp_2m_sde", "Exponential")),  # the name's overrides the field
+    ("Euler a", "sgm_uniform", ("euler_ancestral", "SGM Uniform")),  # webui's own names for schedule types
+    ("DPM2 a", "Turbo", ("dpm_2_ancestral", "Automatic")),  # a schedule type webui does not know: Automatic
+    ("heun", "Karras", ("heun", "Karras")),
+    ("DDIM", None, ("ddim", "diffusers")),  # webui's own DDIM: diffusers' is the nearest here
+    ("Euler", "diffusers", ("euler", "diffusers")),  # ours
+    ("DPM++ 2M Karras", "diffusers", ("dpmpp_2m_karras", "diffusers")),
 ])
 def test_webui_samplers_and_schedule_types_read_as_ours(sampler, schedule, ours):
     fields = f"Steps: 20, Sampler: {sampler}, " + (f"Schedule type: {schedule}, " if schedule else "") + "CFG scale: 7"
-    assert infotext.read_infotext(f"a fox\n{fields}")[0]["sampler"] == ours
+    found, unused = infotext.read_infotext(f"a fox\n{fields}")
+    assert (found["sampler"], found["schedule_type"]) == ours
+    assert unused == (("Schedule type",) if schedule == "Turbo" else ())
+
+
+def test_our_texts_from_before_the_rng_field_name_diffusers_samplers():
+    found, _ = infotext.read_infotext("a fox\nSteps: 20, Sampler: DPM++ 2M, Schedule type: Karras, Image index: 1")
+    assert (found["sampler"], found["schedule_type"]) == ("dpmpp_2m_karras", "diffusers")
+    found, _ = infotext.read_infotext("a fox\nSteps: 20, Sampler: Euler a, Image index: 0")
+    assert (found["sampler"], found["schedule_type"]) == ("euler_ancestral", "diffusers")
 
 
 def test_a_sampler_we_lack_is_named_as_not_applied():
     with pytest.warns(UserWarning, match="^parameters not applied: Sampler$"):
-        assert "sampler" not in infotext.read_parameters("a fox\nSteps: 20, Sampler: Heun, CFG scale: 7")
+        assert "sampler" not in infotext.read_parameters("a fox\nSteps: 20, Sampler: UniPC, CFG scale: 7")
 
 
 def test_written_parameters_read_back_with_quoted_values_and_emphasis():
@@ -39,9 +51,10 @@ def test_written_parameters_read_back_with_quoted_values_and_emphasis():
     assert text.splitlines()[-1] == ('Steps: 30, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 6.5, Seed: 7, '
                                      'Size: 1152x896, Emphasis: No norm, Lora hashes: "ink: 0123456789ab, glow: ba98"')
     found = infotext.read_parameters(text)
+    # No RNG: webui's GPU source, on NVIDIA cards its NV.
     assert found == dict(prompt="a (red:1.2) fox, <lora:ink:0.5>", negative_prompt="blur, (watermark)", steps=30,
-                         guidance_scale=6.5, seed=7, width=1152, height=896, sampler="dpmpp_2m_karras",
-                         emphasis="no-norm", noise_source="nv")  # no RNG: webui's GPU source, its NV on NVIDIA
+                         guidance_scale=6.5, seed=7, width=1152, height=896, sampler="dpmpp_2m",
+                         schedule_type="Karras", emphasis="no-norm", noise_source="nv")
     assert infotext.read_parameters("a fox\nSteps: 20")["emphasis"] == "original"
 
 
@@ -72,15 +85,13 @@ def test_an_a1111_text_gives_generates_arguments_and_names_what_it_cannot_apply(
         found = infotext.read_parameters(A1111_TEXT)
     assert found == dict(
         prompt="a lighthouse at dusk, (storm:1.2)", negative_prompt="blurry", steps=30, guidance_scale=6.5, seed=1234,
-        width=1152, height=896, sampler="dpmpp_2m_karras", emphasis="original", noise_source="cpu", variation_seed=99,
-        variation_strength=0.25, ensd=31337,
+        width=1152, height=896, sampler="dpmpp_2m", schedule_type="Karras", emphasis="original", noise_source="cpu",
+        variation_seed=99, variation_strength=0.25, ensd=31337,
     )
     for rng, source in (("NV", "nv"), ("GPU", "nv"), ("JAX", "jax")):
         assert infotext.read_infotext(f"a fox\nSteps: 20, RNG: {rng}")[0]["noise_source"] == source
     assert infotext.read_infotext("a fox\nSteps: 20, Seed: 3, Image index: 2")[0]["noise_source"] == "jax", (
         "our texts from before RNG was written")
-    assert infotext.read_infotext("a fox\nSteps: 20, Sampler: DPM++ 2M, Schedule type: Exponential")[1] == (
-        "Schedule type",), "a schedule no sampler here follows is named"
 
 
 @pytest.fixture(scope="module")

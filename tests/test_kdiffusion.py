@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from kdiffusion_reference import SAMPLERS, SCHEDULERS, ToyUNet, get_sigmas, model_wrap, sample, toy_model
+from kdiffusion_reference import SAMPLERS, SCHEDULERS, CompVisModel, get_sigmas, model_wrap, sample, toy_model
 from test_schedulers import SDXL_SCHEDULER_CONFIG
 
 from sdxl.config import config_from_dict
@@ -17,7 +17,7 @@ from sdxl.sampling.samplers import denoised_from_model_output, run_steps
 from sdxl.sampling.schedulers import SchedulerConfig
 
 SDXL = config_from_dict(SchedulerConfig, SDXL_SCHEDULER_CONFIG)
-WRAP = model_wrap(ToyUNet(None))
+WRAP = model_wrap(CompVisModel(None))
 SHAPE = (2, 4, 4, 4)  # [B, H, W, C]
 MAX_STEPS = 48
 
@@ -91,7 +91,7 @@ class Counting:
 def reference(name, schedule_type, steps, noise, draws, prediction_type="epsilon"):
     """(k-diffusion's result as A1111 runs it, the model evaluations it made, the sigmas A1111 gave it)."""
     model = Counting()
-    wrap = model_wrap(ToyUNet(model), prediction_type)
+    wrap = model_wrap(CompVisModel(model), prediction_type)
     sigmas = get_sigmas(wrap, name, schedule_type, steps)
     later = [torch.from_numpy(draws[:, k]) for k in range(draws.shape[1])]
     return sample(name, wrap, torch.from_numpy(noise) * sigmas[0], sigmas, later).numpy(), model.calls, sigmas
@@ -125,7 +125,7 @@ def test_image_to_image_starts_part_way(name, steps, first_step):
     sigmas, from an image's latents noised to the first of them; its draws are ours from `first_step`'s on."""
     image, noise = inputs(first_step)[0], inputs(steps)[0]
     draws = inputs(steps)[1]
-    wrap = model_wrap(ToyUNet(lambda x, t: toy_model(x, t, torch)))
+    wrap = model_wrap(CompVisModel(lambda x, t: toy_model(x, t, torch)))
     sigmas = get_sigmas(wrap, name, "Automatic", steps)[first_step:]
     x = torch.from_numpy(image) + torch.from_numpy(noise) * sigmas[0]
     later = [torch.from_numpy(draws[:, k]) for k in range(draws.shape[1])]

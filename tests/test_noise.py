@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from kdiffusion_reference import ImageRNG, PhiloxGenerator
 from sdxl.sampling import noise
 from sdxl.sampling.noise import BatchNoise, ImageNoise, a1111_seeds, generator, philox4x32
 
@@ -56,6 +57,7 @@ def test_nv_gives_a1111s_numbers():
     ours = generator("nv", 0).randn((3, 4))
     assert ours.dtype == np.float32
     np.testing.assert_array_equal(ours, np.float32(A1111_COMPUTED))
+    np.testing.assert_array_equal(PhiloxGenerator(0).randn((3, 4)), np.float32(A1111_COMPUTED))  # the oracle
     # The docstring's numbers are not quite what its code computes (CUDA's, within 3e-7, say the notes).
     np.testing.assert_allclose(ours, A1111_DOCUMENTED, rtol=0, atol=3e-7)
 
@@ -126,56 +128,6 @@ def test_seed_range():
 # --- A1111's per-image generators -------------------------------------------------------------------
 
 
-def torch_slerp(strength, low, high):
-    """A1111's rng.slerp on one image's [C, H, W]: an angle per (channel, column), along H."""
-    low_unit, high_unit = low / low.norm(dim=1, keepdim=True), high / high.norm(dim=1, keepdim=True)
-    cosine = (low_unit * high_unit).sum(1)
-    if cosine.mean() > 0.9995:
-        return low * strength + high * (1 - strength)
-    angle = torch.acos(cosine)
-    low_weight = torch.sin((1.0 - strength) * angle) / torch.sin(angle)
-    high_weight = torch.sin(strength * angle) / torch.sin(angle)
-    return low_weight.unsqueeze(1) * low + high_weight.unsqueeze(1) * high
-
-
-class TorchImageRNG:
-    """modules/rng.py's ImageRNG with the "CPU" source, over torch's own generators: the oracle."""
-
-    def __init__(self, shape, seeds, subseeds=None, subseed_strength=0.0, ensd=0, seed_resize_from=(0, 0)):
-        self.shape, self.seeds, self.subseeds, self.strength, self.ensd = shape, seeds, subseeds, subseed_strength, ensd
-        height, width = seed_resize_from
-        self.noise_shape = shape if height <= 0 or width <= 0 else (shape[0], height // 8, width // 8)
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
-        self.drawn_first = False
-
-    def next(self):
-        if not self.drawn_first:
-            self.drawn_first = True
-            return self.first()
-        return torch.stack([torch.randn(self.shape, generator=g) for g in self.generators])
-
-    def first(self):
-        images = []
-        for i, (seed, g) in enumerate(zip(self.seeds, self.generators)):
-            resized = self.noise_shape != self.shape
-            x = torch_randn(seed, self.noise_shape) if resized else torch.randn(self.shape, generator=g)
-            if self.subseeds is not None and self.strength != 0:
-                subseed = self.subseeds[i] if i < len(self.subseeds) else 0
-                x = torch_slerp(self.strength, x, torch_randn(subseed, self.noise_shape))
-            if resized:  # A1111's paste: centred, cropped, its row and column counts as it computes them
-                canvas = torch.randn(self.shape, generator=g)
-                dx, dy = (self.shape[2] - self.noise_shape[2]) // 2, (self.shape[1] - self.noise_shape[1]) // 2
-                w = self.noise_shape[2] if dx >= 0 else self.noise_shape[2] + 2 * dx
-                h = self.noise_shape[1] if dy >= 0 else self.noise_shape[1] + 2 * dy
-                tx, ty, sx, sy = max(dx, 0), max(dy, 0), max(-dx, 0), max(-dy, 0)
-                canvas[:, ty:ty + h, tx:tx + w] = x[:, sy:sy + h, sx:sx + w]
-                x = canvas
-            images.append(x)
-        if self.ensd:
-            self.generators = [torch.Generator().manual_seed(s + self.ensd) for s in self.seeds]
-        return torch.stack(images)
-
-
 SHAPE = (4, 24, 40)
 IMAGE_CASES = {
     "plain": {},
@@ -197,7 +149,7 @@ def test_image_noise_is_a1111s(case):
     shape = options.pop("shape", SHAPE)
     seeds = (100, 101, 102)
     ours = ImageNoise("cpu", shape, seeds, **options)
-    oracle = TorchImageRNG(shape, seeds, **options)
+    oracle = ImageRNG(shape, seeds, **options)
     draws = [ours.first(), ours.next(), ours.next()]
     expected = [oracle.next() for _ in draws]
     assert draws[0].shape == (3, *shape)
@@ -208,6 +160,17 @@ def test_image_noise_is_a1111s(case):
         assert_same_as_torch(draws[0], expected[0])
     for ours_later, theirs_later in zip(draws[1:], expected[1:]):
         assert_same_as_torch(ours_later, theirs_later)
+
+
+@pytest.mark.parametrize("case", ["ensd", "odd size", "variation", "resized from smaller"])
+def test_nv_image_noise_is_a1111s(case):
+    options = dict(IMAGE_CASES[case])
+    shape = options.pop("shape", SHAPE)
+    ours = ImageNoise("nv", shape, (100, 101, 102), **options)
+    oracle = ImageRNG(shape, (100, 101, 102), source="NV", **options)
+    for draw in range(3):
+        atol = 2e-6 if draw == 0 and options.get("subseed_strength") else 0  # slerp: ours in float64
+        np.testing.assert_allclose(ours.next(), oracle.next().numpy(), rtol=0, atol=atol)
 
 
 def test_variation_strength_ends():

@@ -37,7 +37,7 @@ def test_values_from_json_clients_are_converted():
         (dict(height=1000), "height must be a multiple of 32 from 32 to 4096, got 1000"),
         (dict(width="abc"), "width must be a multiple of 32 from 32 to 4096, got 'abc'"),
         (dict(width=8192), "width must be a multiple of 32 from 32 to 4096, got 8192"),
-        (dict(sampler="lms"), "unknown sampler 'lms'"),
+        (dict(sampler="unipc"), "unknown sampler 'unipc'"),
         (dict(prompt=["a fox", 3]), "prompt must be text, got int 3"),
         (dict(noise=np.zeros((2, 4, 4, 4))), "noise must have shape (2, 128, 96, 4)"),
         (dict(prompt="x" * 2001), "prompt is 2001 characters long; at most 2000 are taken"),
@@ -102,13 +102,19 @@ def test_loras_are_checked_sorted_and_part_of_the_batch_key():
         _request(loras=(("a.safetensors", 9),)).validated(LIMITS)
 
 
-def test_a_sampler_is_taken_by_its_name_or_its_label_and_refused_with_both():
-    from sdxl.engine.request import sampler_name
-
-    assert sampler_name("DPM++ 2M") == sampler_name("dpmpp_2m") == "dpmpp_2m"
-    assert sampler_name("euler A") == "euler_ancestral"
-    with pytest.raises(ValueError, match=r"choose one of: euler \(Euler\), euler_ancestral \(Euler a\)"):
-        sampler_name("lms")
+def test_a1111s_schedule_types_are_checked_against_the_sampler_and_the_request():
+    request = _request(sampler="DPM++ 2M SDE")
+    assert request.validated(LIMITS).schedule_type == "Automatic", "an A1111 sampler's own"
+    assert _request(sampler="euler").validated(LIMITS).schedule_type == "diffusers"
+    karras = dataclasses.replace(_request(sampler="euler"), schedule_type="karras").validated(LIMITS)
+    assert karras.schedule_type == "Karras" and karras.call_settings != _request(sampler="euler").validated(
+        LIMITS).call_settings
+    with pytest.raises(ValueError, match="the DDIM schedule type runs 31 steps for 30, more than the 30 allowed"):
+        dataclasses.replace(_request(steps=30, sampler="euler"), schedule_type="DDIM").validated(
+            dataclasses.replace(LIMITS, max_steps=30))
+    image = np.zeros((2, 1024, 768, 3), np.uint8)
+    with pytest.raises(ValueError, match=r"A1111's schedule types \(Karras\) render from text, whole"):
+        dataclasses.replace(_request(), images=image, strength=0.5, schedule_type="Karras").validated(LIMITS)
 
 
 def test_what_the_pipeline_allows_is_checked_against_its_limits():

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from kdiffusion_reference import SCHEDULERS_MAP, ToyUNet, align_your_steps, model_wrap
+from kdiffusion_reference import SCHEDULERS_MAP, CompVisModel, align_your_steps, model_wrap
 from test_schedulers import SD15_SCHEDULER_CONFIG, SDXL_SCHEDULER_CONFIG
 
 from sdxl.config import config_from_dict
@@ -14,7 +14,7 @@ from sdxl.sampling.schedulers import SchedulerConfig
 
 SDXL = config_from_dict(SchedulerConfig, SDXL_SCHEDULER_CONFIG)
 SD15 = config_from_dict(SchedulerConfig, SD15_SCHEDULER_CONFIG)
-WRAP = model_wrap(ToyUNet(None))  # scaled_linear 0.00085..0.012, 1000 steps: both configs' schedule
+WRAP = model_wrap(CompVisModel(None))  # scaled_linear 0.00085..0.012, 1000 steps: both configs' schedule
 
 
 def test_the_model_sigmas_are_k_diffusions():

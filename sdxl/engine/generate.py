@@ -27,6 +27,7 @@ def generate(
     width: int | None = None,
     num_images: int | None = None,
     sampler: str | None = None,
+    schedule_type: str | None = None,
     noise_source: str = "jax",
     batch_noise: bool = False,
     variation_seed: int = 0,
@@ -62,7 +63,12 @@ def generate(
         the prompt `<lora:NAME:SCALE>` tags naming LoRAs given to `set_loras`. An empty negative prompt
         is none: SDXL's conditioning is then zeros (force_zeros_for_empty_prompt).
       num_images: default the prompt or image list's length, else one image per device.
-      sampler: a name in `sampling.SAMPLERS`; default the one that reproduces the checkpoint's scheduler.
+      sampler: a sampler by its name or label (`sampling.methods.SAMPLER_NAMES`: "euler", "DPM++ 2M
+        SDE"); default the one that reproduces the checkpoint's scheduler.
+      schedule_type: "diffusers" (the checkpoint scheduler's timesteps, as diffusers' pipelines
+        step), or one of A1111's ("Automatic", "Karras", "Exponential", ...: `sampling.methods.SCHEDULE_TYPES`),
+        on which the sampler runs as A1111's k-diffusion samplers do, from text only; default
+        "diffusers" for the samplers diffusers has, "Automatic" for the others.
       noise_source: "jax" (JAX's PRNG, made on the devices), or torch's noise as the tools people
         compare with draw it (`sdxl.sampling.noise`): "nv", A1111's NV source, which is torch.randn on
         CUDA, or "cpu", torch.randn on the CPU. With either, image i is A1111's image of seed + i,
@@ -129,10 +135,11 @@ def generate(
         noise=None if latents is None else np.asarray(latents, np.float32).transpose(0, 2, 3, 1),
     )
     request = dataclasses.replace(
-        request, noise_source=noise_source, batch_noise=batch_noise, variation_seed=variation_seed,
-        variation_strength=variation_strength, ensd=ensd, images=image, masks=mask_image, strength=strength,
-        denoising_start=denoising_start, denoising_end=denoising_end, start_latents=start_latents,
-        aesthetic_scores=(aesthetic_score, negative_aesthetic_score), refine_from=refine_from, emphasis=emphasis,
+        request, schedule_type=schedule_type, noise_source=noise_source, batch_noise=batch_noise,
+        variation_seed=variation_seed, variation_strength=variation_strength, ensd=ensd, images=image,
+        masks=mask_image, strength=strength, denoising_start=denoising_start, denoising_end=denoising_end,
+        start_latents=start_latents, aesthetic_scores=(aesthetic_score, negative_aesthetic_score),
+        refine_from=refine_from, emphasis=emphasis,
         controls=_controls(pictures, num_images, width, height, controlnet_conditioning_scale, control_guidance_start,
                            control_guidance_end, control_mode),
     )

@@ -15,8 +15,8 @@ from ..checkpoints import lora
 from ..models.controlnet_union import CONTROL_MODES
 from ..prompts import syntax as prompt_syntax
 from ..prompts.syntax import A1111_EMPHASIS_NAMES
-from ..sampling import noise
-from ..sampling.samplers import SAMPLER_NAMES
+from ..sampling import kdiffusion, methods, noise
+from ..sampling.methods import SAMPLER_NAMES
 
 
 def parameters_text(prompt: str, negative_prompt: str, settings: dict[str, object]) -> str:
@@ -42,12 +42,12 @@ def _number(value) -> str:
 def png_parameters(pipe, request, i: int, model: str) -> str:
     """The parameters of image `i` of a rendered request (on `pipe`, with its refiner), as the CLI and
     the demo save them: the prompts as written, weights and LoRA tags included; webui's fields where it
-    has them ("Schedule type", "Emphasis", "Lora hashes"), then ours."""
-    sampler, schedule = A1111_SAMPLERS[request.sampler]
+    has them ("Schedule type", "Emphasis", "Lora hashes"), then ours. diffusers' samplers write their
+    schedule type as "diffusers"."""
     loras = request.loras or ()
     readable = [prompt_syntax.lora_tags(request.prompts[i])[0], request.negative_prompts[i]]
     return parameters_text(request.prompts[i], request.negative_prompts[i], {
-        "Steps": request.steps, "Sampler": sampler, "Schedule type": schedule,
+        "Steps": request.steps, "Sampler": SAMPLER_NAMES[request.sampler], "Schedule type": request.schedule_type,
         "CFG scale": float(request.guidance_scales[i]), **_seed_fields(request, i),
         "Size": f"{request.width}x{request.height}", "Model": model, **_noise_fields(request, i),
         "Denoising strength": None if request.images is None else float(request.strength),
@@ -138,7 +138,8 @@ def emphasis_infotext(emphasis: str, texts: Iterable[str]) -> str | None:
 def read_parameters(text: str) -> dict:
     """The keyword arguments of `Pipeline.generate` that a "parameters" text (`png_parameters`', or
     webui's and Forge's) gives, so that `pipe.generate(**read_parameters(text))` draws its picture:
-    prompt and negative_prompt; and of steps, sampler (ours for webui's sampler and schedule type),
+    prompt and negative_prompt; and of steps, sampler and schedule_type (A1111's k-diffusion sampler
+    and schedule type, or for our own texts and A1111's DDIM, PLMS and the like, diffusers'),
     guidance_scale, seed, width, height, emphasis, noise_source, variation_seed, variation_strength,
     ensd and batch_noise, those it gives. The noise source is webui's RNG (a text without one is
     webui's default GPU source, on NVIDIA cards its NV; this project's own texts say JAX). Settings it
@@ -178,11 +179,11 @@ def read_infotext(text: str) -> tuple[dict, tuple[str, ...]]:
     if "x" in fields.get("Size", ""):
         found["width"], found["height"] = (int(v) for v in fields["Size"].split("x"))
         used.add("Size")
-    sampler = _sampler_named(fields.get("Sampler"), fields.get("Schedule type"))
+    sampler = _sampler_named(fields)
     if sampler is not None:
-        found["sampler"] = sampler
+        found["sampler"], found["schedule_type"] = sampler
         used.add("Sampler")
-        if fields.get("Schedule type", "Automatic") in ("Automatic", A1111_SAMPLERS[sampler][1]):
+        if fields.get("Schedule type", "Automatic") in (*_SCHEDULE_TYPES, methods.DIFFUSERS):
             used.add("Schedule type")
     emphasis = {label: mode for mode, label in A1111_EMPHASIS_NAMES.items()}.get(fields.get("Emphasis", "Original"))
     if emphasis is not None:
@@ -208,23 +209,44 @@ _METADATA = ("Version", "Model hash", "VAE hash", "Lora hashes", "TI hashes", "L
 # The noise sources by webui's RNG names (and ours, JAX); webui's GPU source on NVIDIA cards is its NV.
 RNG_NAMES = {"jax": "JAX", "nv": "NV", "cpu": "CPU"}
 _RNG_SOURCES = {name: source for source, name in RNG_NAMES.items()} | {"GPU": "nv"}
-# Our samplers as webui (1.9 and later) names them: (Sampler, Schedule type); None: the model's own schedule.
-A1111_SAMPLERS = {name: (label.removesuffix(" Karras"), "Karras" if name.endswith("_karras") else None)
-                  for name, label in SAMPLER_NAMES.items()}
-# webui's "Automatic" schedule type is each sampler's default: Karras for DPM++ 2M, the model's own for ours.
-_AUTOMATIC_KARRAS = ("DPM++ 2M",)
+# A1111's schedule types by their labels, and by its names for them ("sgm_uniform") and aliases.
+_SCHEDULE_TYPES = {
+    **{label: label for label in kdiffusion.SCHEDULE_TYPES},
+    **{label.lower().replace(" ", "_"): label for label in kdiffusion.SCHEDULE_TYPES},
+    "SGMUniform": "SGM Uniform",
+}
 
 
-def _sampler_named(sampler: str | None, schedule: str | None) -> str | None:
-    """Our sampler for webui's sampler and schedule type (one field before 1.9: "DPM++ 2M Karras");
-    None when we have none like it."""
+def _sampler_named(fields: dict) -> tuple[str, str] | None:
+    """(Our sampler, its schedule type) for a text's "Sampler" and "Schedule type", as A1111 reads them
+    (`sd_samplers.get_sampler_and_scheduler`): a sampler's name may end in a schedule type ("DPM++ 2M
+    Karras", as A1111 wrote both before 1.9), which then overrides the field. Our own texts name
+    diffusers' samplers with the schedule type "diffusers"; before they wrote "RNG" they were the texts
+    with an "Image index", and named diffusers' DPM++ 2M with Karras sigmas "DPM++ 2M" with "Karras".
+    A schedule type we do not know is A1111's "Automatic", as A1111 reads it. None for a sampler we
+    have none like."""
+    sampler, schedule = fields.get("Sampler"), fields.get("Schedule type", "Automatic")
     if sampler is None:
         return None
-    if schedule == "Automatic" and sampler in _AUTOMATIC_KARRAS:
-        schedule = "Karras"
-    for name, (label, karras) in A1111_SAMPLERS.items():
-        if sampler == label and (karras == schedule or (karras is None and schedule != "Karras")):
-            return name
-        if karras and sampler == f"{label} {karras}":
-            return name
-    return next((name for name, (label, _) in A1111_SAMPLERS.items() if label == sampler), None)
+    if schedule == methods.DIFFUSERS or ("Image index" in fields and "RNG" not in fields):
+        legacy_karras = sampler == "DPM++ 2M" and schedule == "Karras"
+        sampler = "DPM++ 2M Karras" if legacy_karras else sampler
+        return (name, methods.DIFFUSERS) if (name := _named(sampler, methods.ON_DIFFUSERS_SCHEDULE)) else None
+    for option, label in _SCHEDULE_TYPES.items():
+        if sampler.endswith(" " + option):
+            sampler, schedule = sampler.removesuffix(" " + option), label
+            break
+    schedule = _SCHEDULE_TYPES.get(schedule, "Automatic")
+    if (name := _named(sampler, methods.ON_A1111_SCHEDULES)) is not None:
+        return name, schedule
+    # A1111's DDIM, PLMS, LCM and the like are not k-diffusion's: the nearest here are diffusers'.
+    return (name, methods.DIFFUSERS) if (name := _named(sampler, methods.ON_DIFFUSERS_SCHEDULE)) else None
+
+
+def _named(label: str, names) -> str | None:
+    """The sampler among `names` that `label` names, or None."""
+    try:
+        name = methods.sampler_name(label)
+    except ValueError:
+        return None
+    return name if name in names else None

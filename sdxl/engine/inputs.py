@@ -13,8 +13,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ..prompts.tokens import Tokens
-from ..sampling.samplers import SAMPLERS
-from ..sampling.schedulers import Schedule, SchedulerConfig
+from ..sampling import methods
+from ..sampling.schedulers import Schedule
 from . import mesh as meshes
 from .controls import Control
 from .prepared import PreparedRequest
@@ -22,26 +22,36 @@ from .program import PER_CALL_INPUTS, GenerateProgram, Inputs
 from .request import Request
 
 
-def schedule(program: GenerateProgram, steps: int) -> Schedule:
-    """The program's sampler's noise schedule for `steps` steps, padded to its `max_steps`."""
-    return _padded_schedule(program.sampler, program.spec.scheduler, steps, program.max_steps)
+def schedule(program: GenerateProgram, request: Request) -> Schedule:
+    """The noise schedule of a validated request's sampler, schedule type and steps, padded to the
+    program's `max_steps`."""
+    return _padded_schedule(program.spec, request.sampler, request.schedule_type, request.steps, program.max_steps)
 
 
 @functools.lru_cache(maxsize=256)
-def _padded_schedule(sampler: str, config: SchedulerConfig, steps: int, max_steps: int) -> Schedule:
-    return SAMPLERS[sampler].schedule(config, steps, max_steps)
+def _padded_schedule(spec, sampler: str, schedule_type: str, steps: int, max_steps: int) -> Schedule:
+    return methods.schedule(spec.scheduler, sampler, schedule_type, steps, max_steps, is_sdxl=spec.is_sdxl)
+
+
+def schedule_length(program: GenerateProgram, request: Request) -> int:
+    """The steps the request's schedule holds: its steps, but for A1111's DDIM schedule type, which
+    may hold one more (`sampling.methods.steps_run`)."""
+    spec = program.spec
+    return methods.steps_run(spec.scheduler, request.sampler, request.schedule_type, request.steps,
+                             is_sdxl=spec.is_sdxl)
 
 
 def steps_run(program: GenerateProgram, request: Request) -> tuple[int, int]:
     """The steps first..stop-1 of the request's schedule that run, as diffusers picks them: a
     strength skips the first steps (`get_timesteps`), `denoising_start` the steps at or above its
-    timestep cutoff, and `denoising_end` stops before the steps below its own.
+    timestep cutoff, and `denoising_end` stops before the steps below its own. (On A1111's schedule
+    types a request runs whole: `Request.validated`.)
 
     Raises:
       ValueError: no step is left to run.
     """
-    steps = request.steps
-    timesteps = np.asarray(schedule(program, steps).timesteps)[:steps]
+    steps = schedule_length(program, request)
+    timesteps = np.asarray(schedule(program, request).timesteps)[:steps]
     train_steps = program.spec.scheduler.num_train_timesteps
 
     def cutoff(fraction: float) -> int:
@@ -111,12 +121,12 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
         seeds=per_image(request.seeds, np.uint32),
         image_index=per_image(request.image_index, np.uint32),
         guidance_scale=per_image(request.guidance_scales, np.float32),
-        schedule=schedule(program, request.steps),
-        num_steps=np.int32(request.steps),
+        schedule=schedule(program, request),
+        num_steps=np.int32(schedule_length(program, request)),
         first_step=np.int32(first),
         stop_step=np.int32(stop),
         noise=per_image(request.noise, np.float32) if program.given_noise else None,
-        step_noise=per_image(_padded_steps(request.step_noise, program.max_steps), np.float32)
+        step_noise=per_image(_padded_draws(request.step_noise, program.draws), np.float32)
         if program.given_step_noise else None,
         mask=per_image(request.masks[..., None], np.float32) if program.inpaint else None,
         **start,
@@ -132,9 +142,9 @@ def _stacked(maps: list[np.ndarray]) -> np.ndarray:
     return np.stack([_unit(m) for m in maps])
 
 
-def _padded_steps(step_noise: np.ndarray, max_steps: int) -> np.ndarray:
-    """[N, steps, ...] noise as [N, max_steps, ...]: the padded steps, never run, hold zeros."""
-    missing = max_steps - step_noise.shape[1]
+def _padded_draws(step_noise: np.ndarray, draws: int) -> np.ndarray:
+    """[N, d, ...] noise draws as [N, draws, ...]: the padded ones, never read, hold zeros."""
+    missing = draws - step_noise.shape[1]
     return np.pad(step_noise, [(0, 0), (0, missing)] + [(0, 0)] * (step_noise.ndim - 2)) if missing else step_noise
 
 
@@ -184,8 +194,9 @@ def placeholder(program: GenerateProgram) -> PreparedRequest:
         controls = (per_image,) * n
     request = Request(
         ("",) * n, ("",) * n, (0,) * n, (0,) * n, (guidance,) * n, 1, program.height, program.width, program.sampler,
+        schedule_type="Automatic" if program.a1111 else methods.DIFFUSERS,
         noise=latents if program.given_noise else None,
-        step_noise=zeros(n, program.max_steps, *latents.shape[1:]) if program.given_step_noise else None,
+        step_noise=zeros(n, program.draws, *latents.shape[1:]) if program.given_step_noise else None,
         images=zeros(n, program.height, program.width, 3) if program.start_from == "image" else None,
         masks=zeros(n, program.height, program.width) if program.inpaint else None,
         start_latents=latents if program.start_from == "latents" else None,

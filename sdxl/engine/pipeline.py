@@ -26,8 +26,7 @@ from ..checkpoints.controlnets import ControlNetCheckpoint
 from ..checkpoints.tokenizer import load_tokenizer
 from ..models.previews import factors_for
 from ..prompts.tokens import Prompts
-from ..sampling import noise
-from ..sampling.samplers import SAMPLERS
+from ..sampling import methods, noise
 from . import inputs, mesh as meshes
 from .checks import number
 from .compiled import Executables, ProgressReports, run_in_stages
@@ -268,6 +267,7 @@ class Pipeline:
         the host (`with_drawn_noise`)."""
         spec, tokens = self.spec, self.prompts.tokens(request.prompts, request.negative_prompts, request.emphasis)
         drawn = request.noise_source != "jax"
+        a1111 = request.schedule_type != methods.DIFFUSERS
         program = GenerateProgram(
             spec, request.sampler, request.height, request.width, self.padded_batch(len(request)), self.dtype,
             self.max_steps, output_type,
@@ -275,13 +275,14 @@ class Pipeline:
             guided=request.guided and spec.unet.time_cond_proj_dim is None,
             start_from=request.start_from, inpaint=request.masks is not None,
             given_noise=drawn or request.noise is not None,
-            given_step_noise=drawn and SAMPLERS[request.sampler].stochastic,
+            given_step_noise=drawn and methods.loop(request.sampler, a1111).stochastic,
             chunks=tokens.num_chunks, preview_factors=self.preview_factors,
             controlnets=tuple(c.config for c in self.controlnets) if request.controls else (),
+            a1111=a1111,
         )
         steps = inputs.steps_run(program, request)
         if drawn and request.noise is None:
-            request = with_drawn_noise(request, spec, first_step=steps[0])
+            request = with_drawn_noise(request, program, steps)
         return PreparedRequest(request, tokens, program, steps)
 
     def programs_for(self, request: Request, num_images: int | None = None) -> tuple[GenerateProgram, ...]:
@@ -421,7 +422,7 @@ class Pipeline:
             images, finite = self.executables.compiled(program, "whole")(params, arrays)
         else:
             first, stop = prepared.steps
-            evaluations = SAMPLERS[program.sampler].evaluations
+            evaluations = program.method.evaluations
             report = ProgressReports(on_step, on_preview, stop - first, evaluations(first), n)
             stage = lambda name: self.executables.compiled(program, name)  # noqa: E731
             rendered = run_in_stages(stage, params, arrays, evaluations(first), evaluations(stop), report,
@@ -445,21 +446,23 @@ class Pipeline:
         return self.refiner._render_part(refined, continued(on_step), continued(on_preview), steps_per_report)
 
 
-def with_drawn_noise(request: Request, spec: ModelSpec, first_step: int) -> Request:
+def with_drawn_noise(request: Request, program: GenerateProgram, steps: tuple[int, int]) -> Request:
     """`request` with the noise its source draws on the host (`sdxl.sampling.noise.drawn`): the starting
-    noise, and for a stochastic sampler the draws after it, the j-th at step first_step + j, where the
-    tools it comes from draw it."""
-    height, width, channels = spec.latent_shape(request.height, request.width)
-    later = request.steps - first_step if SAMPLERS[request.sampler].stochastic else 0
+    noise, and for a stochastic sampler the draws after it, where the tools it comes from draw them:
+    the sampler's draws from the first step that runs (`steps`: first, stop) to the schedule's end."""
+    height, width, channels = program.spec.latent_shape(request.height, request.width)
+    method, (first, _) = program.method, steps
+    total = method.draws(inputs.schedule_length(program, request)) if method.stochastic else 0
+    skipped = method.draws(first) if method.stochastic else 0  # image-to-image skips the first steps' draws
     start, after = noise.drawn(
-        request.noise_source, (channels, height, width), request.seeds, request.image_index, later_draws=later,
-        batch_noise=request.batch_noise, variation_seed=request.variation_seed,
+        request.noise_source, (channels, height, width), request.seeds, request.image_index,
+        later_draws=total - skipped, batch_noise=request.batch_noise, variation_seed=request.variation_seed,
         variation_strength=request.variation_strength, ensd=request.ensd,
     )
     step_noise = None
-    if later:
-        step_noise = np.zeros((len(request), request.steps, height, width, channels), np.float32)
-        step_noise[:, first_step:] = after.transpose(0, 1, 3, 4, 2)
+    if method.stochastic:  # Restart's short runs draw none
+        step_noise = np.zeros((len(request), total, height, width, channels), np.float32)
+        step_noise[:, skipped:] = after.transpose(0, 1, 3, 4, 2)
     return dataclasses.replace(request, noise=start.transpose(0, 2, 3, 1), step_noise=step_noise)
 
 

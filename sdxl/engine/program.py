@@ -11,9 +11,9 @@ then `finish`), so the host learns how far the loop is without callbacks inside 
 would keep JAX from writing the program to the persistent compilation cache on multi-device machines.
 
 `GenerateProgram` is the one compile key: its fields are everything static (the batch and image
-sizes, the sampler, where the loop starts from, which optional inputs there are). Prompts, seeds,
-guidance scales, the number of steps and the stretch of them that runs are array inputs, so
-changing them reuses the compiled program.
+sizes, the sampler and its family, where the loop starts from, which optional inputs there are).
+Prompts, seeds, guidance scales, the number of steps, the schedule (its type included) and the
+stretch of it that runs are array inputs, so changing them reuses the compiled program.
 
 Where the loop starts (`GenerateProgram.start_from`), as diffusers' SDXL pipelines start:
 - "noise": text-to-image, from noise times the schedule's `init_noise_sigma`.
@@ -38,7 +38,8 @@ from flax import struct
 from ..checkpoints import ModelSpec
 from ..models import clip, controlnet, controlnet_union, previews, unet, vae
 from ..models.layers import STEP_INVARIANTS
-from ..sampling.samplers import SAMPLERS, Sampler, add_noise, denoised_from_model_output, run_steps
+from ..sampling import methods
+from ..sampling.samplers import Sampler, add_noise, denoised_from_model_output, run_steps
 from ..sampling.schedulers import Schedule
 from .mesh import BATCH_AXIS
 
@@ -74,8 +75,9 @@ class Inputs:
     first_step: jax.Array
     stop_step: jax.Array
     noise: jax.Array | None  # optional [B, h, w, C] float32 latents that replace the sampled noise
-    # Optional [B, S, h, w, C] float32 the noise a stochastic sampler adds at step i ([:, i]), drawn on
-    # the host, replacing the seeded noise (`GenerateProgram.given_step_noise`).
+    # Optional [B, D, h, w, C] float32 the noise draws of a stochastic sampler (`Sampler.draws` of the
+    # program's max_steps; draw k at [:, k]), drawn on the host, replacing the seeded noise
+    # (`GenerateProgram.given_step_noise`).
     step_noise: jax.Array | None = None
     # start_from "image": [B, H, W, 3] float32 in [0, 1], the images to start from; start_from
     # "latents": [B, h, w, C] float32, the sampler's state to continue.
@@ -107,7 +109,7 @@ class State:
     cond: dict  # the UNet's text conditioning, [2B, ...] as (negative, positive) pairs
     carry: Any  # the sampler's loop state (`sdxl.sampling.samplers`)
     # What a stochastic sampler's noise comes from (`sampling.samplers.step_noise`): [B] PRNG keys, or
-    # [B, S, h, w, C] noise drawn on the host; None for other samplers.
+    # [B, D, h, w, C] noise drawn on the host; None for other samplers.
     step_noise: jax.Array | None
     known: "Known | None" = None  # inpainting: what the mask keeps
 
@@ -248,7 +250,7 @@ class GenerateProgram:
     """
 
     spec: ModelSpec
-    sampler: str  # a name in `sampling.SAMPLERS`
+    sampler: str  # a name in `sampling.methods.SAMPLER_NAMES`
     height: int
     width: int
     batch: int  # images per call: a multiple of the device count
@@ -265,6 +267,19 @@ class GenerateProgram:
     preview_factors: tuple | None = None
     # `Inputs.control_images` steer the UNet through these (a `ControlNetUnionConfig` is a Union's).
     controlnets: tuple[controlnet.ControlNetConfig, ...] = ()
+    # The sampler runs as A1111's k-diffusion one, on one of A1111's schedule types; else as diffusers'.
+    a1111: bool = False
+
+    @property
+    def method(self) -> Sampler:
+        """The sampler's loop (`sampling.methods.loop`)."""
+        return methods.loop(self.sampler, self.a1111)
+
+    @property
+    def draws(self) -> int:
+        """The most noise draws its stochastic sampler makes in a run (`Inputs.step_noise`'s length; at
+        least 1, which a loop that draws none still indexes)."""
+        return max(1, self.method.draws(self.max_steps)) if self.method.stochastic else 0
 
     @property
     def control_modes(self) -> bool:
@@ -298,7 +313,7 @@ class GenerateProgram:
         if noise is None:
             shape = spec.latent_shape(self.height, self.width)
             noise = jax.vmap(lambda key: jax.random.normal(key, shape))(noise_keys)
-        method = SAMPLERS[self.sampler]
+        method = self.method
         schedule = inputs.schedule
         from_noise = noise.astype(jnp.float32) * schedule.init_noise_sigma
         known = None
@@ -394,7 +409,7 @@ class GenerateProgram:
         """
         if not self.controlnets:
             return lambda x_in, t, step: {}
-        evaluations = SAMPLERS[self.sampler].evaluations
+        evaluations = self.method.evaluations
         first = evaluations(inputs.first_step)
         count = (evaluations(inputs.num_steps) - first).astype(jnp.float32)
         steering = self._steering(inputs)
@@ -424,7 +439,7 @@ class GenerateProgram:
         """Sampler iterations start..stop-1 (one model evaluation each; `Sampler.evaluations` of the
         step count in all) with the guided UNet as the denoiser. Returns the new carry, and [B, h, w, 3]
         uint8 previews: the last step's clean-latent prediction through `previews.project`."""
-        denoised = jnp.zeros_like(SAMPLERS[self.sampler].finish(state.carry))
+        denoised = jnp.zeros_like(self.method.finish(state.carry))
         carry, denoised = self._denoise(params, invariants, state, inputs, start, stop, denoised)
         factors = self.preview_factors or previews.factors_for(self.spec)
         return carry, previews.project(denoised, factors)
@@ -458,7 +473,7 @@ class GenerateProgram:
                 out = jnp.where(g > 1, uncond + g * (positive - uncond), positive)
             return denoised_from_model_output(x, out, sigma, self.spec.scheduler.prediction_type)
 
-        method = SAMPLERS[self.sampler]
+        method = self.method
         if known is not None and known.latents is not None:
             method = _blending_known(method, known, method.evaluations(inputs.stop_step))
         return run_steps(
@@ -469,7 +484,7 @@ class GenerateProgram:
     def finish(self, params, state: State) -> tuple[jax.Array, jax.Array]:
         """VAE decoding. Returns images [B, H, W, 3] (uint8, or float32 in [0, 1]), or the latents
         [B, h, w, C] undecoded; and finite [B]."""
-        latents = SAMPLERS[self.sampler].finish(state.carry)
+        latents = self.method.finish(state.carry)
         if self.output_type == "latent":
             return latents, jnp.isfinite(latents).all(axis=(1, 2, 3))
         latents = unscaled_latents(self.spec, latents)
@@ -490,7 +505,7 @@ class GenerateProgram:
     def whole(self, params, inputs: Inputs) -> tuple[jax.Array, jax.Array]:
         """All stages in one program."""
         state = self.initial_state(params, inputs)
-        evaluations = SAMPLERS[self.sampler].evaluations
+        evaluations = self.method.evaluations
         carry = self._denoise(params, {}, state, inputs, evaluations(inputs.first_step), evaluations(inputs.stop_step))
         return self.finish(params, state.replace(carry=carry))
 

@@ -18,7 +18,8 @@ import numpy as np
 
 from ..prompts.syntax import EMPHASIS_MODES, lora_tags
 from ..sampling.noise import NOISE_SOURCES
-from ..sampling.samplers import SAMPLER_NAMES, SAMPLERS, WHOLE_SCHEDULE_ONLY
+from ..sampling import samplers
+from ..sampling.methods import DIFFUSERS, sampler_name, schedule_type_for, steps_run
 from .checks import choice, fraction, integer, number, text
 from .controls import Control
 from .images import checked_pixels
@@ -67,21 +68,6 @@ def required_prompt(prompt: str) -> str:
     return prompt
 
 
-def sampler_name(value) -> str:
-    """A sampler's name in `SAMPLERS`, from it or its label as the UIs show it ("DPM++ 2M Karras"),
-    in any case.
-
-    Raises:
-      ValueError: naming each sampler by name and label.
-    """
-    by_label = {label.lower(): name for name, label in SAMPLER_NAMES.items()}
-    name = by_label.get(value.lower(), value.lower()) if isinstance(value, str) else value
-    if name not in SAMPLERS:
-        choices = ", ".join(f"{name} ({SAMPLER_NAMES[name]})" for name in SAMPLERS)
-        raise ValueError(f"unknown sampler {value!r}; choose one of: {choices}")
-    return name
-
-
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What a loaded pipeline allows a request (`Pipeline.limits`), for `Request.validated`; the demo
@@ -113,7 +99,12 @@ class Request:
     steps: int
     height: int
     width: int
-    sampler: str | None = None  # a name in `sampling.SAMPLERS`; None: the model's (`ModelSpec.default_sampler`)
+    # A name in `sampling.methods.SAMPLER_NAMES`; None: the model's (`ModelSpec.default_sampler`).
+    sampler: str | None = None
+    # One of `sampling.methods.SCHEDULE_TYPES`: "diffusers" (the checkpoint scheduler's timesteps, as
+    # diffusers), or one of A1111's, on which the sampler runs as A1111's k-diffusion samplers do;
+    # None: the sampler's own (`schedule_type_for`).
+    schedule_type: str | None = None
     # [N, h, w, C] float32 latents (NHWC) that replace the seeded starting noise.
     noise: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
     # Where the noise comes from (`sdxl.sampling.noise`): "jax", JAX's PRNG at (seed, image index),
@@ -186,7 +177,7 @@ class Request:
             )
         return cls(
             tuple(prompts), tuple(negatives), (seed,) * num_images, tuple(range(num_images)),
-            (guidance_scale,) * num_images, steps, height, width, sampler, noise,
+            (guidance_scale,) * num_images, steps, height, width, sampler, noise=noise,
         )
 
     def __len__(self) -> int:
@@ -215,9 +206,9 @@ class Request:
         """What every image of one compiled call shares: requests with equal settings can render
         together (guidance and prompt lengths aside: `PreparedRequest.batch_key`)."""
         return (
-            self.height, self.width, self.steps, self.sampler, self.loras, self.start_from, self.masks is not None,
-            self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores, self.refine_from,
-            self.emphasis, self.control_count, self.noise_source, self.noise is not None,
+            self.height, self.width, self.steps, self.sampler, self.schedule_type, self.loras, self.start_from,
+            self.masks is not None, self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores,
+            self.refine_from, self.emphasis, self.control_count, self.noise_source, self.noise is not None,
         )
 
     @classmethod
@@ -252,6 +243,7 @@ class Request:
         if n == 0 or any(len(getattr(self, f)) != n for f in _PER_IMAGE):
             raise ValueError("every per-image value needs the same, non-zero, number of entries")
         sampler = spec.default_sampler if self.sampler is None else sampler_name(self.sampler)
+        schedule_type = schedule_type_for(sampler, self.schedule_type)
         height, width = (_size(getattr(self, label), label, spec.latent_factor) for label in ("height", "width"))
         if limits.sizes is not None and (width, height) not in limits.sizes:
             presets = ", ".join(f"{w}x{h}" for w, h in limits.sizes)
@@ -260,11 +252,15 @@ class Request:
         if self.noise is not None and tuple(np.shape(self.noise)) != latent_shape:
             raise ValueError(f"noise must have shape {latent_shape} (NHWC), got {tuple(np.shape(self.noise))}")
         steps = integer(self.steps, "steps", 1, limits.max_steps)
+        run = steps_run(spec.scheduler, sampler, schedule_type, steps, is_sdxl=spec.is_sdxl)
+        if run > limits.max_steps:
+            raise ValueError(f"the {schedule_type} schedule type runs {run} steps for {steps}, more than the "
+                             f"{limits.max_steps} allowed: ask for fewer")
         strength = number(self.strength, "strength", 0.0, 1.0)
         noise_settings = self.checked_noise()
         if self.refine_from is not None and limits.refiner is None:
             raise ValueError("no refiner is loaded to refine with (start the demo or the CLI with --refiner)")
-        self._check_start(spec, sampler, steps, strength, height, width, latent_shape)
+        self._check_start(spec, sampler, schedule_type, steps, strength, height, width, latent_shape)
         prompts = tuple(text(p, "prompt", MAX_PROMPT_CHARACTERS) for p in self.prompts)
         return dataclasses.replace(
             self,
@@ -277,6 +273,7 @@ class Request:
             height=height,
             width=width,
             sampler=sampler,
+            schedule_type=schedule_type,
             emphasis=choice(self.emphasis, "emphasis", EMPHASIS_MODES),
             loras=_loras(self.loras, prompts, limits),
             images=None if self.images is None else checked_pixels(self.images),
@@ -313,7 +310,8 @@ class Request:
         return settings
 
     def _check_start(
-        self, spec, sampler: str, steps: int, strength: float, height: int, width: int, latent_shape: tuple
+        self, spec, sampler: str, schedule_type: str, steps: int, strength: float, height: int, width: int,
+        latent_shape: tuple,
     ) -> None:
         """Checks the image, mask, strength and handoff settings against each other and the model."""
         n, start = len(self), self.start_from
@@ -351,7 +349,13 @@ class Request:
         if None not in (self.denoising_start, self.denoising_end) and self.denoising_start >= self.denoising_end:
             raise ValueError(f"denoising_start {self.denoising_start} must be below denoising_end {self.denoising_end}")
         partial = start != "noise" or self.denoising_end is not None or self.refine_from is not None
-        if sampler in WHOLE_SCHEDULE_ONLY and partial and not (start == "image" and strength == 1):
+        if partial and schedule_type != DIFFUSERS:
+            # A1111's image-to-image has its own step setup, not built here yet.
+            raise ValueError(
+                f"A1111's schedule types ({schedule_type}) render from text, whole; for image-to-image, inpainting "
+                f"or a refiner handoff choose the schedule type {DIFFUSERS}"
+            )
+        if sampler in samplers.WHOLE_SCHEDULE_ONLY and partial and not (start == "image" and strength == 1):
             raise ValueError(
                 f"the {sampler} sampler runs whole schedules only; choose another for image-to-image, "
                 "inpainting below strength 1, or a refiner handoff"

@@ -630,6 +630,6 @@ def sampler(name: str, schedule_type: str = "Automatic", *, is_sdxl: bool = True
         return kdiffusion_schedule(config, schedule_type, name, steps, max_steps, is_sdxl=is_sdxl)
 
     return Sampler(
-        schedule=schedule, step=k.step, stochastic=k.draws is not None, init=k.init, finish=k.finish,
+        schedule=schedule, step=k.step, draws=k.draws, init=k.init, finish=k.finish,
         with_latents=k.with_latents, evaluations=k.evaluations,
     )

@@ -68,13 +68,13 @@ def denoised_from_model_output(
     raise ValueError(f"prediction_type {prediction_type!r} is not supported")
 
 
-def step_noise(noise: jax.Array, step: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """[B, *shape] standard normal noise for one step, from what a stochastic sampler is given: [B]
-    PRNG keys, image b's noise drawn from keys[b] and the step alone; or [B, S, *shape] noise drawn on
-    the host (`sdxl.sampling.noise`), step i's at [:, i]."""
+def step_noise(noise: jax.Array, draw: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """[B, *shape] standard normal noise, a stochastic sampler's draw `draw` (for diffusers' samplers,
+    the step's), from what it is given: [B] PRNG keys, image b's noise drawn from keys[b] and the draw
+    alone; or [B, draws, *shape] noise drawn on the host (`sdxl.sampling.noise`), draw k at [:, k]."""
     if jax.dtypes.issubdtype(noise.dtype, jax.dtypes.prng_key):
-        return jax.vmap(lambda key: jax.random.normal(jax.random.fold_in(key, step), shape, jnp.float32))(noise)
-    return jax.lax.dynamic_index_in_dim(noise, step, axis=1, keepdims=False).astype(jnp.float32)
+        return jax.vmap(lambda key: jax.random.normal(jax.random.fold_in(key, draw), shape, jnp.float32))(noise)
+    return jax.lax.dynamic_index_in_dim(noise, draw, axis=1, keepdims=False).astype(jnp.float32)
 
 
 def _euler_step(x: jax.Array, denoised: jax.Array, sigma: jax.Array, sigma_next: jax.Array) -> jax.Array:
@@ -230,8 +230,9 @@ class Sampler(NamedTuple):
     schedule: Callable[[SchedulerConfig, int, int], Schedule]
     # step(denoiser, schedule, num_steps, i, carry, noise) -> carry
     step: Callable[..., Carry]
-    # Whether `step` adds noise, from `noise`: [B] per-image PRNG keys, or [B, S, ...] drawn noise (`step_noise`).
-    stochastic: bool = False
+    # For a sampler whose `step` adds noise, the noise draws of a `num_steps`-step run: it reads them
+    # from `noise`, [B] per-image PRNG keys or [B, draws, ...] drawn noise (`step_noise`); None: it adds none.
+    draws: Callable[[int], int] | None = None
     # Whether its latents are diffusers' variance-preserving sample x / sqrt(sigma^2 + 1), not x.
     variance_preserving: bool = False
     init: Callable[[jax.Array], Carry] = lambda x: x.astype(jnp.float32)
@@ -239,6 +240,14 @@ class Sampler(NamedTuple):
     with_latents: Callable[[Carry, jax.Array], Carry] = lambda carry, x: x
     # The model evaluations, so loop iterations, of a `num_steps`-step run (an int or a traced one).
     evaluations: Callable = lambda num_steps: num_steps
+
+    @property
+    def stochastic(self) -> bool:
+        return self.draws is not None
+
+
+def _one_per_step(num_steps: int) -> int:
+    return num_steps
 
 
 def add_noise(sampler: Sampler, latents: jax.Array, noise: jax.Array, sigma: jax.Array) -> jax.Array:
@@ -276,19 +285,9 @@ def run_steps(
     return jax.lax.fori_loop(start, stop, step, (carry, denoised))
 
 
-SAMPLER_NAMES = {  # for people: the names A1111-style UIs and the PNG "parameters" chunk use
-    "euler": "Euler",
-    "euler_ancestral": "Euler a",
-    "dpmpp_2m": "DPM++ 2M",
-    "dpmpp_2m_karras": "DPM++ 2M Karras",
-    "ddim": "DDIM",
-    "pndm": "PLMS",
-    "lcm": "LCM",
-    "tcd": "TCD",
-}
 SAMPLERS = {
     "euler": Sampler(euler_schedule, euler_step),
-    "euler_ancestral": Sampler(euler_ancestral_schedule, euler_ancestral_step, stochastic=True),
+    "euler_ancestral": Sampler(euler_ancestral_schedule, euler_ancestral_step, draws=_one_per_step),
     "dpmpp_2m": Sampler(
         dpmpp_2m_schedule, dpmpp_2m_step, variance_preserving=True, init=_dpmpp_2m_init, finish=_first,
         with_latents=_with_first,
@@ -302,8 +301,8 @@ SAMPLERS = {
         pndm_schedule, pndm_step, variance_preserving=True, init=_pndm_init, finish=_first, with_latents=_with_first,
         evaluations=lambda num_steps: num_steps + (num_steps > 1),  # the second step evaluates twice
     ),
-    "lcm": Sampler(lcm_schedule, lcm_step, stochastic=True, variance_preserving=True),
-    "tcd": Sampler(tcd_schedule, tcd_step, stochastic=True, variance_preserving=True),
+    "lcm": Sampler(lcm_schedule, lcm_step, draws=_one_per_step, variance_preserving=True),
+    "tcd": Sampler(tcd_schedule, tcd_step, draws=_one_per_step, variance_preserving=True),
 }
 # Samplers whose loop cannot start or stop part-way through its schedule as diffusers' would: PLMS
 # counts its model evaluations from the first, and its second step re-evaluates.

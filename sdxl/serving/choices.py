@@ -11,7 +11,8 @@ from ..engine.request import DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCA
 from ..models.controlnet_union import CONTROL_MODES, describe_mode
 from ..prompts.styles import NO_STYLE, STYLES
 from ..prompts.syntax import A1111_EMPHASIS_NAMES, EMPHASIS_MODES
-from ..sampling.samplers import SAMPLER_NAMES
+from ..sampling import kdiffusion
+from ..sampling.methods import DIFFUSERS, SAMPLER_NAMES
 from . import grid
 from .results import size_label
 
@@ -33,6 +34,7 @@ class Choices:
     loras: list[tuple[str, float]]  # each launched LoRA's label and launch scale
     controlnets: list["ControlNetChoices"]
     samplers: list[tuple[str, str]]
+    schedule_types: list[tuple[str, str]]  # "" first: the sampler's own
     styles: list[str]  # "No style" first
     examples: list[list[str]]  # (prompt, style)
     emphasis: list[tuple[str, str]]
@@ -63,6 +65,10 @@ class ControlNetChoices:
 
 
 
+# The schedule types as the page names them: "" for the sampler's own (`sampling.methods.schedule_type_for`).
+SCHEDULE_TYPE_LABELS = [("Default: diffusers', else A1111's Automatic", ""),
+                        ("diffusers (the model's scheduler)", DIFFUSERS),
+                        *((label, label) for label in kdiffusion.SCHEDULE_TYPES)]
 # The noise sources as the page names them: which tool's pictures each one draws again.
 NOISE_SOURCE_LABELS = [("JAX (this demo's)", "jax"), ("NV (A1111 and Forge on an NVIDIA GPU)", "nv"),
                        ("CPU (A1111's CPU, ComfyUI, diffusers)", "cpu")]
@@ -85,6 +91,7 @@ def choices_of(service) -> Choices:
         loras=[(f"LoRA {lora.display_name(source)}", scale) for source, scale in service.loras.items()],
         controlnets=controlnets,
         samplers=[(label, name) for name, label in SAMPLER_NAMES.items()],
+        schedule_types=SCHEDULE_TYPE_LABELS,
         styles=list(STYLES),
         examples=[[text, NO_STYLE] for text in service.recommended.examples] or EXAMPLES,
         emphasis=[(A1111_EMPHASIS_NAMES[mode], mode) for mode in EMPHASIS_MODES],

@@ -86,6 +86,7 @@ class Settings:
     height: int | None = None
     images_per_core: int = 1
     sampler: str | None = None  # None: the model's own
+    schedule_type: str = ""  # "": the sampler's own (`Request.schedule_type` None)
     emphasis: str = "original"  # how prompts' weights apply (`sdxl.prompts.syntax.EMPHASIS_MODES`)
     refine: bool = False  # finish with the refiner, from `refine_from` of the noise
     refine_from: float = DEFAULT_REFINE_FROM
@@ -106,8 +107,8 @@ CONTROL_PARAMETERS = {"picture": "control_image", "preprocessor": "control_prepr
 
 # The fields `DemoService.reused` fills in besides the prompts, and how its sentence names them.
 REUSED = {"seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
-          "emphasis": "emphasis", "size": "size", "noise_source": "noise", "ensd": "ENSD",
-          "variation_seed": "variation seed", "variation_strength": "variation strength"}
+          "schedule_type": "schedule type", "emphasis": "emphasis", "size": "size", "noise_source": "noise",
+          "ensd": "ENSD", "variation_seed": "variation seed", "variation_strength": "variation strength"}
 
 
 def control_parameters(count: int) -> list[dict[str, str]]:
@@ -395,16 +396,16 @@ class DemoService:
 
     def reused(self, text: str) -> tuple[dict, str]:
         """The form's fields, by name, that a PNG's "parameters" text (this demo's, A1111's or Forge's)
-        fills in: the prompts, and of seed, guidance, steps, sampler, emphasis, size (one of this
-        model's), noise source, ENSD and variation seed those it names; and a sentence that says what was
-        filled in, and what was not. Raises ValueError."""
+        fills in: the prompts, and of seed, guidance, steps, sampler, schedule type, emphasis, size (one
+        of this model's), noise source, ENSD and variation seed those it names; and a sentence that says
+        what was filled in, and what was not. Raises ValueError."""
         found, unused = infotext.read_infotext(text)
         label = size_label(found.get("width"), found.get("height"))
         fields = {"prompt": found["prompt"], "negative_prompt": found["negative_prompt"],
                   **{name: found[name] for name in REUSED if name in found},
                   **({"size": label} if label in self.choices.sizes else {})}
-        labels = {"sampler": dict(map(reversed, self.choices.samplers)),
-                  "noise_source": dict(map(reversed, self.choices.noise_sources))}
+        labels = {name: dict(map(reversed, getattr(self.choices, f"{name}s")))
+                  for name in ("sampler", "schedule_type", "noise_source")}
         filled = "".join(f", {word} {labels.get(name, {}).get(fields[name], fields[name])}"
                          for name, word in REUSED.items() if name in fields)
         if "width" in found and "size" not in fields:
@@ -427,7 +428,8 @@ class DemoService:
             controls = self._controls(settings, width, height)
         return Request(
             (styled[0],) * n, (styled[1],) * n, seeds, image_index, (settings.guidance_scale,) * n, settings.steps,
-            height, width, settings.sampler, loras=tuple(zip(self.loras, self._lora_scales(settings))),
+            height, width, settings.sampler, schedule_type=settings.schedule_type or None,
+            loras=tuple(zip(self.loras, self._lora_scales(settings))),
             refine_from=float(settings.refine_from) if settings.refine else None, emphasis=settings.emphasis,
             controls=None if controls is None else (controls,) * n, noise_source=settings.noise_source,
             ensd=settings.ensd, variation_seed=settings.variation_seed, variation_strength=settings.variation_strength,

@@ -3,8 +3,8 @@
 A cell is the image a single generation renders first (image index 0) for the same prompt, seed and
 settings. Prompts, negative prompts, styles, seeds and guidance scales are per-image inputs of one
 compiled program, so cells that differ only in those share a device call (`calls`); steps,
-samplers and LoRA scales change the call, and each of their values is a call of its own (steps and
-LoRA scales never recompile).
+samplers, schedule types and LoRA scales change the call, and each of their values is a call of its
+own (steps, schedule types and LoRA scales never recompile).
 """
 
 import dataclasses
@@ -19,13 +19,13 @@ from PIL import Image, ImageDraw, ImageFont
 from ..engine.checks import integer, number
 from ..engine.controls import CONTROL_SCALE_RANGE
 from ..engine.prepared import PreparedRequest
-from ..engine.request import LORA_SCALE_RANGE, MAX_SEED, guidance_scale, sampler_name
+from ..engine.request import LORA_SCALE_RANGE, MAX_SEED, guidance_scale
 from ..prompts.styles import STYLES
-from ..sampling.samplers import SAMPLER_NAMES
+from ..sampling.methods import SAMPLER_NAMES, sampler_name, schedule_type_named
 
 MAX_CELLS = 64
 # The axes, by the request setting each varies; a LoRA's scale is "lora:<name>".
-AXES = ("prompt", "negative_prompt", "style", "seed", "guidance_scale", "steps", "sampler")
+AXES = ("prompt", "negative_prompt", "style", "seed", "guidance_scale", "steps", "sampler", "schedule_type")
 # With ControlNets: every ControlNet's scale, or end (the fraction of the steps after which it stops).
 CONTROL_AXES = {"control_scale": CONTROL_SCALE_RANGE, "control_end": (0.0, 1.0)}
 LORA_AXIS = "lora:"
@@ -70,8 +70,8 @@ def parse_axis(name: str, text: str, *, prompt: str = "", max_steps: int = 100, 
     labels = list(raw)
     if name == "prompt" and raw[0] in prompt and raw[0]:
         values = [prompt.replace(raw[0], v) for v in raw]
-    if name == "sampler":
-        labels = [SAMPLER_NAMES[v] for v in values]
+    if name in ("sampler", "schedule_type"):
+        labels = [SAMPLER_NAMES.get(v, v) for v in values]
     if len(values) > MAX_CELLS:
         raise ValueError(f"the {name} axis has {len(values)} values; a grid has at most {MAX_CELLS} cells")
     return Axis(name, tuple(values), tuple(labels))
@@ -102,6 +102,8 @@ def _value(name: str, text: str, max_steps: int, loras: Sequence[str]):
         return integer(text, "steps", 1, max_steps)
     if name == "sampler":
         return sampler_name(text)
+    if name == "schedule_type":
+        return schedule_type_named(text)
     if name in CONTROL_AXES:
         return number(text, name.replace("_", " "), *CONTROL_AXES[name])
     if name.startswith(LORA_AXIS) and name[len(LORA_AXIS):] in loras:
