@@ -236,6 +236,9 @@ SAMPLERS = {  # sd_samplers_kdiffusion.samplers_k_diffusion (1.10): label -> (fu
     "DPM++ 2M": ("sample_dpmpp_2m", {"scheduler": "karras"}),
     "DPM++ SDE": ("sample_dpmpp_sde", {"scheduler": "karras", "second_order": True, "brownian_noise": True}),
     "DPM++ 2M SDE": ("sample_dpmpp_2m_sde", {"scheduler": "exponential", "brownian_noise": True}),
+    "DPM++ 2M SDE Heun": (
+        "sample_dpmpp_2m_sde", {"scheduler": "exponential", "brownian_noise": True, "solver_type": "heun"},
+    ),
     "DPM++ 2S a": ("sample_dpmpp_2s_ancestral", {"scheduler": "karras", "uses_ensd": True, "second_order": True}),
     "DPM++ 3M SDE": (
         "sample_dpmpp_3m_sde", {"scheduler": "exponential", "discard_next_to_last_sigma": True, "brownian_noise": True},
@@ -299,6 +302,8 @@ def sample(sampler_name, model_wrap, x, sigmas, draws):
     if options.get("brownian_noise"):
         given = iter(draws)
         kwargs["noise_sampler"] = lambda sigma, sigma_next: next(given)
+    if "solver_type" in options:
+        kwargs["solver_type"] = options["solver_type"]
     with mock.patch.object(sampling, "torch", TorchHijack(draws)):
         return function(model_wrap, x, sigmas, extra_args={"cond": None}, disable=True, **kwargs)
 

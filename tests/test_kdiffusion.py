@@ -28,6 +28,7 @@ CASES = [
     ("Euler a", "Automatic", 10), ("Euler a", "Exponential", 10), ("Euler a", "KL Optimal", 10),
     ("DPM++ 2M", "Automatic", 12), ("DPM++ 2M", "Uniform", 12), ("DPM++ 2M", "DDIM", 30),
     ("DPM++ 2M SDE", "Automatic", 12), ("DPM++ 2M SDE", "Karras", 12), ("DPM++ 2M SDE", "Beta", 12),
+    ("DPM++ 2M SDE Heun", "Automatic", 12), ("DPM++ 2M SDE Heun", "Karras", 12),
     ("DPM++ SDE", "Automatic", 8), ("DPM++ SDE", "Normal", 8), ("DPM++ SDE", "KL Optimal", 8),
     ("Heun", "Automatic", 8), ("Heun", "Karras", 8), ("Heun", "KL Optimal", 8),
     ("DPM2", "Automatic", 8), ("DPM2", "SGM Uniform", 8), ("DPM2", "KL Optimal", 8),

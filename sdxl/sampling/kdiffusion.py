@@ -39,6 +39,7 @@ sigma_i)), 0.72 to 0.79 on SDXL's Karras schedules of 10 to 30 steps, where thes
 Given a tree's increments as the draws above, the samplers would reproduce A1111's numbers.
 """
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -189,9 +190,12 @@ def dpmpp_2m_step(denoiser: Denoiser, schedule: KSchedule, num_steps, i, carry: 
     return (_sigma(t_next) / _sigma(t)) * x - jnp.expm1(-h) * denoised_d, denoised, seen + 1
 
 
-def dpmpp_2m_sde_step(denoiser: Denoiser, schedule: KSchedule, num_steps, i, carry: Carry, noise) -> Carry:
-    """k-diffusion's sample_dpmpp_2m_sde (midpoint, eta 1): DPM-Solver++(2M) for the SDE, with draw i
-    scaled to the step's noise; the denoised prediction itself at a step that ends at sigma 0.
+def dpmpp_2m_sde_step(
+    denoiser: Denoiser, schedule: KSchedule, num_steps, i, carry: Carry, noise, *, heun: bool = False
+) -> Carry:
+    """k-diffusion's sample_dpmpp_2m_sde (eta 1, its midpoint solver, or with `heun` its Heun one):
+    DPM-Solver++(2M) for the SDE, with draw i scaled to the step's noise; the denoised prediction
+    itself at a step that ends at sigma 0.
 
     The state is (x, the previous step's denoised prediction, [B] the steps run before).
     """
@@ -203,7 +207,8 @@ def dpmpp_2m_sde_step(denoiser: Denoiser, schedule: KSchedule, num_steps, i, car
     eta_h = h  # eta 1
     decay = -jnp.expm1(-h - eta_h)
     stepped = sigma_next / sigma * jnp.exp(-eta_h) * x + decay * denoised
-    correction = 0.5 * decay * (1 / ((t - _t(sigma_prev)) / h)) * (denoised - denoised_prev)
+    weight = decay / (-h - eta_h) + 1 if heun else 0.5 * decay
+    correction = weight * (1 / ((t - _t(sigma_prev)) / h)) * (denoised - denoised_prev)
     stepped = jnp.where(_per_image(seen > 0, x), stepped + correction, stepped)
     stepped = stepped + step_noise(noise, i, x.shape[1:]) * sigma_next * jnp.sqrt(-jnp.expm1(-2 * eta_h))
     return jnp.where(sigma_next > 0, stepped, denoised), denoised, seen + 1
@@ -466,6 +471,10 @@ SAMPLERS = {  # by A1111's names, in A1111's order
     "DPM++ 2M SDE": KSampler(
         "sample_dpmpp_2m_sde", dpmpp_2m_sde_step, "Exponential", draws=_one_per_step, brownian=True,
         init=_with_history(1), **_MULTISTEP,
+    ),
+    "DPM++ 2M SDE Heun": KSampler(
+        "sample_dpmpp_2m_sde", functools.partial(dpmpp_2m_sde_step, heun=True), "Exponential", draws=_one_per_step,
+        brownian=True, init=_with_history(1), **_MULTISTEP,
     ),
     "DPM++ 2S a": KSampler(
         "sample_dpmpp_2s_ancestral", dpmpp_2s_ancestral_step, "Karras", draws=_one_per_step, **_PROBING,

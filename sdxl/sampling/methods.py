@@ -39,6 +39,7 @@ SAMPLER_NAMES = {
     "dpmpp_2s_ancestral": "DPM++ 2S a",
     "dpmpp_sde": "DPM++ SDE",
     "dpmpp_2m_sde": "DPM++ 2M SDE",
+    "dpmpp_2m_sde_heun": "DPM++ 2M SDE Heun",
     "dpmpp_3m_sde": "DPM++ 3M SDE",
     "restart": "Restart",
 }
