@@ -30,6 +30,7 @@ import importlib.util
 import math
 import sys
 import types
+import warnings
 from unittest import mock
 
 import numpy as np
@@ -286,14 +287,16 @@ class TorchHijack:
         return getattr(torch, item)
 
 
-def sample(sampler_name, model_wrap, x, sigmas, draws):
+def sample(sampler_name, model_wrap, x, sigmas, draws, noise_sampler=None):
     """KDiffusionSampler.sample and sample_img2img: the sampler's function run from latents x (noise *
     sigmas[0] from text; an image's latents noised to sigmas[0] for image to image, sigmas then the
     schedule's last ones).
 
     Args:
       draws: the later draws, in order: what `torch.randn_like` returns (the ancestral samplers,
-        Restart), or the noise sampler (the SDE samplers, given none of A1111's Brownian trees).
+        Restart), or the noise sampler's answers (the SDE samplers, given no `noise_sampler`).
+      noise_sampler: the SDE samplers' `noise_sampler(sigma, sigma_next)`, as A1111 makes it
+        (`brownian_noise_sampler`).
     """
     sampling, _ = kdiffusion()
     function, options = SAMPLERS[sampler_name]
@@ -301,7 +304,7 @@ def sample(sampler_name, model_wrap, x, sigmas, draws):
     kwargs = {}
     if options.get("brownian_noise"):
         given = iter(draws)
-        kwargs["noise_sampler"] = lambda sigma, sigma_next: next(given)
+        kwargs["noise_sampler"] = noise_sampler or (lambda sigma, sigma_next: next(given))
     if "solver_type" in options:
         kwargs["solver_type"] = options["solver_type"]
     with mock.patch.object(sampling, "torch", TorchHijack(draws)):
@@ -364,6 +367,11 @@ class PhiloxGenerator:
 
 def create_generator(source: str, seed: int):
     return PhiloxGenerator(seed) if source == "NV" else torch.Generator().manual_seed(seed)
+
+
+def randn_local(source: str, seed: int, shape) -> torch.Tensor:
+    """devices.randn_local: a fresh generator's first draw."""
+    return randn(source, create_generator(source, int(seed)), tuple(shape))
 
 
 def randn(source: str, generator, shape) -> torch.Tensor:
@@ -449,7 +457,8 @@ def txt2img(model_wrap, cond: dict, uncond: dict, *, sampler: str, scheduler: st
     """[B, C, h, w] the latents A1111 samples for a batch of B images (B = the conditioning's), from
     its first seed: processing.py's seeds (seed + i; with a variation strength the seed stays and the
     variation seeds advance), ImageRNG's starting noise times sigmas[0], then the sampler's function
-    with the later draws from the same ImageRNG (`sample`)."""
+    with the later draws from the same ImageRNG (`sample`), or for the SDE samplers from Brownian trees
+    seeded with the images' seeds."""
     n = len(next(iter(cond.values())))
     seeds = [seed + (i if subseed_strength == 0 else 0) for i in range(n)]
     subseeds = [subseed + i for i in range(n)]
@@ -457,4 +466,17 @@ def txt2img(model_wrap, cond: dict, uncond: dict, *, sampler: str, scheduler: st
     sigmas = get_sigmas(model_wrap, sampler, scheduler, steps)
     x = rng.next() * sigmas[0]
     draws = (rng.next() for _ in itertools.count())
-    return sample(sampler, CFGDenoiser(model_wrap, cond, uncond, cfg_scale), x, sigmas, draws)
+    denoiser = CFGDenoiser(model_wrap, cond, uncond, cfg_scale)
+    if not SAMPLERS[sampler][1].get("brownian_noise"):
+        return sample(sampler, denoiser, x, sigmas, draws)
+    # sd_samplers_common.create_noise_sampler, over torchsde with A1111's generator (replace_torchsde_browinan).
+    sampling, _ = kdiffusion()
+    from torchsde._brownian import brownian_interval
+
+    with mock.patch.object(brownian_interval, "_randn",
+                           lambda size, dtype, device, seed: randn_local(source, seed, size).to(device, dtype)), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchsde's, for the float32 ends just outside the tree's rounded ones
+        # Built within: a tree draws its root's increment when it is made.
+        noise_sampler = sampling.BrownianTreeNoiseSampler(x, sigmas[sigmas > 0].min(), sigmas.max(), seed=seeds)
+        return sample(sampler, denoiser, x, sigmas, draws, noise_sampler)

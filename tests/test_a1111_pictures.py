@@ -48,7 +48,20 @@ CASES = {
     "LMS, KL Optimal, NV": {"Sampler": "LMS", "Schedule type": "KL Optimal", "RNG": "NV"},
     "Euler a, DDIM (one step more), CPU": {"Sampler": "Euler a", "Schedule type": "DDIM", "RNG": "CPU"},
     "DPM2, Align Your Steps, NV": {"Sampler": "DPM2", "Schedule type": "Align Your Steps", "RNG": "NV"},
+    # The SDE samplers, their noise from A1111's Brownian trees.
+    "DPM++ 2M SDE, Karras, NV": {"Sampler": "DPM++ 2M SDE", "Schedule type": "Karras", "RNG": "NV"},
+    "DPM++ 2M SDE, Automatic, CPU, variation seed": {
+        "Sampler": "DPM++ 2M SDE", "Schedule type": "Automatic", "Variation seed": 5, "Variation seed strength": 0.4,
+        "RNG": "CPU",
+    },
+    "DPM++ SDE, Karras, CPU": {"Sampler": "DPM++ SDE", "Schedule type": "Karras", "RNG": "CPU"},
+    "DPM++ 3M SDE, Exponential, NV": {"Sampler": "DPM++ 3M SDE", "Schedule type": "Exponential", "RNG": "NV"},
+    "DPM++ 2M SDE Heun, Karras, CPU": {"Sampler": "DPM++ 2M SDE Heun", "Schedule type": "Karras", "RNG": "CPU"},
 }
+# The SDE samplers' Brownian trees round their times to 6 decimals, so a sigma one float32 ulp away (numpy's
+# exp against torch's, in the Exponential schedule or DPM++ SDE's midpoints) can move a split of the tree:
+# measured up to 2.8e-4 then, within 1.1e-5 otherwise.
+SDE_TOLERANCE = 5e-4
 # processing.py's create_infotext order, for the fields above.
 ORDER = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model hash", "Model", "Variation seed",
          "Variation seed strength", "ENSD", "RNG", "Version")
@@ -117,5 +130,5 @@ def test_a_pasted_a1111_infotext_draws_a1111s_images(reference, case):
     theirs = a1111_images(ref, CASES[case], (c, h, w))
     diff = np.abs(ours - theirs).max()
     print(f"{case}: max abs diff {diff:.2e}")
-    assert diff <= 1e-4
+    assert diff <= (SDE_TOLERANCE if "SDE" in CASES[case]["Sampler"] else 1e-4)
     assert np.abs(theirs[0] - theirs[1]).max() > 1e-2, "the batch's two images differ"

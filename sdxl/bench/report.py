@@ -89,9 +89,10 @@ def _full_rows(r: dict) -> list[tuple[str, str]]:
         ),
         ("recompilations over the sweep", f"{r['recompiles']} in {r['sweep_runs']} calls"),
         (
-            "A1111's noise (NV, CPU), Euler a",
-            f"{_number(r['noise_nv_s'], ' s')}, {_number(r['noise_cpu_s'], ' s')} on the host per request: "
-            f"{r['noise_nv_cost']:.2f}x, {r['noise_cpu_cost']:.2f}x one call's time",
+            "A1111's noise (NV, CPU; Euler a), and its Brownian trees (NV; DPM++ 2M SDE)",
+            f"{_number(r['noise_nv_s'], ' s')}, {_number(r['noise_cpu_s'], ' s')}; "
+            f"{_number(r['noise_sde_nv_s'], ' s')} on the host per request: {r['noise_nv_cost']:.2f}x, "
+            f"{r['noise_cpu_cost']:.2f}x; {r['noise_sde_nv_cost']:.2f}x one call's time",
         ),
         (
             f"LoRA, rank 32 on {r['lora_layers']} layers",

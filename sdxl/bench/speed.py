@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from ..checkpoints import lora, random_models
 from ..engine.compilation import CompileCounter, enable_compilation_cache
 from ..engine.compiled import Executables
-from ..engine.pipeline import with_drawn_noise
 from ..engine.request import DEFAULT_GUIDANCE_SCALE, Request
 from ..models import attention, convolution, unet
 from ..prompts.tokens import TOKENS_PER_CHUNK
@@ -381,16 +380,18 @@ LORA_RANK = 32  # a common rank for SDXL LoRAs
 
 
 def time_noise_draws(pipe, request: Request, runs: int, call_s: float) -> dict:
-    """Host seconds to draw a request's noise with A1111's NV and CPU sources (`with_drawn_noise`) for an
-    ancestral sampler, the most that is drawn (the starting noise and one draw per step, each image from
-    its own generator, ENSD on), and that against one of the benchmark's calls. It is drawn when a
-    request is prepared, before it waits for the devices."""
+    """Host seconds to prepare a request whose noise A1111's NV and CPU sources draw (`with_drawn_noise`)
+    for an ancestral sampler (the starting noise and one draw per step, each image from its own
+    generator, ENSD on), and with NV for DPM++ 2M SDE from A1111's Brownian trees (the most drawn); and
+    each against one of the benchmark's calls. It is drawn when a request is prepared, before it waits
+    for the devices."""
     result = {}
-    for source in ("nv", "cpu"):
-        drawing = dataclasses.replace(request, sampler="euler_ancestral", noise_source=source, ensd=31337)
-        draw = functools.partial(with_drawn_noise, drawing, pipe.spec, 0)
+    for key, settings in (("nv", dict(sampler="euler_ancestral", noise_source="nv", ensd=31337)),
+                          ("cpu", dict(sampler="euler_ancestral", noise_source="cpu", ensd=31337)),
+                          ("sde_nv", dict(sampler="dpmpp_2m_sde", schedule_type="Karras", noise_source="nv"))):
+        draw = functools.partial(pipe.prepare, dataclasses.replace(request, **settings))
         seconds = statistics.median(_timed(draw)[0] for _ in range(runs))
-        result |= {f"noise_{source}_s": seconds, f"noise_{source}_cost": seconds / call_s}
+        result |= {f"noise_{key}_s": seconds, f"noise_{key}_cost": seconds / call_s}
     return result
 
 

@@ -26,7 +26,8 @@ from ..checkpoints.controlnets import ControlNetCheckpoint
 from ..checkpoints.tokenizer import load_tokenizer
 from ..models.previews import factors_for
 from ..prompts.tokens import Prompts
-from ..sampling import methods, noise
+from ..sampling import kdiffusion, methods, noise
+from ..sampling.brownian import BrownianNoise
 from . import inputs, mesh as meshes
 from .checks import number
 from .compiled import Executables, ProgressReports, run_in_stages
@@ -449,16 +450,26 @@ class Pipeline:
 def with_drawn_noise(request: Request, program: GenerateProgram, steps: tuple[int, int]) -> Request:
     """`request` with the noise its source draws on the host (`sdxl.sampling.noise.drawn`): the starting
     noise, and for a stochastic sampler the draws after it, where the tools it comes from draw them:
-    the sampler's draws from the first step that runs (`steps`: first, stop) to the schedule's end."""
+    the sampler's draws from the first step that runs (`steps`: first, stop) to the schedule's end. An
+    SDE sampler on A1111's schedules draws from A1111's Brownian trees (`sdxl.sampling.brownian`)."""
     height, width, channels = program.spec.latent_shape(request.height, request.width)
-    method, (first, _) = program.method, steps
-    total = method.draws(inputs.schedule_length(program, request)) if method.stochastic else 0
+    shape, method, (first, _) = (channels, height, width), program.method, steps
+    length = inputs.schedule_length(program, request)
+    total = method.draws(length) if method.stochastic else 0
     skipped = method.draws(first) if method.stochastic else 0  # image-to-image skips the first steps' draws
+    label = methods.SAMPLER_NAMES[request.sampler]
+    trees = program.a1111 and kdiffusion.SAMPLERS[label].brownian and not request.batch_noise
     start, after = noise.drawn(
-        request.noise_source, (channels, height, width), request.seeds, request.image_index,
-        later_draws=total - skipped, batch_noise=request.batch_noise, variation_seed=request.variation_seed,
-        variation_strength=request.variation_strength, ensd=request.ensd,
+        request.noise_source, shape, request.seeds, request.image_index,
+        later_draws=0 if trees else total - skipped, batch_noise=request.batch_noise,
+        variation_seed=request.variation_seed, variation_strength=request.variation_strength, ensd=request.ensd,
     )
+    if trees:  # text to image only: the whole schedule's draws
+        sigmas = np.asarray(inputs.schedule(program, request).sigmas)[: length + 1]
+        seeds = [noise.a1111_seeds(seed, [index], request.variation_seed, request.variation_strength)[0][0]
+                 for seed, index in zip(request.seeds, request.image_index)]
+        tree = BrownianNoise(request.noise_source, shape, seeds, sigmas[sigmas > 0].min(), sigmas.max())
+        after = kdiffusion.brownian_draws(label, sigmas, tree)
     step_noise = None
     if method.stochastic:  # Restart's short runs draw none
         step_noise = np.zeros((len(request), total, height, width, channels), np.float32)

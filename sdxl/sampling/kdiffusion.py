@@ -24,19 +24,17 @@ noise through `samplers.step_noise(noise, k, ...)`, draw k being the k-th noise 
 - DPM++ 2M SDE and DPM++ 3M SDE: draw i at step i; DPM++ SDE: draws 2i and 2i + 1 at step i, for its
   half step and its whole step.
 
-The SDE samplers are k-diffusion's with its default noise sampler: independent standard normal draws
-(the host's, or JAX's per-image keys), scaled as the step needs. A1111 passes them a
-`BrownianTreeNoiseSampler` instead (`sd_samplers_common.Sampler.create_noise_sampler`: torchsde's
-Brownian interval, one tree per image seeded with the image's seed, its normals drawn by A1111's own
-generator, `devices.randn_local`): each draw is the tree's increment over the step's sigma interval
-divided by the root of its length. So the SDE samplers' pictures differ from A1111's as two seeds'
-pictures do, not by rounding, whatever noise the host supplies. In distribution the two agree for
-DPM++ 2M SDE and DPM++ 3M SDE: increments over the disjoint intervals [sigma_next, sigma_i] are
-independent standard normals, as these draws are. Within a DPM++ SDE step they do not: its two draws
-cover [sigma_mid, sigma_i] and [sigma_next, sigma_i], which overlap, so A1111's are correlated, with
-coefficient sqrt((sigma_i - sigma_mid) / (sigma_i - sigma_next)) = 1 / sqrt(1 + sqrt(sigma_next /
-sigma_i)), 0.72 to 0.79 on SDXL's Karras schedules of 10 to 30 steps, where these are independent.
-Given a tree's increments as the draws above, the samplers would reproduce A1111's numbers.
+The SDE samplers' draws are those of k-diffusion's `noise_sampler(sigma, sigma_next)`. A1111 passes
+them a `BrownianTreeNoiseSampler` (`sd_samplers_common.Sampler.create_noise_sampler`: one Brownian
+tree per image seeded with the image's seed, its normals drawn by A1111's own generator): each draw
+is the tree's increment over the step's sigma interval divided by the root of its length.
+`brownian_draws` asks a noise sampler for them in k-diffusion's order, and with
+`sdxl.sampling.brownian.BrownianNoise` the host makes A1111's. JAX's noise (and diffusers' batch
+convention) give these samplers independent standard normal draws instead: for DPM++ 2M SDE and
+DPM++ 3M SDE the same in distribution (increments over disjoint intervals are independent); within
+a DPM++ SDE step not, as its two draws cover [sigma_mid, sigma_i] and [sigma_next, sigma_i], which
+overlap: A1111's are correlated, by 1 / sqrt(1 + sqrt(sigma_next / sigma_i)), 0.72 to 0.79 on SDXL's
+Karras schedules of 10 to 30 steps.
 """
 
 import functools
@@ -445,7 +443,7 @@ class KSampler(NamedTuple):
         traced one): two per step for second-order samplers.
       draws: the noise draws of a run of n steps (see the module's docstring; an upper bound: none
         after a step that ends at sigma 0), or None for a deterministic sampler.
-      brownian: A1111 draws its noise from a Brownian tree (the module's docstring says how that differs).
+      brownian: A1111 draws its noise from a Brownian tree (`brownian_draws`).
       init, finish, with_latents: as `samplers.Sampler`'s.
     """
 
@@ -623,6 +621,29 @@ def kdiffusion_schedule(
     )
     kind = {"Restart": RestartSchedule, "LMS": LMSSchedule}.get(sampler_name, KSchedule)
     return kind(**fields)
+
+
+def brownian_draws(name: str, sigmas: np.ndarray, noise_sampler: Callable[[float, float], np.ndarray]) -> np.ndarray:
+    """[B, draws, ...] the noise an SDE sampler (`KSampler.brownian`) reads on its run over `sigmas` (the
+    schedule's, down to 0), from k-diffusion's `noise_sampler(sigma, sigma_next)`: called with the
+    float32 sigmas k-diffusion's function passes, in its order, each answer at the draw the step reads
+    (see the module's docstring; zeros where a step draws none)."""
+    sampler = _sampler(name)
+    sigmas = np.asarray(sigmas, np.float32)
+    steps = len(sigmas) - 1
+    draws: list[np.ndarray | None] = [None] * sampler.draws(steps)
+    for i in range(steps):
+        if sigmas[i + 1] == 0:
+            continue
+        if name == "DPM++ SDE":  # a half step to the log-midpoint, then the whole step, in k-diffusion's times
+            t, t_next = -np.log(sigmas[i]), -np.log(sigmas[i + 1])
+            s = t + (t_next - t) * np.float32(0.5)
+            draws[2 * i] = noise_sampler(np.exp(-t), np.exp(-s))
+            draws[2 * i + 1] = noise_sampler(np.exp(-t), np.exp(-t_next))
+        else:
+            draws[i] = noise_sampler(sigmas[i], sigmas[i + 1])
+    made = next(draw for draw in draws if draw is not None)
+    return np.stack([np.zeros_like(made) if draw is None else draw for draw in draws], axis=1)
 
 
 def sampler(name: str, schedule_type: str = "Automatic", *, is_sdxl: bool = True) -> Sampler:
