@@ -416,7 +416,7 @@ def _bad(endpoint: str, message: str, **kwargs):
         _bad("/generate", "guidance scale must be a number from 0 to 20, got 25", guidance_scale=25),
         _bad("/generate", "size 160x160 is not one of this model's sizes: 128x128, 144x112", width=160, height=160),
         _bad("/generate", "unknown style 'Watercolour'; choose one of: No style, ", style="Watercolour"),
-        _bad("/generate", "unknown sampler 'lms'; choose one of: euler (Euler), ", sampler="lms"),
+        _bad("/generate", "unknown sampler 'unipc'; choose one of: euler (Euler), ", sampler="unipc"),
         _bad("/generate", "images per core must be an integer from 1 to 4, got 5", images_per_core=5),
         _bad("/generate", "prompt must be text, got list ['a fox', 'a cat']", prompt=["a fox", "a cat"]),
         _bad("/generate", "must be a number from -4 to 4, got 9", lora_style=9),
@@ -699,7 +699,7 @@ def test_a_few_step_model_gets_its_own_defaults(tmp_path, cache_dir, downloads):
         page = urllib.request.urlopen(running.url, timeout=30).read().decode()
     assert status.startswith("4 images in")
     parameters = Image.open(gallery[0]["image"]).info["parameters"]
-    assert "Steps: 2, Sampler: Euler, CFG scale: 0," in parameters
+    assert "Steps: 2, Sampler: Euler, Schedule type: diffusers, CFG scale: 0," in parameters
     assert "Model: tiny + sdxl_lightning_2step_unet.safetensors" in parameters
     assert "SDXL-Lightning 2-step UNet" in page
 

@@ -185,7 +185,7 @@ def test_a_lightning_unet_brings_its_steps_guidance_and_trailing_spacing(tmp_pat
     note = "SDXL-Lightning 2-step UNet: Euler with trailing steps, without guidance: 2 step(s), guidance 0"
     assert note in result.stdout
     parameters = Image.open(tmp_path / "out" / "0-0.png").text["parameters"]
-    assert "Steps: 2, Sampler: Euler, CFG scale: 0," in parameters
+    assert "Steps: 2, Sampler: Euler, Schedule type: diffusers, CFG scale: 0," in parameters
     assert "Model: tiny + sdxl_lightning_2step_unet.safetensors" in parameters
 
 
