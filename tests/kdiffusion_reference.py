@@ -36,6 +36,10 @@ from unittest import mock
 import numpy as np
 import torch
 from scipy import stats
+# Imported here, before `kdiffusion()` loads k_diffusion.sampling (which imports torchsde) under a
+# patched sys.modules: what is first imported there is dropped from sys.modules afterwards, and a later
+# import would patch another copy of the module than the one k-diffusion's trees call.
+from torchsde._brownian import brownian_interval
 
 
 def kdiffusion() -> tuple[types.ModuleType, types.ModuleType]:
@@ -471,8 +475,6 @@ def txt2img(model_wrap, cond: dict, uncond: dict, *, sampler: str, scheduler: st
         return sample(sampler, denoiser, x, sigmas, draws)
     # sd_samplers_common.create_noise_sampler, over torchsde with A1111's generator (replace_torchsde_browinan).
     sampling, _ = kdiffusion()
-    from torchsde._brownian import brownian_interval
-
     with mock.patch.object(brownian_interval, "_randn",
                            lambda size, dtype, device, seed: randn_local(source, seed, size).to(device, dtype)), \
             warnings.catch_warnings():
