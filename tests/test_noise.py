@@ -91,7 +91,7 @@ def test_fused_multiply_add_rounds_once():
     # second rounding takes up to the even 1 + 2^-22; one rounding gives 1 + 2^-23.
     a, b, c = np.float32([2**-12 * (1 + 2**-18)]), np.float32(2**-12 * (1 - 2**-18)), np.float32(1 + 2**-23)
     assert np.float32(np.float64(a[0]) * np.float64(b) + np.float64(c)) == np.float32(1 + 2**-22)
-    np.testing.assert_array_equal(noise._fma(a, b, c), np.float32([1 + 2**-23]))
+    np.testing.assert_array_equal(noise.fused_multiply_add(a, b, c), np.float32([1 + 2**-23]))
 
 
 # --- "cpu" ------------------------------------------------------------------------------------------

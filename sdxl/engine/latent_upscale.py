@@ -15,15 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-LATENT_UPSCALERS = (
-    "Latent",
-    "Latent (antialiased)",
-    "Latent (bicubic)",
-    "Latent (bicubic antialiased)",
-    "Latent (nearest)",
-    "Latent (nearest-exact)",
-)
+from ..sampling.noise import fused_multiply_add
 
 # A1111's latent_upscale_modes: upscaler name -> (torch interpolate mode, antialias).
 _MODES = {
@@ -34,26 +26,22 @@ _MODES = {
     "Latent (nearest)": ("nearest", False),
     "Latent (nearest-exact)": ("nearest-exact", False),
 }
+LATENT_UPSCALERS = tuple(_MODES)
 
 _f32 = np.float32
-
-
-def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """float32 a * b + c rounded once, as torch's compiled kernels contract it: float32 products are exact in
-    float64."""
-    return (np.float64(a) * np.float64(b) + np.float64(c)).astype(_f32)
 
 
 def _cubic1(x: np.ndarray, a: float) -> np.ndarray:
     """Cubic convolution kernel for |x| <= 1 (UpSample.h `cubic_convolution1`)."""
     a = _f32(a)
-    return _fma(_fma(a + _f32(2), x, -(a + _f32(3))) * x, x, _f32(1))
+    return fused_multiply_add(fused_multiply_add(a + _f32(2), x, -(a + _f32(3))) * x, x, _f32(1))
 
 
 def _cubic2(x: np.ndarray, a: float) -> np.ndarray:
     """Cubic convolution kernel for 1 < |x| < 2 (UpSample.h `cubic_convolution2`)."""
     a = _f32(a)
-    return _fma(_fma(_fma(a, x, -_f32(5) * a), x, _f32(8) * a), x, -_f32(4) * a)
+    inner = fused_multiply_add(fused_multiply_add(a, x, -_f32(5) * a), x, _f32(8) * a)
+    return fused_multiply_add(inner, x, -_f32(4) * a)
 
 
 def _scale(in_size: int, out_size: int) -> np.float32:
@@ -63,7 +51,7 @@ def _scale(in_size: int, out_size: int) -> np.float32:
 
 def _source(in_size: int, out_size: int) -> np.ndarray:
     """`area_pixel_compute_source_index` before clamping: scale * (dst + 0.5) - 0.5, one float32 rounding."""
-    return _fma(_scale(in_size, out_size), np.arange(out_size) + 0.5, -0.5)
+    return fused_multiply_add(_scale(in_size, out_size), np.arange(out_size) + 0.5, -0.5)
 
 
 def _guard(real: np.ndarray, in_size: int) -> tuple[np.ndarray, np.ndarray]:

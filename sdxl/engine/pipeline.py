@@ -464,12 +464,12 @@ def with_drawn_noise(request: Request, program: GenerateProgram, steps: tuple[in
         later_draws=0 if trees else total - skipped, batch_noise=request.batch_noise,
         variation_seed=request.variation_seed, variation_strength=request.variation_strength, ensd=request.ensd,
     )
-    if trees:  # text to image only: the whole schedule's draws
+    if trees:  # the trees span the whole schedule, as A1111 builds them; the draws are those of the steps run
         sigmas = np.asarray(inputs.schedule(program, request).sigmas)[: length + 1]
         seeds = [noise.a1111_seeds(seed, [index], request.variation_seed, request.variation_strength)[0][0]
                  for seed, index in zip(request.seeds, request.image_index)]
         tree = BrownianNoise(request.noise_source, shape, seeds, sigmas[sigmas > 0].min(), sigmas.max())
-        after = kdiffusion.brownian_draws(label, sigmas, tree)
+        after = kdiffusion.brownian_draws(label, sigmas, tree)[:, skipped:]
     step_noise = None
     if method.stochastic:  # Restart's short runs draw none
         step_noise = np.zeros((len(request), total, height, width, channels), np.float32)

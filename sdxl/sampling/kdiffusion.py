@@ -646,18 +646,17 @@ def brownian_draws(name: str, sigmas: np.ndarray, noise_sampler: Callable[[float
     return np.stack([np.zeros_like(made) if draw is None else draw for draw in draws], axis=1)
 
 
-def sampler(name: str, schedule_type: str = "Automatic", *, is_sdxl: bool = True) -> Sampler:
-    """A1111's sampler `name` on `schedule_type` as a `samplers.Sampler`. Its `schedule` takes the
-    steps asked, its loop runs `schedule_steps(...)` of them (`num_steps`; the same but for DDIM's schedule).
+def sampler(name: str) -> Sampler:
+    """A1111's sampler `name` as a `samplers.Sampler`, its `schedule` the sampler's own ("Automatic";
+    other schedule types: `kdiffusion_schedule`, as `sampling.methods.schedule` builds them).
 
     Raises:
-      ValueError: an unknown sampler or schedule type.
+      ValueError: an unknown sampler.
     """
     k = _sampler(name)
-    _check_schedule_type(schedule_type)
 
     def schedule(config: SchedulerConfig, steps: int, max_steps: int) -> KSchedule:
-        return kdiffusion_schedule(config, schedule_type, name, steps, max_steps, is_sdxl=is_sdxl)
+        return kdiffusion_schedule(config, "Automatic", name, steps, max_steps)
 
     return Sampler(
         schedule=schedule, step=k.step, draws=k.draws, init=k.init, finish=k.finish,

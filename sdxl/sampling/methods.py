@@ -96,7 +96,7 @@ def schedule_type_for(sampler: str, schedule_type: str | None) -> str:
 
 def loop(sampler: str, a1111: bool) -> Sampler:
     """The loop of `sampler` (a name here): k-diffusion's as A1111 runs it (on one of A1111's
-    schedule types), or diffusers'. Schedules come from `schedule`, not from the loop's own."""
+    schedule types), or diffusers'. Schedules come from `schedule`, which takes the schedule type."""
     if a1111:
         return kdiffusion.sampler(SAMPLER_NAMES[sampler])
     return SAMPLERS[sampler]

@@ -213,21 +213,22 @@ def _torch_normal_fill(words: np.ndarray, size: int) -> np.ndarray:
     return normals
 
 
-def _fma(a: np.ndarray, b, c) -> np.ndarray:
+def fused_multiply_add(a: np.ndarray, b, c) -> np.ndarray:
     """float32 a * b + c rounded once, as the FMA instructions the compiler made of torch's mul + add.
 
     The float64 product of two float32 is exact, and so the float64 sum is the exact sum rounded once.
     Rounding that to float32 errs only when it lands exactly halfway between two float32 while the
     exact sum does not; those few are moved one float64 step toward the exact sum first.
     """
-    product = np.multiply(a, b, dtype=np.float64)
+    shape = np.broadcast_shapes(np.shape(a), np.shape(b), np.shape(c))  # scalars too: amended as 1-d arrays
+    product = np.atleast_1d(np.multiply(a, b, dtype=np.float64))
     total = product + c
     halfway = np.nonzero((total.view(np.uint64) & 0x1FFFFFFF) == 0x10000000)  # the low 29 bits: 1 then 28 zeros
     if halfway[0].size:
         p, s, c = product[halfway], total[halfway], np.broadcast_to(c, total.shape)[halfway]
         error = (p - (s - c)) + (c - (s - (s - c)))  # two-sum: the exact sum is s + error
         total[halfway] = np.where(error == 0, s, np.nextafter(s, np.copysign(np.inf, error)))
-    return total.astype(_f32)
+    return total.astype(_f32).reshape(shape)
 
 
 # Cephes' float32 log and sin/cos coefficients, as avx_mathfun.h holds them.
@@ -254,8 +255,8 @@ def _log_avx2(x: np.ndarray) -> np.ndarray:
     m2 = m * m
     y = np.full_like(m, _LOG_COEFFICIENTS[0])
     for coefficient in _LOG_COEFFICIENTS[1:]:
-        y = _fma(y, m, coefficient)
-    y = _fma(y * m, m2, exponent * _LOG_Q1)
+        y = fused_multiply_add(y, m, coefficient)
+    y = fused_multiply_add(y * m, m2, exponent * _LOG_Q1)
     y = y - m2 * _f32(0.5)
     return (m + y) + exponent * _LOG_Q2  # exponent * Q2 is exact, so fused or not makes no difference
 
@@ -265,14 +266,14 @@ def _sincos_avx2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     octant = ((x * _FOUR_OVER_PI).astype(np.int32) + 1) & ~1  # truncation, then round up to even
     n = octant.astype(_f32)
     for part in _PI_OVER_4_PARTS:  # x - n * pi / 4 in three parts, for extra precision
-        x = _fma(n, part, x)
+        x = fused_multiply_add(n, part, x)
     x2 = x * x
-    cos = _fma(np.full_like(x2, _COS_COEFFICIENTS[0]), x2, _COS_COEFFICIENTS[1])
-    cos = _fma(cos, x2, _COS_COEFFICIENTS[2])
-    cos = _fma(cos * x2, x2, -(x2 * _f32(0.5))) + _f32(1.0)
-    sin = _fma(np.full_like(x2, _SIN_COEFFICIENTS[0]), x2, _SIN_COEFFICIENTS[1])
-    sin = _fma(sin, x2, _SIN_COEFFICIENTS[2])
-    sin = _fma(sin * x2, x, x)
+    cos = fused_multiply_add(np.full_like(x2, _COS_COEFFICIENTS[0]), x2, _COS_COEFFICIENTS[1])
+    cos = fused_multiply_add(cos, x2, _COS_COEFFICIENTS[2])
+    cos = fused_multiply_add(cos * x2, x2, -(x2 * _f32(0.5))) + _f32(1.0)
+    sin = fused_multiply_add(np.full_like(x2, _SIN_COEFFICIENTS[0]), x2, _SIN_COEFFICIENTS[1])
+    sin = fused_multiply_add(sin, x2, _SIN_COEFFICIENTS[2])
+    sin = fused_multiply_add(sin * x2, x, x)
     swap = (octant & 2) != 0  # near pi/2 and 3 pi/2 (n = 2, 6) sine and cosine trade series
     sin, cos = np.where(swap, cos, sin), np.where(swap, sin, cos)
     sin = np.where((octant & 4) != 0, -sin, sin)

@@ -70,8 +70,10 @@ def parse_axis(name: str, text: str, *, prompt: str = "", max_steps: int = 100, 
     labels = list(raw)
     if name == "prompt" and raw[0] in prompt and raw[0]:
         values = [prompt.replace(raw[0], v) for v in raw]
-    if name in ("sampler", "schedule_type"):
-        labels = [SAMPLER_NAMES.get(v, v) for v in values]
+    if name == "sampler":
+        labels = [SAMPLER_NAMES[v] for v in values]
+    if name == "schedule_type":  # its names as written, whatever the case they were typed in
+        labels = list(values)
     if len(values) > MAX_CELLS:
         raise ValueError(f"the {name} axis has {len(values)} values; a grid has at most {MAX_CELLS} cells")
     return Axis(name, tuple(values), tuple(labels))
