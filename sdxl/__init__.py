@@ -4,6 +4,7 @@ from .checkpoints import CheckpointError
 from .engine import control_maps, images
 from .engine.compilation import CompileCounter, enable_compilation_cache
 from .engine.controls import Control
+from .engine.hires import Hires
 from .engine.infotext import read_parameters
 from .engine.pipeline import Generation, NonFiniteImageError, Pipeline
 from .engine.prepared import PreparedRequest
@@ -14,6 +15,7 @@ __all__ = [
     "CompileCounter",
     "Control",
     "Generation",
+    "Hires",
     "NonFiniteImageError",
     "Pipeline",
     "PreparedRequest",

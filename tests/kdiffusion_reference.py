@@ -21,7 +21,8 @@ import) so that the two can be held against each other:
 - modules/rng.py and rng_philox.py: `ImageRNG`, one generator per image, torch's CPU generator or the
   "NV" Philox generator (numpy), variation seeds by `slerp`, ENSD;
 - modules/processing.py and sd_samplers_cfg_denoiser.py: `txt2img`, a batch's seeds, its latents
-  sampled with classifier-free guidance on the model's predictions, decoded.
+  sampled with classifier-free guidance on the model's predictions, decoded; `hires_pass`, the hires
+  fix's second pass (`sample_hr_pass`, sd_samplers_common.setup_img2img_steps, `sample_img2img`).
 """
 
 import importlib
@@ -465,12 +466,40 @@ def txt2img(model_wrap, cond: dict, uncond: dict, *, sampler: str, scheduler: st
     seeded with the images' seeds."""
     n = len(next(iter(cond.values())))
     seeds = [seed + (i if subseed_strength == 0 else 0) for i in range(n)]
-    subseeds = [subseed + i for i in range(n)]
-    rng = ImageRNG(shape, seeds, subseeds, subseed_strength, ensd, source=source)
+    rng = ImageRNG(shape, seeds, [subseed + i for i in range(n)], subseed_strength, ensd, source=source)
     sigmas = get_sigmas(model_wrap, sampler, scheduler, steps)
     x = rng.next() * sigmas[0]
-    draws = (rng.next() for _ in itertools.count())
+    return _sampled(sampler, CFGDenoiser(model_wrap, cond, uncond, cfg_scale), x, sigmas, sigmas, rng, seeds, source)
+
+
+def setup_img2img_steps(steps: int, strength: float) -> tuple[int, int]:
+    """sd_samplers_common.setup_img2img_steps with the steps given, as the hires pass always gives
+    them: (the schedule's steps, t_enc)."""
+    return (int(steps / min(strength, 0.999)) if strength > 0 else 0), steps - 1
+
+
+def hires_pass(model_wrap, cond: dict, uncond: dict, x, *, sampler: str, scheduler: str, steps: int, strength: float,
+               cfg_scale: float, seed: int, subseed: int, subseed_strength: float, ensd: int,
+               source: str) -> torch.Tensor:
+    """[B, C, h, w] processing.py's `sample_hr_pass` from upscaled latents x [B, C, h, w]: a fresh
+    ImageRNG of the batch's seeds at x's shape, and `KDiffusionSampler.sample_img2img`: the schedule
+    of `setup_img2img_steps`, its last t_enc + 1 steps run from x + noise * their first sigma, the SDE
+    samplers' Brownian trees spanning the whole schedule."""
+    n = len(x)
+    seeds = [seed + (i if subseed_strength == 0 else 0) for i in range(n)]
+    rng = ImageRNG(tuple(x.shape[1:]), seeds, [subseed + i for i in range(n)], subseed_strength, ensd, source=source)
+    noise = rng.next()
+    total, t_enc = setup_img2img_steps(steps, strength)
+    sigmas = get_sigmas(model_wrap, sampler, scheduler, total)
+    sigma_sched = sigmas[total - t_enc - 1:]
     denoiser = CFGDenoiser(model_wrap, cond, uncond, cfg_scale)
+    return _sampled(sampler, denoiser, x + noise * sigma_sched[0], sigma_sched, sigmas, rng, seeds, source)
+
+
+def _sampled(sampler, denoiser, x, sigmas, tree_sigmas, rng: ImageRNG, seeds, source) -> torch.Tensor:
+    """The sampler run from x over `sigmas`, its later draws the ImageRNG's, or for the SDE samplers
+    those of Brownian trees over `tree_sigmas` seeded with the images' seeds."""
+    draws = (rng.next() for _ in itertools.count())
     if not SAMPLERS[sampler][1].get("brownian_noise"):
         return sample(sampler, denoiser, x, sigmas, draws)
     # sd_samplers_common.create_noise_sampler, over torchsde with A1111's generator (replace_torchsde_browinan).
@@ -480,5 +509,6 @@ def txt2img(model_wrap, cond: dict, uncond: dict, *, sampler: str, scheduler: st
             warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchsde's, for the float32 ends just outside the tree's rounded ones
         # Built within: a tree draws its root's increment when it is made.
-        noise_sampler = sampling.BrownianTreeNoiseSampler(x, sigmas[sigmas > 0].min(), sigmas.max(), seed=seeds)
+        low, high = tree_sigmas[tree_sigmas > 0].min(), tree_sigmas.max()
+        noise_sampler = sampling.BrownianTreeNoiseSampler(x, low, high, seed=seeds)
         return sample(sampler, denoiser, x, sigmas, draws, noise_sampler)

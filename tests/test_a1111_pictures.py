@@ -1,19 +1,22 @@
 """Same seed, same picture: an infotext as AUTOMATIC1111 writes it, pasted as
-`pipe.generate(**read_parameters(text), num_images=2)`, draws A1111's two images.
+`pipe.generate(**read_parameters(text), num_images=2)`, draws A1111's two images, a hires fix's too.
 
 A1111 here is its txt2img re-implemented in torch over k-diffusion's own samplers and its own noise
-(`kdiffusion_reference.txt2img`), with the conditioning webui computes (`a1111_reference`), on a
-tiny random SDXL in float32 whose UNet and VAE are diffusers' modules.
+(`kdiffusion_reference.txt2img`, and for the hires fix `hires_pass` after torch's interpolate or
+PIL's Lanczos), with the conditioning webui computes (`a1111_reference`), on a tiny random SDXL in
+float32 whose UNet and VAE are diffusers' modules.
 """
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import a1111_reference
 import kdiffusion_reference as webui
 from reference import sdxl_pipeline
 from sdxl import Pipeline, read_parameters
+from sdxl.engine.infotext import infotext_quote
 
 HEIGHT, WIDTH = 64, 96
 PROMPT, NEGATIVE = "a red cube on a table, (soft light:1.2)", "blurry"
@@ -62,17 +65,41 @@ CASES = {
 # exp against torch's, in the Exponential schedule or DPM++ SDE's midpoints) can move a split of the tree:
 # measured up to 2.8e-4 then, within 1.1e-5 otherwise.
 SDE_TOLERANCE = 5e-4
+# An image upscaler's pass makes the first pass's pictures uint8 by truncation: a pixel within float error of
+# a step may land on the other one (1/255 apart), which the second pass carries on: measured 9.8e-5.
+IMAGE_UPSCALER_TOLERANCE = 5e-4
+# Hires fixes: the first pass's fields, then the hires pass's (2x, from 64x96 to 128x192).
+HIRES_CASES = {
+    "Euler a, Latent, NV": {
+        "Sampler": "Euler a", "Schedule type": "Automatic", "RNG": "NV", "Denoising strength": 0.5,
+        "Hires upscale": 2, "Hires steps": 4, "Hires upscaler": "Latent",
+    },
+    "DPM++ 2M SDE, Karras, Latent (bicubic antialiased), CPU, ENSD": {
+        "Sampler": "DPM++ 2M SDE", "Schedule type": "Karras", "RNG": "CPU", "ENSD": 31337, "Denoising strength": 0.6,
+        "Hires upscale": 2, "Hires steps": 3, "Hires upscaler": "Latent (bicubic antialiased)",
+    },
+    "DPM++ 2M, Lanczos, hires sampler Euler a, hires CFG and prompt, NV": {
+        "Sampler": "DPM++ 2M", "Schedule type": "Karras", "Denoising strength": 0.45, "Hires upscale": 2,
+        "Hires upscaler": "Lanczos", "Hires sampler": "Euler a", "Hires CFG Scale": 3.5, "Hires prompt": "a blue cube",
+    },
+    "Euler, Latent (nearest-exact), the first pass's steps, variation seed, CPU": {
+        "Sampler": "Euler", "Schedule type": "Exponential", "RNG": "CPU", "Variation seed": 8,
+        "Variation seed strength": 0.3, "Denoising strength": 0.7, "Hires resize": "192x128",
+        "Hires upscaler": "Latent (nearest-exact)",
+    },
+}
 # processing.py's create_infotext order, for the fields above.
 ORDER = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model hash", "Model", "Variation seed",
-         "Variation seed strength", "ENSD", "RNG", "Version")
+         "Variation seed strength", "Denoising strength", "ENSD", "RNG", "Hires upscale", "Hires resize", "Hires steps",
+         "Hires upscaler", "Hires sampler", "Hires CFG Scale", "Hires prompt", "Version")
 
 
 def infotext(case: dict) -> str:
     """The "parameters" text A1111 writes for the first image of a batch with these settings."""
     fields = {"Steps": STEPS, "CFG scale": CFG, "Seed": SEED, "Size": f"{WIDTH}x{HEIGHT}",
               "Model hash": "0123456789", "Model": "tiny", "Version": "v1.10.1", **case}
-    settings = ", ".join(f"{key}: {fields[key]:g}" if isinstance(fields[key], float) else f"{key}: {fields[key]}"
-                         for key in ORDER if key in fields)
+    settings = ", ".join(f"{key}: {fields[key]:g}" if isinstance(fields[key], float) else
+                         f"{key}: {infotext_quote(fields[key])}" for key in ORDER if key in fields)
     return f"{PROMPT}\nNegative prompt: {NEGATIVE}\n{settings}"
 
 
@@ -81,24 +108,24 @@ def reference(tmp_path_factory):
     """(our pipeline, the diffusers modules A1111's model is made of) for one tiny random SDXL."""
     folder = tmp_path_factory.mktemp("sdxl-a1111")
     ref = sdxl_pipeline(folder)
-    return Pipeline.from_pretrained(folder, dtype="float32", max_steps=8), ref
+    return Pipeline.from_pretrained(folder, dtype="float32", max_steps=16), ref
 
 
 def a1111_images(ref, case: dict, shape: tuple[int, int, int]) -> np.ndarray:
     """[2, H, W, 3] float32 in [0, 1]: A1111's txt2img of batch size 2 for the case's settings, on
-    latents of `shape` [C, h, w]."""
+    latents of `shape` [C, h, w]; with a hires fix, its second pass's images."""
     config = ref.scheduler.config
 
     def unet(x, t, cond):
         return ref.unet(x, t.flatten(), encoder_hidden_states=cond["crossattn"],
                         added_cond_kwargs={"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]}).sample
 
-    model = webui.CompVisModel(unet, config.beta_start, config.beta_end, config.num_train_timesteps)
+    model = webui.model_wrap(webui.CompVisModel(unet, config.beta_start, config.beta_end, config.num_train_timesteps))
     encoders = (ref.tokenizer, ref.tokenizer_2), (ref.text_encoder, ref.text_encoder_2)
-    time_ids = torch.tensor([[HEIGHT, WIDTH, 0, 0, HEIGHT, WIDTH]] * 2, dtype=torch.float32)
 
-    def conditioning(prompt, negative):
+    def conditioning(prompt, negative, height=HEIGHT, width=WIDTH):
         z, pooled = a1111_reference.sdxl_conditioning(prompt, *encoders, negative=negative)
+        time_ids = torch.tensor([[height, width, 0, 0, height, width]] * 2, dtype=torch.float32)
         return {"crossattn": z.repeat(2, 1, 1), "pooled": pooled.repeat(2, 1), "time_ids": time_ids}
 
     schedule_type = case.get("Schedule type", "Automatic")
@@ -106,16 +133,44 @@ def a1111_images(ref, case: dict, shape: tuple[int, int, int]) -> np.ndarray:
     if sampler.endswith(" Karras"):  # a sampler's name before 1.9 held its schedule type
         sampler, schedule_type = sampler.removesuffix(" Karras"), "Karras"
     scale = ref.vae.config.scaling_factor
+    seeds = dict(seed=SEED, subseed=case.get("Variation seed", 0), ensd=case.get("ENSD", 0),
+                 subseed_strength=case.get("Variation seed strength", 0.0),
+                 source=case.get("RNG", "NV"))  # no RNG field: the GPU source, on NVIDIA cards NV's numbers
     with torch.no_grad():
-        latents = webui.txt2img(
-            webui.model_wrap(model), conditioning(PROMPT, False), conditioning(NEGATIVE, True), sampler=sampler,
-            scheduler=schedule_type, steps=STEPS, cfg_scale=CFG, seed=SEED, subseed=case.get("Variation seed", 0),
-            subseed_strength=case.get("Variation seed strength", 0.0), ensd=case.get("ENSD", 0),
-            source=case.get("RNG", "NV"),  # no RNG field: the GPU source, on NVIDIA cards NV's numbers
-            shape=shape,
-        )
+        latents = webui.txt2img(model, conditioning(PROMPT, False), conditioning(NEGATIVE, True), sampler=sampler,
+                                scheduler=schedule_type, steps=STEPS, cfg_scale=CFG, shape=shape, **seeds)
+        if "Hires upscaler" in case:
+            latents = a1111_hires_pass(ref, model, conditioning, latents, case, sampler, schedule_type, seeds)
         images = ref.vae.decode(latents / scale).sample
     return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+
+def a1111_hires_pass(ref, model, conditioning, latents, case: dict, sampler, schedule_type, seeds) -> torch.Tensor:
+    """processing.py's sample_hr_pass for a case: the latents interpolated to the target (a latent
+    upscaler), or decoded, made uint8 by truncation, resized by PIL's Lanczos (webui's Lanczos
+    upscaler from 64x96 to twice that: one resize) and encoded (the posterior's mean: webui samples
+    it with an unrecorded generator); then `hires_pass` with SDXL's conditioning at the new size."""
+    height, width = 2 * HEIGHT, 2 * WIDTH
+    modes = {"Latent": ("bilinear", False), "Latent (bicubic antialiased)": ("bicubic", True),
+             "Latent (nearest-exact)": ("nearest-exact", False)}
+    scale = ref.vae.config.scaling_factor
+    if case["Hires upscaler"] in modes:
+        mode, antialias = modes[case["Hires upscaler"]]
+        upscaled = torch.nn.functional.interpolate(latents, size=(height // 8, width // 8), mode=mode,
+                                                   antialias=antialias)
+    else:
+        decoded = ((ref.vae.decode(latents / scale).sample + 1) / 2).clamp(0, 1)
+        pictures = (255.0 * decoded.permute(0, 2, 3, 1).numpy()).astype(np.uint8)
+        resized = [np.asarray(Image.fromarray(p).resize((width, height), resample=Image.LANCZOS)) for p in pictures]
+        images = torch.from_numpy(np.stack(resized).astype(np.float32) / 255.0).permute(0, 3, 1, 2)
+        upscaled = ref.vae.encode(images * 2 - 1).latent_dist.mean * scale
+    hires_sampler = case.get("Hires sampler", sampler)
+    return webui.hires_pass(
+        model, conditioning(case.get("Hires prompt", PROMPT), False, height, width),
+        conditioning(NEGATIVE, True, height, width), upscaled, sampler=hires_sampler, scheduler=schedule_type,
+        steps=case.get("Hires steps", STEPS), strength=case["Denoising strength"],
+        cfg_scale=case.get("Hires CFG Scale", CFG), **seeds,
+    )
 
 
 @pytest.mark.oracle
@@ -132,3 +187,20 @@ def test_a_pasted_a1111_infotext_draws_a1111s_images(reference, case):
     print(f"{case}: max abs diff {diff:.2e}")
     assert diff <= (SDE_TOLERANCE if "SDE" in CASES[case]["Sampler"] else 1e-4)
     assert np.abs(theirs[0] - theirs[1]).max() > 1e-2, "the batch's two images differ"
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("case", HIRES_CASES)
+def test_a_pasted_hires_fix_draws_a1111s_upscaled_images(reference, case):
+    pipe, ref = reference
+    with pytest.warns(UserWarning, match=r"parameters not applied: Model$"):
+        parameters = read_parameters(infotext(HIRES_CASES[case]))
+    ours = pipe.generate(**parameters, num_images=2, output_type="np")
+    assert ours.shape == (2, 2 * HEIGHT, 2 * WIDTH, 3)
+    h, w, c = pipe.spec.latent_shape(HEIGHT, WIDTH)
+    theirs = a1111_images(ref, HIRES_CASES[case], (c, h, w))
+    diff = np.abs(ours - theirs).max()
+    print(f"{case}: max abs diff {diff:.2e}")
+    in_latents = HIRES_CASES[case]["Hires upscaler"].startswith("Latent")
+    assert diff <= (SDE_TOLERANCE if "SDE" in HIRES_CASES[case]["Sampler"] else 1e-4 if in_latents
+                    else IMAGE_UPSCALER_TOLERANCE)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from sdxl.engine import infotext
+from sdxl.engine.hires import Hires
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.request import Request
 
@@ -81,17 +82,39 @@ ENSD: 31337, RNG: CPU, Hires upscale: 1.5, Version: v1.10.1"""
 
 
 def test_an_a1111_text_gives_generates_arguments_and_names_what_it_cannot_apply():
-    with pytest.warns(UserWarning, match=r"^parameters not applied: Model, Clip skip, Hires upscale$"):
+    with pytest.warns(UserWarning, match=r"^parameters not applied: Model, Clip skip$"):
         found = infotext.read_parameters(A1111_TEXT)
     assert found == dict(
         prompt="a lighthouse at dusk, (storm:1.2)", negative_prompt="blurry", steps=30, guidance_scale=6.5, seed=1234,
         width=1152, height=896, sampler="dpmpp_2m", schedule_type="Karras", emphasis="original", noise_source="cpu",
-        variation_seed=99, variation_strength=0.25, ensd=31337,
+        variation_seed=99, variation_strength=0.25, ensd=31337, hires=Hires(scale=1.5),  # webui's defaults otherwise
     )
     for rng, source in (("NV", "nv"), ("GPU", "nv"), ("JAX", "jax")):
         assert infotext.read_infotext(f"a fox\nSteps: 20, RNG: {rng}")[0]["noise_source"] == source
     assert infotext.read_infotext("a fox\nSteps: 20, Seed: 3, Image index: 2")[0]["noise_source"] == "jax", (
         "our texts from before RNG was written")
+
+
+@pytest.mark.parametrize("fields, hires", [
+    ("Denoising strength: 0.4, Hires upscale: 2, Hires steps: 10, Hires upscaler: 4x-UltraSharp",
+     Hires(scale=2, steps=10, upscaler="4x-UltraSharp", strength=0.4)),
+    # webui's "Hires resize" names both sides, 0 for one left to the picture's proportions.
+    ("Denoising strength: 0.5, Hires resize: 1920x0, Hires upscaler: Latent (bicubic)",
+     Hires(resize_width=1920, upscaler="Latent (bicubic)", strength=0.5)),
+    # Its own sampler: its schedule type is the first pass's, unless given; Forge's hires CFG; prompts.
+    ('Denoising strength: 0.3, Hires upscale: 1.5, Hires upscaler: Lanczos, Hires sampler: Euler a, '
+     'Hires CFG Scale: 4, Hires prompt: "a fox, detailed", Hires negative prompt: blur',
+     Hires(scale=1.5, upscaler="Lanczos", strength=0.3, sampler="euler_ancestral", schedule_type="Karras",
+           guidance_scale=4.0, prompt="a fox, detailed", negative_prompt="blur")),
+    ("Hires upscale: 2, Hires upscaler: None, Hires sampler: DPM++ 2M SDE Exponential",
+     Hires(upscaler="None", sampler="dpmpp_2m_sde", schedule_type="Exponential")),
+    ("Hires upscale: 2, Hires schedule type: Align Your Steps", Hires(schedule_type="Align Your Steps")),
+])
+def test_webui_hires_fields_read_as_a_hires_fix(fields, hires):
+    found, unused = infotext.read_infotext(f"a fox\nSteps: 20, Sampler: DPM++ 2M, Schedule type: Karras, {fields}")
+    assert found["hires"] == hires
+    assert unused == ()
+    assert "hires" not in infotext.read_infotext("a fox\nSteps: 20, Denoising strength: 0.5")[0], "image-to-image's"
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +143,19 @@ def test_our_texts_draw_their_picture_again(tiny, noise):
     with pytest.warns(UserWarning, match="^parameters not applied: Model$"):  # the pipeline's own
         again = tiny.generate(**infotext.read_parameters(text), num_images=1, output_type="np")
     np.testing.assert_array_equal(again[0], rendered[i])
+
+
+def test_a_hires_fix_is_written_as_webui_writes_it_and_read_back(tiny):
+    """The hires fields (the first pass's size in "Size", the second pass's settings where they differ)
+    read back as the validated hires fix."""
+    request = Request.from_prompt("a fox", num_images=1, seed=5, steps=4, height=128, width=128, sampler="euler")
+    hires = Hires(scale=1.5, upscaler="Latent (antialiased)", steps=2, strength=0.45, sampler="dpmpp_2m",
+                  schedule_type="Karras", guidance_scale=3.0, negative_prompt="blur")
+    validated = tiny.prepare(dataclasses.replace(request, hires=hires)).request
+    text = infotext.png_parameters(tiny, validated, 0, "tiny")
+    assert ("Size: 128x128, Model: tiny, RNG: JAX, Denoising strength: 0.45, Hires upscale: 1.5, Hires steps: 2, "
+            "Hires upscaler: Latent (antialiased), Hires sampler: DPM++ 2M, Hires schedule type: Karras, "
+            "Hires CFG Scale: 3, Hires negative prompt: blur") in text
+    with pytest.warns(UserWarning, match="^parameters not applied: Model$"):
+        found = infotext.read_parameters(text)
+    assert found["hires"] == validated.hires

@@ -12,6 +12,7 @@ import numpy as np
 
 from . import images
 from .controls import Control, default_control_scale
+from .hires import Hires
 from .request import DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_strength
 
 
@@ -49,6 +50,7 @@ def generate(
     control_guidance_start: float | Sequence[float] = 0.0,
     control_guidance_end: float | Sequence[float] = 1.0,
     control_mode: int | str | Sequence | None = None,
+    hires: Hires | None = None,
     output_type: str = "pil",
 ):
     """Images (seed, 0), (seed, 1), ...: image i depends only on (seed, i), whatever the device count.
@@ -99,6 +101,8 @@ def generate(
         ignore it): a mode of `sdxl.models.controlnet_union.CONTROL_MODES`, its number or a name (3 or
         "canny"), for every ControlNet, or a list with one per ControlNet (diffusers' `[3]` for one
         Union). One mode per Union: several conditions to one Union at once are not supported.
+      hires: a hires fix (`sdxl.engine.hires.Hires`): the images upscaled and rendered again at the
+        bigger size, as A1111's txt2img does; the output is at that size.
       output_type: "pil", "np" (float32 [N, H, W, 3] in [0, 1]) or "latent" ([N, h, w, C] left on the devices).
 
     Raises:
@@ -139,7 +143,7 @@ def generate(
         variation_seed=variation_seed, variation_strength=variation_strength, ensd=ensd, images=image,
         masks=mask_image, strength=strength, denoising_start=denoising_start, denoising_end=denoising_end,
         start_latents=start_latents, aesthetic_scores=(aesthetic_score, negative_aesthetic_score),
-        refine_from=refine_from, emphasis=emphasis,
+        refine_from=refine_from, emphasis=emphasis, hires=hires,
         controls=_controls(pictures, num_images, width, height, controlnet_conditioning_scale, control_guidance_start,
                            control_guidance_end, control_mode),
     )

@@ -17,6 +17,7 @@ from ..prompts import syntax as prompt_syntax
 from ..prompts.syntax import A1111_EMPHASIS_NAMES
 from ..sampling import kdiffusion, methods, noise
 from ..sampling.methods import SAMPLER_NAMES
+from .hires import Hires
 
 
 def parameters_text(prompt: str, negative_prompt: str, settings: dict[str, object]) -> str:
@@ -51,6 +52,7 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
         "CFG scale": float(request.guidance_scales[i]), **_seed_fields(request, i),
         "Size": f"{request.width}x{request.height}", "Model": model, **_noise_fields(request, i),
         "Denoising strength": None if request.images is None else float(request.strength),
+        **hires_infotext(request),
         "Refiner": None if request.refine_from is None else pipe.refiner.name,
         "Refiner switch at": None if request.refine_from is None else float(request.refine_from),
         "Emphasis": emphasis_infotext(request.emphasis, readable),
@@ -60,6 +62,25 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
         ) or None,
         **controlnet_infotext(pipe, request, i),
     })
+
+
+def hires_infotext(request) -> dict:
+    """A request's hires fix in webui's fields (and Forge's "Hires CFG Scale"): its second pass's
+    settings where they are not the first pass's."""
+    hires = request.hires
+    if hires is None:
+        return {}
+    return {
+        "Denoising strength": float(hires.strength),
+        "Hires upscale": float(hires.scale) if hires.by_scale else None,
+        "Hires resize": None if hires.by_scale else f"{hires.resize_width}x{hires.resize_height}",
+        "Hires steps": hires.steps or None,
+        "Hires upscaler": hires.upscaler,
+        "Hires sampler": SAMPLER_NAMES[hires.sampler] if hires.sampler != request.sampler else None,
+        "Hires schedule type": hires.schedule_type if hires.schedule_type != request.schedule_type else None,
+        "Hires CFG Scale": None if hires.guidance_scale is None else float(hires.guidance_scale),
+        "Hires prompt": hires.prompt, "Hires negative prompt": hires.negative_prompt,
+    }
 
 
 def _seed_fields(request, i: int) -> dict:
@@ -141,9 +162,10 @@ def read_parameters(text: str) -> dict:
     prompt and negative_prompt; and of steps, sampler and schedule_type (A1111's k-diffusion sampler
     and schedule type, or for our own texts and A1111's DDIM, PLMS and the like, diffusers'),
     guidance_scale, seed, width, height, emphasis, noise_source, variation_seed, variation_strength,
-    ensd and batch_noise, those it gives. The noise source is webui's RNG (a text without one is
-    webui's default GPU source, on NVIDIA cards its NV; this project's own texts say JAX). Settings it
-    gives that `generate` cannot apply (a model, a hires pass, clip skip, ...) are named in one warning.
+    ensd and batch_noise, those it gives; and its hires fix as `hires` (`sdxl.engine.hires.Hires`). The
+    noise source is webui's RNG (a text without one is webui's default GPU source, on NVIDIA cards its
+    NV; this project's own texts say JAX). Settings it gives that `generate` cannot apply (a model,
+    clip skip, ...) are named in one warning.
 
     Raises:
       ValueError: it has no settings line.
@@ -194,7 +216,48 @@ def read_infotext(text: str) -> tuple[dict, tuple[str, ...]]:
     if source is not None:
         found["noise_source"] = source
         used.update(("RNG", "Image index"))
+    hires, hires_used = _hires_named(fields)
+    if hires is not None:
+        found["hires"] = hires
+        used.update(hires_used)
     return found, tuple(key for key in fields if key not in used)
+
+
+def _hires_named(fields: dict) -> tuple[Hires | None, set[str]]:
+    """A text's hires fix, as webui reads one (`infotext_utils`: a text with "Hires upscale", "Hires
+    resize" or "Hires upscaler" has one), and the fields it took. Its sampler is read as the
+    "Sampler" field is; a field whose value does not parse is left unused."""
+    if not any(key in fields for key in ("Hires upscale", "Hires resize", "Hires upscaler")):
+        return None, set()
+    values, used = {}, set()
+
+    def take(key, name, parse):
+        try:
+            values[name] = parse(fields[key])
+            used.add(key)
+        except (KeyError, ValueError):
+            pass
+
+    take("Hires upscale", "scale", float)
+    take("Hires resize", "resize", lambda value: tuple(int(v) for v in value.split("x")))
+    take("Hires steps", "steps", int)
+    take("Hires upscaler", "upscaler", str)
+    take("Denoising strength", "strength", float)
+    take("Hires CFG Scale", "guidance_scale", float)
+    take("Hires prompt", "prompt", str)
+    take("Hires negative prompt", "negative_prompt", str)
+    width, height = values.pop("resize", (0, 0))
+    if "Hires sampler" in fields:
+        sampler = _sampler_named({"Sampler": fields["Hires sampler"], "Schedule type": fields.get(
+            "Hires schedule type", fields.get("Schedule type", "Automatic"))})
+        if sampler is not None:
+            values["sampler"], values["schedule_type"] = sampler
+            used.update(("Hires sampler", "Hires schedule type"))
+    elif fields.get("Hires schedule type") in (*_SCHEDULE_TYPES, methods.DIFFUSERS):
+        label = fields["Hires schedule type"]
+        values["schedule_type"] = _SCHEDULE_TYPES.get(label, label)
+        used.add("Hires schedule type")
+    return Hires(resize_width=width, resize_height=height, **values), used
 
 
 # "Key: value" pairs of a settings line; a value runs to the next comma (webui quotes values with commas).

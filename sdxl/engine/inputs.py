@@ -96,7 +96,7 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
         # diffusers' inpainting starts from noise alone at strength 1; its image-to-image never does.
         from_noise = request.masks is not None and request.strength == 1
         start = {"image": per_image(_unit(request.images), np.float32), "from_noise": np.bool_(from_noise)}
-    elif program.start_from == "latents":
+    elif program.start_from in ("clean_latents", "latents"):
         start = {"image": per_image(request.start_latents, np.float32)}
     control = {}
     if program.controlnets:
@@ -199,7 +199,7 @@ def placeholder(program: GenerateProgram) -> PreparedRequest:
         step_noise=zeros(n, program.draws, *latents.shape[1:]) if program.given_step_noise else None,
         images=zeros(n, program.height, program.width, 3) if program.start_from == "image" else None,
         masks=zeros(n, program.height, program.width) if program.inpaint else None,
-        start_latents=latents if program.start_from == "latents" else None,
+        start_latents=latents if program.start_from in ("clean_latents", "latents") else None,
         denoising_start=0.5 if program.start_from == "latents" else None,
         controls=controls,
     )

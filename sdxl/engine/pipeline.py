@@ -11,6 +11,7 @@ A pipeline's state changes only through its setters (`set_loras`, `set_refiner`)
 """
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,10 +29,11 @@ from ..models.previews import factors_for
 from ..prompts.tokens import Prompts
 from ..sampling import kdiffusion, methods, noise
 from ..sampling.brownian import BrownianNoise
-from . import inputs, mesh as meshes
+from . import hires as hires_fix, inputs, mesh as meshes
 from .checks import number
 from .compiled import Executables, ProgressReports, run_in_stages
 from .generate import generate
+from .latent_upscale import upscale_latents
 from .prepared import PreparedRequest
 from .program import OUTPUT_TYPES, GenerateProgram
 from .request import LORA_SCALE_RANGE, Limits, Request
@@ -94,6 +96,7 @@ class Pipeline:
         self.preview_factors = preview_factors or factors_for(spec)
         self.executables = executables or Executables(mesh)
         self.refiner: Pipeline | None = None  # continues requests with `refine_from` (`set_refiner`)
+        self.upscalers: dict = {}  # the model upscalers a hires fix may name, by name (`add_upscaler`)
 
     @classmethod
     def from_pretrained(
@@ -176,7 +179,7 @@ class Pipeline:
         with self._lock:
             names = {lora.display_name(source): source for source in self.lora_files}
         return Limits(self.spec, self.max_steps, self.controlnets, names, tuple(self.loras.items()),
-                      None if self.refiner is None else self.refiner.name)
+                      None if self.refiner is None else self.refiner.name, upscalers=tuple(self.upscalers))
 
     def set_refiner(self, refiner: "Pipeline | None") -> None:
         """Makes `refiner` (an SDXL refiner on the same devices) finish requests with `refine_from`,
@@ -253,6 +256,13 @@ class Pipeline:
             raise ValueError(f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {output_type!r}")
         request = request.validated(limits or self.limits)
         self._read_loras(source for source, _ in request.loras)
+        if request.hires is not None:
+            first = self._prepared(dataclasses.replace(request, hires=None),
+                                   "latent" if request.hires.in_latents else "np")
+            drawn = dict(noise=first.request.noise, step_noise=first.request.step_noise)
+            # The request as asked (its PNG parameters name the hires fix): its arrays are its first pass's.
+            return dataclasses.replace(first, request=dataclasses.replace(request, **drawn),
+                                       hires=self._second_pass(request, output_type))
         if request.refine_from is None:
             return self._prepared(request, output_type)
         base, refining = _handoff(request)
@@ -263,9 +273,26 @@ class Pipeline:
         # The request as asked (its PNG parameters name the refiner): its arrays are its base part's.
         return dataclasses.replace(base, request=dataclasses.replace(request, **drawn), refined=refined)
 
-    def _prepared(self, request: Request, output_type: str) -> PreparedRequest:
+    def _second_pass(self, request: Request, output_type: str) -> PreparedRequest:
+        """A validated request's hires pass (`sdxl.engine.hires`): its first pass's settings but for
+        what the hires fix changes, its noise drawn afresh at the new size, and the start (upscaled
+        latents or pictures) left to fill when the first pass has rendered."""
+        hires, n = request.hires, len(request)
+        total, first = hires.second_pass_steps(request.steps)
+        height, width = hires.size(request.height, request.width, self.spec)
+        given = {name: (value,) * n for name, value in (
+            ("prompts", hires.prompt), ("negative_prompts", hires.negative_prompt),
+            ("guidance_scales", hires.guidance_scale)) if value is not None}
+        second = dataclasses.replace(
+            request, steps=total, height=height, width=width, sampler=hires.sampler,
+            schedule_type=hires.schedule_type, noise=None, step_noise=None, hires=None, **given,
+        )
+        return self._prepared(second, output_type, start=("clean_latents" if hires.in_latents else "image", first))
+
+    def _prepared(self, request: Request, output_type: str, start: tuple[str, int] | None = None) -> PreparedRequest:
         """A validated request prepared for this model's program, with the noise its source draws on
-        the host (`with_drawn_noise`)."""
+        the host (`with_drawn_noise`); `start`, a hires pass's (where it starts from, its first step),
+        which runs to its schedule's end."""
         spec, tokens = self.spec, self.prompts.tokens(request.prompts, request.negative_prompts, request.emphasis)
         drawn = request.noise_source != "jax"
         a1111 = request.schedule_type != methods.DIFFUSERS
@@ -274,14 +301,17 @@ class Pipeline:
             self.max_steps, output_type,
             # An LCM UNet takes the guidance scale as an embedding, with no unconditional pass (as diffusers).
             guided=request.guided and spec.unet.time_cond_proj_dim is None,
-            start_from=request.start_from, inpaint=request.masks is not None,
+            start_from=request.start_from if start is None else start[0], inpaint=request.masks is not None,
             given_noise=drawn or request.noise is not None,
             given_step_noise=drawn and methods.loop(request.sampler, a1111).stochastic,
             chunks=tokens.num_chunks, preview_factors=self.preview_factors,
             controlnets=tuple(c.config for c in self.controlnets) if request.controls else (),
             a1111=a1111,
         )
-        steps = inputs.steps_run(program, request)
+        if start is None:
+            steps = inputs.steps_run(program, request)
+        else:
+            steps = start[1], inputs.schedule_length(program, request)
         if drawn and request.noise is None:
             request = with_drawn_noise(request, program, steps)
         return PreparedRequest(request, tokens, program, steps)
@@ -407,6 +437,8 @@ class Pipeline:
         result = self._render_part(prepared, on_step, on_preview, steps_per_report)
         if result is not None and prepared.refined is not None:
             result = self._refined(prepared, result.images, on_step, on_preview, steps_per_report)
+        if result is not None and prepared.hires is not None:
+            result = self._hires_pass(prepared, result.images, on_step, on_preview, steps_per_report)
         if result is not None:
             result.seconds = time.perf_counter() - start
         return result
@@ -437,14 +469,30 @@ class Pipeline:
     def _refined(self, prepared: PreparedRequest, latents, on_step, on_preview, steps_per_report):
         """The refiner's part, from the latents this model left on the devices; its reports count on
         from this model's steps."""
-        first, stop = prepared.steps
-
-        def continued(report):
-            return None if report is None else (lambda done, *preview: report(stop - first + done, *preview))
-
         refined = prepared.refined
         refined = dataclasses.replace(refined, request=dataclasses.replace(refined.request, start_latents=latents))
-        return self.refiner._render_part(refined, continued(on_step), continued(on_preview), steps_per_report)
+        return self.refiner._render_part(refined, *_counting_on(prepared, on_step, on_preview), steps_per_report)
+
+    def _hires_pass(self, prepared: PreparedRequest, first_pass, on_step, on_preview, steps_per_report):
+        """The hires fix's second pass, from the first pass's result upscaled: its latents on the
+        devices, or its pictures on the host (`sdxl.engine.hires`); its reports count on from the first
+        pass's steps."""
+        request, second, spec = prepared.request, prepared.hires, self.spec
+        hires, f = request.hires, spec.vae.downscale_factor
+        up_height, up_width = hires.upscaled_latent_size(request.height, request.width, spec)
+        rows, columns = hires.crop(request.height, request.width, spec)
+        height, width = second.request.height // f, second.request.width // f
+        if hires.in_latents:
+            latents = _upscaled_latents(first_pass, up_height, up_width, hires.upscaler)
+            start = dict(start_latents=latents[:, rows // 2: rows // 2 + height, columns // 2: columns // 2 + width])
+        else:
+            # webui makes its first pass's pictures uint8 by truncation, not rounding.
+            pictures = hires_fix.upscaled_pictures((first_pass * 255).astype(np.uint8), up_height * f, up_width * f,
+                                                   hires.upscaler, self.upscalers)
+            top, left = rows // 2 * f, columns // 2 * f
+            start = dict(images=pictures[:, top: top + height * f, left: left + width * f])
+        second = dataclasses.replace(second, request=dataclasses.replace(second.request, **start))
+        return self._render_part(second, *_counting_on(prepared, on_step, on_preview), steps_per_report)
 
 
 def with_drawn_noise(request: Request, program: GenerateProgram, steps: tuple[int, int]) -> Request:
@@ -475,6 +523,18 @@ def with_drawn_noise(request: Request, program: GenerateProgram, steps: tuple[in
         step_noise = np.zeros((len(request), total, height, width, channels), np.float32)
         step_noise[:, skipped:] = after.transpose(0, 1, 3, 4, 2)
     return dataclasses.replace(request, noise=start.transpose(0, 2, 3, 1), step_noise=step_noise)
+
+
+def _counting_on(prepared: PreparedRequest, *reports) -> list:
+    """Progress reports for the part that continues `prepared`: counting on from its steps."""
+    first, stop = prepared.steps
+    return [None if report is None else (lambda done, *preview, report=report: report(stop - first + done, *preview))
+            for report in reports]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _upscaled_latents(latents: jax.Array, height: int, width: int, upscaler: str) -> jax.Array:
+    return upscale_latents(latents, height, width, upscaler)
 
 
 def _handoff(request: Request) -> tuple[Request, Request]:

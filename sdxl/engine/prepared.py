@@ -18,27 +18,34 @@ from .request import Request
 @dataclasses.dataclass(frozen=True, eq=False)
 class PreparedRequest:
     """A validated request, its prompts' tokens, the program that renders it and the stretch of its
-    schedule that runs; with a refiner's handoff, the refiner's part, which continues its latents."""
+    schedule that runs; with a refiner's handoff, the refiner's part, which continues its latents; with
+    a hires fix, the second pass, from its upscaled result."""
 
     request: Request  # validated (`Request.validated`); with a refiner's handoff, the whole request
     tokens: Tokens  # its prompts as this model's encoders read them
     program: GenerateProgram  # at this request's batch (its image count, padded to the devices)
     steps: tuple[int, int]  # the steps first..stop-1 of its schedule that run (`sdxl.engine.inputs.steps_run`)
     refined: "PreparedRequest | None" = None  # with `refine_from`: the refiner's part, from the latents this one leaves
+    hires: "PreparedRequest | None" = None  # with `Request.hires`: the second pass (its start filled when it renders)
 
     def __len__(self) -> int:
         return len(self.request)
 
     @property
     def programs(self) -> tuple[GenerateProgram, ...]:
-        """What rendering it runs, in order: its program, then the refiner's."""
-        return (self.program, *(() if self.refined is None else self.refined.programs))
+        """What rendering it runs, in order: its program, then the refiner's or the hires pass's."""
+        return (self.program, *(program for part in self.continued_by for program in part.programs))
+
+    @property
+    def continued_by(self) -> tuple["PreparedRequest", ...]:
+        """The parts that render after its program: the refiner's or the hires pass (they do not combine)."""
+        return tuple(part for part in (self.refined, self.hires) if part is not None)
 
     @property
     def steps_run(self) -> int:
-        """The denoising steps it runs, the refiner's included: what progress counts to."""
+        """The denoising steps it runs, the refiner's or the hires pass's included: what progress counts to."""
         first, stop = self.steps
-        return stop - first + (0 if self.refined is None else self.refined.steps_run)
+        return stop - first + sum(part.steps_run for part in self.continued_by)
 
     @property
     def batch_key(self) -> tuple:
@@ -61,6 +68,7 @@ class PreparedRequest:
             first.program, batch=batch, guided=any(p.program.guided for p in parts),
             chunks=max(p.program.chunks for p in parts),
         )
-        refined = None if first.refined is None else cls.merged([p.refined for p in parts], batch)
+        refined, hires = (None if getattr(first, name) is None else cls.merged([getattr(p, name) for p in parts], batch)
+                          for name in ("refined", "hires"))
         return cls(Request.merged([p.request for p in parts]), Tokens.merged([p.tokens for p in parts]), program,
-                   first.steps, refined)
+                   first.steps, refined, hires)

@@ -19,6 +19,8 @@ Where the loop starts (`GenerateProgram.start_from`), as diffusers' SDXL pipelin
 - "noise": text-to-image, from noise times the schedule's `init_noise_sigma`.
 - "image": image-to-image and inpainting, from the VAE's encoding of an image, noised to the level
   of the first step that runs (`Inputs.first_step`; a strength picks it on the host).
+- "clean_latents": a hires fix's second pass (`sdxl.engine.hires`), from a first pass's latents,
+  upscaled, noised as an image's encoding would be.
 - "latents": the second expert of a base-plus-refiner run, from another run's latents as they are.
 
 ControlNets (`GenerateProgram.controlnets`) steer the UNet at every step with the residuals they
@@ -46,7 +48,7 @@ from .mesh import BATCH_AXIS
 
 # The stages, by their method names: the whole generation, or its three parts for progress reports.
 STAGES = ("whole", "prepare", "denoise", "finish")
-START_FROM = ("noise", "image", "latents")
+START_FROM = ("noise", "image", "clean_latents", "latents")
 # As diffusers' `output_type`: uint8 pixels (as PIL images hold them), float32 in [0, 1], or the latents undecoded.
 OUTPUT_TYPES = ("pil", "np", "latent")
 
@@ -80,7 +82,7 @@ class Inputs:
     # (`GenerateProgram.given_step_noise`).
     step_noise: jax.Array | None = None
     # start_from "image": [B, H, W, 3] float32 in [0, 1], the images to start from; start_from
-    # "latents": [B, h, w, C] float32, the sampler's state to continue.
+    # "clean_latents": [B, h, w, C] float32, their latents; "latents": the sampler's state to continue.
     image: jax.Array | None = None
     # Inpainting: [B, H, W, 1] float32, 1 where the image is repainted and 0 where it is kept.
     mask: jax.Array | None = None
@@ -322,7 +324,7 @@ class GenerateProgram:
         elif self.start_from == "latents":
             latents = inputs.image
         else:
-            encoded = self.encode(params, inputs.image * 2 - 1)
+            encoded = self.encode(params, inputs.image * 2 - 1) if self.start_from == "image" else inputs.image
             # scheduler.add_noise at the first step that runs.
             latents = add_noise(method, encoded, noise, schedule.sigmas[inputs.first_step])
             if inputs.from_noise is not None:

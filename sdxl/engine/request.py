@@ -22,6 +22,7 @@ from ..sampling import samplers
 from ..sampling.methods import DIFFUSERS, sampler_name, schedule_type_for, steps_run
 from .checks import choice, fraction, integer, number, text
 from .controls import Control
+from .hires import Hires
 from .images import checked_pixels
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
@@ -81,6 +82,7 @@ class Limits:
     active_loras: tuple[tuple[str, float], ...] = ()  # what a request that names no LoRAs gets
     refiner: str | None = None  # the refiner's name, where one continues requests with `refine_from`
     sizes: tuple[tuple[int, int], ...] | None = None  # the (width, height) allowed; None: any the model renders
+    upscalers: tuple[str, ...] = ()  # the model upscalers loaded, by name, for a hires fix (`Pipeline.upscalers`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +150,8 @@ class Request:
     # Per image, one `Control` for each of the pipeline's ControlNets (`Pipeline.controlnets`: all of
     # them, or none); None: no ControlNet steers.
     controls: tuple[tuple[Control, ...], ...] | None = dataclasses.field(default=None, compare=False)
+    # A second pass at a bigger size, from this one's upscaled result (`sdxl.engine.hires`); None: none.
+    hires: Hires | None = None
 
     @classmethod
     def from_prompt(
@@ -208,7 +212,7 @@ class Request:
         return (
             self.height, self.width, self.steps, self.sampler, self.schedule_type, self.loras, self.start_from,
             self.masks is not None, self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores,
-            self.refine_from, self.emphasis, self.control_count, self.noise_source, self.noise is not None,
+            self.refine_from, self.emphasis, self.control_count, self.noise_source, self.noise is not None, self.hires,
         )
 
     @classmethod
@@ -261,6 +265,22 @@ class Request:
         if self.refine_from is not None and limits.refiner is None:
             raise ValueError("no refiner is loaded to refine with (start the demo or the CLI with --refiner)")
         self._check_start(spec, sampler, schedule_type, steps, strength, height, width, latent_shape)
+        hires = None
+        if self.hires is not None:
+            if self.start_from != "noise" or self.refine_from is not None or self.denoising_end is not None:
+                raise ValueError("a hires fix follows a whole text-to-image pass: not image-to-image, inpainting "
+                                 "or a refiner's handoff")
+            if self.controls:
+                raise ValueError("a hires fix with ControlNets is not supported yet: leave out the control image "
+                                 "or the hires fix")
+            first_pass = dict(height=height, width=width, steps=steps, sampler=sampler, schedule_type=schedule_type)
+            hires = self.hires.validated(first_pass, spec, limits.max_steps, limits.upscalers)
+            hires = dataclasses.replace(
+                hires, guidance_scale=None if hires.guidance_scale is None else guidance_scale(hires.guidance_scale),
+                **{label: None if getattr(hires, label) is None else
+                   text(getattr(hires, label), f"hires {label.replace('_', ' ')}", MAX_PROMPT_CHARACTERS)
+                   for label in ("prompt", "negative_prompt")},
+            )
         prompts = tuple(text(p, "prompt", MAX_PROMPT_CHARACTERS) for p in self.prompts)
         return dataclasses.replace(
             self,
@@ -282,6 +302,7 @@ class Request:
             aesthetic_scores=tuple(number(a, label, *AESTHETIC_SCORE_RANGE) for a, label in zip(
                 self.aesthetic_scores, ("aesthetic score", "negative aesthetic score"))),
             controls=_controls(self.controls, n, limits.controlnets, height, width),
+            hires=hires,
             **noise_settings,
         )
 
