@@ -14,7 +14,9 @@ from .engine import control_maps, images, infotext, memory
 from .engine.checks import integer, number
 from .engine.control_maps import DEFAULT_CANNY_THRESHOLDS
 from .engine.controls import Control, default_control_scale
+from .engine.hires import DEFAULT_STRENGTH, DEFAULT_UPSCALER, IMAGE_UPSCALERS, Hires
 from .engine.images import contact_sheet, image_count, save_png, to_pil
+from .engine.latent_upscale import LATENT_UPSCALERS
 from .engine.pipeline import NonFiniteImageError
 from .engine.request import (
     DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, default_strength,
@@ -62,13 +64,17 @@ def generate_command(args: argparse.Namespace) -> None:
         )
     if args.control_image:
         request = dataclasses.replace(request, controls=_controls(args, pipe, request))
+    request = dataclasses.replace(request, hires=_hires(args))
     prepared = pipe.prepare(request)
     request, devices = prepared.request, pipe.num_devices
     memory.check_fits(pipe, lambda n: prepared.programs_at(pipe.padded_batch(n * devices)),
                       pipe.padded_batch(num_images) // devices,
                       lambda n: f"--num-images {n * devices} ({n} per device on {devices})", progress=False)
     compile_seconds = pipe.compile(prepared.programs)
-    print(f"compiled for {request.width}x{request.height}, batch {num_images}, in {compile_seconds:.1f} s")
+    size = f"{request.width}x{request.height}"
+    if prepared.hires is not None:
+        size += f" and {prepared.hires.request.width}x{prepared.hires.request.height} (hires fix)"
+    print(f"compiled for {size}, batch {num_images}, in {compile_seconds:.1f} s")
     result = pipe.render(prepared)
     result.raise_if_not_finite()
     print(f"generated {image_count(num_images)} in {result.seconds:.2f} s")
@@ -122,6 +128,31 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     dataclasses.replace(unsized, **_noise_arguments(args)).checked_noise()
     if args.sampler is not None:
         schedule_type_for(args.sampler, args.schedule_type)
+    if _hires(args) is not None and args.image is not None:
+        raise ValueError("a hires fix follows a text-to-image pass: leave out --image or the --hires options")
+
+
+def _hires(args: argparse.Namespace) -> Hires | None:
+    """The hires fix that --hires-scale or --hires-resize asks for, with the other --hires-* options."""
+    if args.hires_scale is None and args.hires_resize is None:
+        return None
+    width, height = (0, 0) if args.hires_resize is None else _resize(args.hires_resize)
+    return Hires(
+        scale=args.hires_scale or 1.0, resize_width=width, resize_height=height, upscaler=args.hires_upscaler,
+        steps=args.hires_steps, strength=args.hires_strength, sampler=args.hires_sampler,
+        schedule_type=args.hires_schedule_type, guidance_scale=args.hires_guidance_scale, prompt=args.hires_prompt,
+        negative_prompt=args.hires_negative_prompt,
+    )
+
+
+def _resize(text: str) -> tuple[int, int]:
+    """--hires-resize WIDTHxHEIGHT (0 for a side kept in proportion) as (width, height). Raises ValueError."""
+    try:
+        width, height = (int(side) for side in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--hires-resize must be WIDTHxHEIGHT, 0 for a side kept in proportion (1920x0), "
+                         f"got {text!r}") from None
+    return width, height
 
 
 def _noise_arguments(args: argparse.Namespace) -> dict:
@@ -224,6 +255,22 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, help="default: the image's size, else the model's native size")
     parser.add_argument("--num-images", type=int, help="default: one per device")
     parser.add_argument("--out", default="out", help="output folder (default: %(default)s)")
+    hires = parser.add_argument_group("hires fix", "render, upscale, and render again at the bigger size, as A1111")
+    hires.add_argument("--hires-scale", type=float,
+                       help="upscale by this factor (e.g. 1.5 or 2): turns the hires fix on")
+    hires.add_argument("--hires-resize", metavar="WIDTHxHEIGHT",
+                       help="or upscale to this size (0 for a side kept in proportion): turns it on too")
+    hires.add_argument("--hires-upscaler", default=DEFAULT_UPSCALER,
+                       help=f"{', '.join(LATENT_UPSCALERS + IMAGE_UPSCALERS)}, or a model loaded with --upscaler "
+                       "(default: %(default)s)")
+    hires.add_argument("--hires-steps", type=int, default=0, help="the second pass's steps (default: --steps)")
+    hires.add_argument("--hires-strength", type=float, default=DEFAULT_STRENGTH,
+                       help="its denoising strength, above 0 to 1 (default: %(default)s)")
+    hires.add_argument("--hires-sampler", choices=list(SAMPLER_NAMES), help="default: --sampler")
+    hires.add_argument("--hires-schedule-type", choices=list(SCHEDULE_TYPES), help="default: --schedule-type")
+    hires.add_argument("--hires-guidance-scale", type=float, help="default: --guidance-scale")
+    hires.add_argument("--hires-prompt", help="default: --prompt")
+    hires.add_argument("--hires-negative-prompt", help="default: --negative-prompt")
 
 
 def write_checkpoint_command(args: argparse.Namespace) -> None:

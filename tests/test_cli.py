@@ -38,6 +38,20 @@ def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
 
 
 @pytest.mark.cli
+def test_a_hires_fix_renders_the_upscaled_size_and_names_itself_in_the_parameters(tmp_path):
+    result = _cli("--prompt", "a lighthouse", "--steps", "2", "--num-images", "1", "--hires-scale", "1.5",
+                  "--hires-steps", "1", "--hires-strength", "0.5", "--hires-upscaler", "Lanczos", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "compiled for 128x128 and 192x192 (hires fix)" in result.stdout
+    image = Image.open(tmp_path / "0-0.png")
+    assert image.size == (192, 192)
+    assert ("Size: 128x128, Model: tiny, RNG: JAX, Denoising strength: 0.5, Hires upscale: 1.5, Hires steps: 1, "
+            "Hires upscaler: Lanczos") in image.text["parameters"]
+    refused = _cli("--prompt", "a lighthouse", "--hires-scale", "2", "--hires-upscaler", "4x-UltraSharp")
+    assert refused.returncode == 2 and refused.stderr.startswith("error: hires upscaler must be one of Latent, ")
+
+
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "args, reason",
     [
@@ -56,6 +70,8 @@ def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
         (["--ensd", "31337"], "error: an ENSD needs torch's noise: choose the noise source nv or cpu, not jax"),
         (["--sampler", "ddim", "--schedule-type", "Karras"],
          "error: DDIM runs on diffusers' schedule only, not on the Karras schedule type"),
+        (["--hires-resize", "1920"], "error: --hires-resize must be WIDTHxHEIGHT, 0 for a side kept in proportion"),
+        (["--image", "missing.png", "--hires-scale", "2"], "error: a hires fix follows a text-to-image pass"),
     ],
 )
 def test_bad_input_exits_before_loading_the_model_with_one_line_reason(args, reason):
