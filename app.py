@@ -23,7 +23,7 @@ from sdxl import CheckpointError, NonFiniteImageError
 from sdxl.engine import images
 from sdxl.serving import launch, results
 from sdxl.serving.demo import (
-    COMPARE_PROMPTS, COMPARE_SEEDS, ControlForm, DemoService, Submission, path_of, picture_and_mask,
+    COMPARE_PROMPTS, COMPARE_SEEDS, ControlForm, DemoService, Settings, Submission, path_of, picture_and_mask,
 )
 from sdxl.serving.http_errors import HttpErrors, owner, route
 from sdxl.serving.queue import QueueFullError
@@ -272,6 +272,24 @@ def _control_panel(service: DemoService) -> tuple[gr.Accordion, list[dict]]:
     return accordion, panels
 
 
+def _hires_panel(service: DemoService) -> dict:
+    """The hires fix, for the text-to-image tabs (Generate, Compare, Grid), by name."""
+    choices, default, c = service.choices, Settings(), {}
+    with gr.Accordion("Hires fix", open=False, elem_id="hires") as c["hires_panel"]:
+        c["hires"] = gr.Checkbox(label="Hires fix", value=False, info="render, upscale, then render again at the "
+                                 "bigger size, as AUTOMATIC1111 (Generate, Compare and Grid)")
+        with gr.Row():
+            c["hires_upscaler"] = gr.Dropdown(choices.hires_upscalers, value=default.hires_upscaler, label="Upscaler",
+                                              info="Latent ones resize the latents; the others the picture")
+            c["hires_scale"] = gr.Slider(1, 4, value=default.hires_scale, step=0.05, label="Upscale by")
+        with gr.Row():
+            c["hires_steps"] = gr.Slider(0, choices.max_steps, value=default.hires_steps, step=1,
+                                         label="Hires steps", info="0: as many as the first pass")
+            c["hires_strength"] = gr.Slider(0.05, 1, value=default.hires_strength, step=0.05,
+                                            label="Denoising strength", info="how much the second pass changes")
+    return c
+
+
 def _advanced(service: DemoService) -> dict:
     """The settings every tab shares, under Advanced, by name."""
     choices, pipe, c = service.choices, service.pipe, {}
@@ -358,6 +376,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                     for tab in (_generate_tab, _image_tab, _compare_tab, _grid_tab):
                         page |= tab(service)
                 page["control_panel"], controls = _control_panel(service) if service.pipe.controlnets else (None, [])
+                page |= _hires_panel(service)
                 page |= _advanced(service)
             with gr.Column(scale=1, min_width=380):
                 page |= _results(service)
@@ -378,6 +397,8 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
 # The settings under Advanced that draw A1111's pictures, by their names in every form (`Settings`'
 # fields): last in every form, in the order they joined, so that the API's other values keep their places.
 A1111_FIELDS = ("noise_source", "ensd", "variation_seed", "variation_strength", "schedule_type")
+# The hires fix's, after those, in the text-to-image tabs' forms.
+HIRES_FIELDS = ("hires", "hires_upscaler", "hires_scale", "hires_steps", "hires_strength")
 
 
 def _forms(service: DemoService, page: dict, controls: list[dict]) -> dict[str, dict]:
@@ -392,19 +413,20 @@ def _forms(service: DemoService, page: dict, controls: list[dict]) -> dict[str, 
     refining = {"refine": p["refine"], "refine_from": p["refine_from"]}
     prompts = {"negative_prompt": p["negative"], "style": p["style"]}
     a1111 = {name: p[name] for name in A1111_FIELDS}
+    hires = {name: p[name] for name in HIRES_FIELDS}
     return {
         "generate": {"prompt": p["prompt"], **prompts, **common, **size, "images_per_core": p["per_core"], **options,
-                     **refining, **loras, **control, **a1111},
+                     **refining, **loras, **control, **a1111, **hires},
         "image_to_image": {"prompt": p["image_prompt"], **prompts, **common, "image": p["image_in"],
                            "mask": p["mask_in"], "strength": p["strength"], "images_per_core": p["per_core"],
                            **options, **refining, **loras, **control, **a1111},
         "compare": {"mode": p["mode"], "prompts": p["compare_prompts"], "negative_prompt": p["compare_negative"],
                     "style": p["compare_style"], "seed": p["seed"], "num_seeds": p["num_seeds"],
                     "guidance_scale": p["guidance"], "steps": p["steps"], **size, **options, **loras, **control,
-                    **a1111},
+                    **a1111, **hires},
         "grid": {"prompt": p["grid_prompt"], **prompts, **common, **size, **options, "x_axis": p["x_axis"],
                  "x_values": p["x_values"], "y_axis": p["y_axis"], "y_values": p["y_values"], **loras, **control,
-                 **a1111},
+                 **a1111, **hires},
     }
 
 
@@ -495,16 +517,17 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
     fields = {"prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
               "guidance_scale": p["guidance"], "steps": p["steps"], "sampler": p["sampler"],
               "emphasis": p["emphasis"], "size": p["size"],
-              **{name: p[name] for name in A1111_FIELDS}}
+              **{name: p[name] for name in (*A1111_FIELDS, *HIRES_FIELDS)}}
 
     def reuse(png) -> dict:
         """The fields a PNG fills in, a fixed seed where it has one, and Advanced opened to show them."""
         found = handlers.reuse(png)
         fixed = {p["randomize"]: False} if "seed" in found else {}
         return {fields[name]: value for name, value in found.items()} | fixed | (
-            {p["advanced"]: gr.Accordion(open=True)} if found else {})
+            {p["advanced"]: gr.Accordion(open=True)} if found else {}) | (
+            {p["hires_panel"]: gr.Accordion(open=True)} if found.get("hires") else {})
 
-    outputs = [*fields.values(), p["randomize"], p["advanced"]]
+    outputs = [*fields.values(), p["randomize"], p["advanced"], p["hires_panel"]]
     chosen(p["reuse_run"], p["selected"])(reuse, p["selected"], outputs, api_name=False)  # queued: its messages show
     chosen(p["history_reuse"], p["history_selected"])(reuse, p["history_selected"], outputs, api_name=False)
     p["reuse_file"].upload(reuse, p["reuse_file"], outputs, api_name=False)

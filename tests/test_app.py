@@ -352,6 +352,16 @@ def test_the_refiner_finishes_images_when_switched_on(client):
 
 
 @pytest.mark.server
+def test_a_hires_fix_renders_bigger_images_and_names_itself(client):
+    gallery, status = _generate(client, seed=7, hires=True, hires_scale=1.5, hires_steps=1, hires_strength=0.5)
+    assert "4 images" in status
+    image = Image.open(gallery[0]["image"])
+    assert image.size == (192, 192)
+    assert "Denoising strength: 0.5, Hires upscale: 1.5, Hires steps: 1, Hires upscaler: Latent" in image.info[
+        "parameters"]
+
+
+@pytest.mark.server
 def test_a_grid_is_one_device_call_with_its_cells_in_order(client):
     """prompt x seed: 12 cells in one call; a steps axis is one call per value and never recompiles;
     the grid image holds the cells, in order, under their labels; its PNG has every cell's parameters."""
@@ -447,13 +457,14 @@ def _post(server: Server, route: str, payload: dict) -> tuple[int, dict, dict]:
 
 
 def _generate_values(**kwargs) -> list:
-    """/generate's 26 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
-    settings come before A1111's)."""
+    """/generate's 31 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
+    settings come before A1111's and the hires fix's)."""
     values = dict(prompt="a lighthouse", negative_prompt="", style="No style", seed=0, guidance_scale=5, steps=3,
                   width=128, height=128, images_per_core=1, sampler="euler", emphasis="original", refine=False,
                   refine_from=0.8, lora_style=0, control_image=None, control_preprocessor="canny", canny_low=100,
                   canny_high=200, control_scale=1, control_start=0, control_end=1, noise_source="jax", ensd=0,
-                  variation_seed=0, variation_strength=0, schedule_type="")
+                  variation_seed=0, variation_strength=0, schedule_type="", hires=False, hires_upscaler="Latent",
+                  hires_scale=1.5, hires_steps=0, hires_strength=0.7)
     return list((values | kwargs).values())
 
 
@@ -466,10 +477,11 @@ def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
     """Issue 21, hole 5: too few values, an unknown endpoint and a bad value on /run/ each get a
     sentence and a 4xx status, and one log line, not a traceback; /run/ answers with the final images."""
     logged = len(server.output())
-    takes = ("/generate takes 26 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
+    takes = ("/generate takes 31 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
              "steps, width, height, images_per_core, sampler, emphasis, refine, refine_from, lora_style, "
              "control_image, control_preprocessor, canny_low, canny_high, control_scale, control_start, control_end, "
-             "noise_source, ensd, variation_seed, variation_strength, schedule_type; got 1")
+             "noise_source, ensd, variation_seed, variation_strength, schedule_type, hires, hires_upscaler, "
+             "hires_scale, hires_steps, hires_strength; got 1")
     assert _post(server, "run/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "call/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "run/nope", {"data": []})[:2] == (404, {

@@ -40,7 +40,8 @@ def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
 @pytest.mark.cli
 def test_a_hires_fix_renders_the_upscaled_size_and_names_itself_in_the_parameters(tmp_path):
     result = _cli("--prompt", "a lighthouse", "--steps", "2", "--num-images", "1", "--hires-scale", "1.5",
-                  "--hires-steps", "1", "--hires-strength", "0.5", "--hires-upscaler", "Lanczos", "--out", str(tmp_path))
+                  "--hires-steps", "1", "--hires-strength", "0.5", "--hires-upscaler", "Lanczos",
+                  "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert "compiled for 128x128 and 192x192 (hires fix)" in result.stdout
     image = Image.open(tmp_path / "0-0.png")

@@ -4,6 +4,7 @@ import pytest
 from PIL import Image
 
 from sdxl.checkpoints import lora
+from sdxl.engine.hires import Hires
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.request import MAX_SEED
 from sdxl.prompts.styles import STYLES
@@ -163,9 +164,9 @@ def test_a_click_builds_its_submission_once_for_the_check_and_the_handler(servic
 
 
 def test_an_a1111_text_fills_in_the_noise_and_says_what_it_leaves_out(service):
-    """Reuse of A1111's parameters: its sampler and schedule type, RNG, ENSD and variation seed reach
-    the form (and so the request), the model and the hires pass are named as not used, and what the
-    text leaves out is reset."""
+    """Reuse of A1111's parameters: its sampler and schedule type, RNG, ENSD, variation seed and hires
+    fix reach the form (and so the request), the model is named as not used, and what the text leaves
+    out is reset."""
     text = ("a fox\nNegative prompt: blur\nSteps: 20, Sampler: DPM++ 2M SDE, Schedule type: Karras, CFG scale: 7, "
             "Seed: 42, Size: 128x128, Model: juggernautXL, Variation seed: 9, Variation seed strength: 0.5, "
             "ENSD: 31337, RNG: CPU, Hires upscale: 2")
@@ -176,10 +177,30 @@ def test_an_a1111_text_fills_in_the_noise_and_says_what_it_leaves_out(service):
         variation_strength=0.5)
     assert "sampler DPM++ 2M SDE, schedule type Karras," in said
     assert said.endswith("noise CPU (A1111's CPU, ComfyUI, diffusers), ENSD 31337, variation seed 9, variation "
-                         "strength 0.5. Not used: Model, Hires upscale"), said
+                         "strength 0.5, the hires fix (Latent, 2x). Not used: Model"), said
     request = service.images(service.settings(fields)).request
     assert (request.sampler, request.schedule_type, request.noise_source, request.ensd, request.variation_seed,
             request.variation_strength) == ("dpmpp_2m_sde", "Karras", "cpu", 31337, 9, 0.5)
+    assert request.hires == Hires(scale=2.0, sampler="dpmpp_2m_sde", schedule_type="Karras"), "webui's defaults"
     plain, _ = service.reused("a fox\nSteps: 20, Seed: 3")
-    assert (plain["noise_source"], plain["ensd"], plain["variation_strength"]) == ("nv", 0, 0.0), (
-        "no RNG: A1111's GPU source; no ENSD: none")
+    assert (plain["noise_source"], plain["ensd"], plain["variation_strength"], plain["hires"]) == (
+        "nv", 0, 0.0, False), "no RNG: A1111's GPU source; no ENSD: none; no hires fix: off"
+    unknown, said = service.reused("a fox\nSteps: 20, Hires upscale: 1.5, Hires upscaler: 4x-UltraSharp")
+    assert unknown["hires"] is False and said.endswith("Not used: the hires fix (4x-UltraSharp)"), said
+
+
+def test_a_hires_fix_reaches_the_request_and_its_grid_axes_turn_it_on(service):
+    settings = Settings(prompt="a fox", steps=4, hires=True, hires_upscaler="Lanczos", hires_scale=2, hires_steps=2,
+                        hires_strength=0.5)
+    prepared = service.images(settings)
+    assert prepared.request.hires == Hires(scale=2.0, upscaler="Lanczos", steps=2, strength=0.5, sampler="euler",
+                                           schedule_type="diffusers")
+    assert (prepared.hires.request.width, prepared.hires.request.height) == (256, 256)
+    assert prepared.steps_run == 4 + 2, "progress counts both passes"
+    plan = service.grid(Settings(prompt="a fox", steps=4), "hires_strength", "0.3, 0.6", "hires_upscaler",
+                        "Latent, Latent (bicubic)")
+    assert len(plan.requests) == 4, "each hires setting is a call of its own"
+    assert {(c.request.hires.strength, c.request.hires.upscaler) for c in plan.requests} == {
+        (0.3, "Latent"), (0.6, "Latent"), (0.3, "Latent (bicubic)"), (0.6, "Latent (bicubic)")}
+    with pytest.raises(ValueError, match="hires upscaler must be one of"):
+        service.grid(Settings(prompt="a fox", steps=4), "hires_upscaler", "Latent, SwinIR", None, "")

@@ -7,6 +7,8 @@ from ..checkpoints import lora
 from ..engine import infotext
 from ..engine.control_maps import default_preprocessor
 from ..engine.controls import default_control_scale
+from ..engine.hires import IMAGE_UPSCALERS
+from ..engine.latent_upscale import LATENT_UPSCALERS
 from ..engine.request import DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, default_strength
 from ..models.controlnet_union import CONTROL_MODES, describe_mode
 from ..prompts.styles import NO_STYLE, STYLES
@@ -39,6 +41,7 @@ class Choices:
     examples: list[list[str]]  # (prompt, style)
     emphasis: list[tuple[str, str]]
     noise_sources: list[tuple[str, str]]
+    hires_upscalers: list[tuple[str, str]]  # the latent ones, the image ones, then the model upscalers loaded
     axes: list[tuple[str, str]]  # a grid's: "none" first
     guidance_range: tuple[float, float]
     max_steps: int
@@ -96,6 +99,8 @@ def choices_of(service) -> Choices:
         examples=[[text, NO_STYLE] for text in service.recommended.examples] or EXAMPLES,
         emphasis=[(A1111_EMPHASIS_NAMES[mode], mode) for mode in EMPHASIS_MODES],
         noise_sources=NOISE_SOURCE_LABELS,
+        hires_upscalers=[*((name, name) for name in (*LATENT_UPSCALERS, *IMAGE_UPSCALERS)),
+                         *((name, name) for name in service.pipe.upscalers)],
         axes=[("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
               *((f"LoRA {name} scale", grid.LORA_AXIS + name) for name in names), *control_axes],
         guidance_range=GUIDANCE_SCALE_RANGE, max_steps=service.pipe.max_steps, lora_scale_range=LORA_SCALE_RANGE,

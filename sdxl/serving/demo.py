@@ -19,6 +19,7 @@ from ..engine import images, infotext
 from ..engine.checks import integer, number
 from ..engine.control_maps import DEFAULT_CANNY_THRESHOLDS
 from ..engine.controls import Control
+from ..engine.hires import DEFAULT_STRENGTH, DEFAULT_UPSCALER, Hires
 from ..engine.pipeline import Pipeline
 from ..engine.prepared import PreparedRequest
 from ..engine.request import (
@@ -97,6 +98,12 @@ class Settings:
     ensd: int = 0
     variation_seed: int = 0
     variation_strength: float = 0.0
+    # The hires fix (`sdxl.engine.hires`), for the text-to-image tabs: on or off, and its settings.
+    hires: bool = False
+    hires_upscaler: str = DEFAULT_UPSCALER
+    hires_scale: float = 1.5  # what SDXL's shared infotexts use most; webui's default 2 quadruples the work
+    hires_steps: int = 0  # 0: the first pass's
+    hires_strength: float = DEFAULT_STRENGTH
 
 
 # Each `ControlForm` field's name in the form (and the API) for the first ControlNet; the others' add "_2", ...
@@ -108,7 +115,11 @@ CONTROL_PARAMETERS = {"picture": "control_image", "preprocessor": "control_prepr
 # The fields `DemoService.reused` fills in besides the prompts, and how its sentence names them.
 REUSED = {"seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
           "schedule_type": "schedule type", "emphasis": "emphasis", "size": "size", "noise_source": "noise",
-          "ensd": "ENSD", "variation_seed": "variation seed", "variation_strength": "variation strength"}
+          "ensd": "ENSD", "variation_seed": "variation seed", "variation_strength": "variation strength",
+          "hires": "hires fix"}
+# A hires fix's settings the form has, by its `Settings` field: its `Hires` field.
+HIRES_FIELDS = {"hires_upscaler": "upscaler", "hires_scale": "scale", "hires_steps": "steps",
+                "hires_strength": "strength"}
 
 
 def control_parameters(count: int) -> list[dict[str, str]]:
@@ -364,6 +375,8 @@ class DemoService:
             if name in grid.CONTROL_AXES:  # every ControlNet's
                 field = name.removeprefix("control_")
                 return settings, tuple(dataclasses.replace(c, **{field: value}) for c in controls)
+            if name in HIRES_FIELDS:  # an axis of the hires fix's settings turns it on
+                return dataclasses.replace(settings, hires=True, **{name: value}), controls
             return dataclasses.replace(settings, **{name: value}), controls
 
         cells = [self.prepare(self._request(dataclasses.replace(cell, images_per_core=1, refine=False),
@@ -397,22 +410,32 @@ class DemoService:
     def reused(self, text: str) -> tuple[dict, str]:
         """The form's fields, by name, that a PNG's "parameters" text (this demo's, A1111's or Forge's)
         fills in: the prompts, and of seed, guidance, steps, sampler, schedule type, emphasis, size (one
-        of this model's), noise source, ENSD and variation seed those it names; and a sentence that says
-        what was filled in, and what was not. Raises ValueError."""
+        of this model's), noise source, ENSD, variation seed and hires fix (by a scale, with an upscaler
+        the page has) those it names; and a sentence that says what was filled in, and what was not.
+        Raises ValueError."""
         found, unused = infotext.read_infotext(text)
+        hires = found.pop("hires", None)
+        if hires is not None and hires.by_scale and hires.upscaler in dict(map(reversed, self.choices.hires_upscalers)):
+            found |= {"hires": True, **{name: getattr(hires, field) for name, field in HIRES_FIELDS.items()}}
+        elif hires is not None:
+            found["hires"] = False
+            unused = (f"the hires fix ({hires.upscaler}" + ("" if hires.by_scale else
+                      f", to {hires.resize_width}x{hires.resize_height}") + ")", *unused)
         label = size_label(found.get("width"), found.get("height"))
         fields = {"prompt": found["prompt"], "negative_prompt": found["negative_prompt"],
-                  **{name: found[name] for name in REUSED if name in found},
+                  **{name: found[name] for name in (*REUSED, *HIRES_FIELDS) if name in found},
                   **({"size": label} if label in self.choices.sizes else {})}
         labels = {name: dict(map(reversed, getattr(self.choices, f"{name}s")))
                   for name in ("sampler", "schedule_type", "noise_source")}
         filled = "".join(f", {word} {labels.get(name, {}).get(fields[name], fields[name])}"
-                         for name, word in REUSED.items() if name in fields)
+                         for name, word in REUSED.items() if name in fields and name != "hires")
+        if fields.get("hires"):
+            filled += f", the hires fix ({fields['hires_upscaler']}, {fields['hires_scale']:g}x)"
         if "width" in found and "size" not in fields:
             unused = (f"Size {found['width']}x{found['height']}", *unused)
         said = f"Filled in: the prompts{filled}" + (f". Not used: {', '.join(unused)}" if unused else "")
         # A1111's settings a text leaves out are off in it: one reused before must not stay.
-        return {"ensd": 0, "variation_seed": 0, "variation_strength": 0.0} | fields, said
+        return {"ensd": 0, "variation_seed": 0, "variation_strength": 0.0, "hires": False} | fields, said
 
     def _images(self, settings: Settings) -> Request:
         n = self.pipe.num_devices * integer(settings.images_per_core, "images per core", 1, self.max_images_per_core)
@@ -433,6 +456,8 @@ class DemoService:
             refine_from=float(settings.refine_from) if settings.refine else None, emphasis=settings.emphasis,
             controls=None if controls is None else (controls,) * n, noise_source=settings.noise_source,
             ensd=settings.ensd, variation_seed=settings.variation_seed, variation_strength=settings.variation_strength,
+            hires=Hires(**{field: getattr(settings, name) for name, field in HIRES_FIELDS.items()})
+            if settings.hires else None,
         )
 
     def _controls(self, settings: Settings, width, height) -> tuple[Control, ...] | None:

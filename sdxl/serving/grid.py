@@ -3,8 +3,8 @@
 A cell is the image a single generation renders first (image index 0) for the same prompt, seed and
 settings. Prompts, negative prompts, styles, seeds and guidance scales are per-image inputs of one
 compiled program, so cells that differ only in those share a device call (`calls`); steps,
-samplers, schedule types and LoRA scales change the call, and each of their values is a call of its
-own (steps, schedule types and LoRA scales never recompile).
+samplers, schedule types, LoRA scales and the hires fix's settings change the call, and each of their
+values is a call of its own (steps, schedule types and LoRA scales never recompile).
 """
 
 import dataclasses
@@ -25,7 +25,8 @@ from ..sampling.methods import SAMPLER_NAMES, sampler_name, schedule_type_named
 
 MAX_CELLS = 64
 # The axes, by the request setting each varies; a LoRA's scale is "lora:<name>".
-AXES = ("prompt", "negative_prompt", "style", "seed", "guidance_scale", "steps", "sampler", "schedule_type")
+AXES = ("prompt", "negative_prompt", "style", "seed", "guidance_scale", "steps", "sampler", "schedule_type",
+        "hires_strength", "hires_upscaler")
 # With ControlNets: every ControlNet's scale, or end (the fraction of the steps after which it stops).
 CONTROL_AXES = {"control_scale": CONTROL_SCALE_RANGE, "control_end": (0.0, 1.0)}
 LORA_AXIS = "lora:"
@@ -106,6 +107,10 @@ def _value(name: str, text: str, max_steps: int, loras: Sequence[str]):
         return sampler_name(text)
     if name == "schedule_type":
         return schedule_type_named(text)
+    if name == "hires_strength":
+        return number(text, "hires denoising strength", 0.0, 1.0)
+    if name == "hires_upscaler":  # checked with the request, against the upscalers loaded
+        return text
     if name in CONTROL_AXES:
         return number(text, name.replace("_", " "), *CONTROL_AXES[name])
     if name.startswith(LORA_AXIS) and name[len(LORA_AXIS):] in loras:
