@@ -30,14 +30,16 @@ def randomized(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Ten
     return {k: 0.1 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
 
 
-def basicsr_rrdbnet(in_channels: int, num_feat: int, num_block: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def basicsr_rrdbnet(
+    in_channels: int, num_feat: int, num_block: int, grow: int = GROW, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """A random state dict in BasicSR's RRDBNet keys (basicsr/archs/rrdbnet_arch.py), as Real-ESRGAN's
     x4plus (in_channels 3), x2plus (12: unshuffled by 2) and scale-1 models (48) store it."""
     convs = {"conv_first": (num_feat, in_channels)}
     for b in range(num_block):
         for r in range(1, 4):
             for i in range(1, 6):
-                convs[f"body.{b}.rdb{r}.conv{i}"] = (GROW if i < 5 else num_feat, num_feat + (i - 1) * GROW)
+                convs[f"body.{b}.rdb{r}.conv{i}"] = (grow if i < 5 else num_feat, num_feat + (i - 1) * grow)
     convs |= {name: (num_feat, num_feat) for name in ("conv_body", "conv_up1", "conv_up2", "conv_hr")}
     convs["conv_last"] = (3, num_feat)
     shapes = {f"{name}.weight": (o, i, 3, 3) for name, (o, i) in convs.items()}
@@ -133,11 +135,11 @@ def test_pytorch_files_match_spandrel(name, tmp_path, rng):
 
 
 def test_detects_counts_from_shapes(tmp_path):
-    path = save(basicsr_rrdbnet(12, 16, 3), tmp_path / "x2.safetensors")
+    path = save(basicsr_rrdbnet(12, 16, 3, grow=8), tmp_path / "x2.safetensors")
     network, params = upscalers.load(path, jnp.float32)
     c = network.config
-    assert (c.num_feat, c.num_block, c.num_grow_ch, c.unshuffle, c.scale) == (16, 3, GROW, 2, 2)
-    assert params["body.2"]["rdb3"]["conv5"]["kernel"].shape == (3, 3, 16 + 4 * GROW, 16)
+    assert (c.num_feat, c.num_block, c.num_grow_ch, c.unshuffle, c.scale) == (16, 3, 8, 2, 2)
+    assert params["body.2"]["rdb3"]["conv5"]["kernel"].shape == (3, 3, 16 + 4 * 8, 16)
     network, _ = upscalers.load(save(srvgg(num_feat=12, num_conv=3, scale=2), tmp_path / "c.safetensors"), jnp.float32)
     assert (network.config.num_feat, network.config.num_conv, network.config.scale) == (12, 3, 2)
 
