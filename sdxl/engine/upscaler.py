@@ -42,7 +42,15 @@ def feather(length: int, ramp: int, rising: bool, falling: bool) -> np.ndarray:
 
 
 class Upscaler:
-    """A model upscaler: its network, its parameters (on the host until first used) and its tiling."""
+    """A model upscaler: its network, its parameters (on the host until first used) and its tiling.
+
+    Args:
+      name: what the user calls it (`from_file`: the file's stem).
+      network: the Flax network (`sdxl.models.esrgan.RRDBNet`, `sdxl.models.srvgg.SRVGGNetCompact`).
+      params: its parameters, as `sdxl.checkpoints.upscalers.load` gives them.
+      tile: the side of the square tiles (in input pixels) that larger pictures are cut into.
+      overlap: the least overlap of neighbouring tiles, in input pixels.
+    """
 
     def __init__(self, name: str, network, params: dict, *, tile: int, overlap: int):
         if not 0 <= overlap < tile:
