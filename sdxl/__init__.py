@@ -9,6 +9,7 @@ from .engine.infotext import read_parameters
 from .engine.pipeline import Generation, NonFiniteImageError, Pipeline
 from .engine.prepared import PreparedRequest
 from .engine.request import Request
+from .engine.upscaler import Upscaler
 
 __all__ = [
     "CheckpointError",
@@ -20,6 +21,7 @@ __all__ = [
     "Pipeline",
     "PreparedRequest",
     "Request",
+    "Upscaler",
     "control_maps",
     "enable_compilation_cache",
     "images",

@@ -10,6 +10,7 @@
 - `tokenizer.py`: a checkpoint's CLIP tokenizers.
 - `lora.py`: LoRA files in every shared format, read and applied to the weights.
 - `shapes.py`: the built-in `shapes` model's world: its captions, pictures and configs.
+- `upscalers.py`: ESRGAN and Real-ESRGAN upscaler files (safetensors, or PyTorch's read without it).
 
 `resolve` turns whatever a user names (a folder, a single file, a built-in name, a Hub repo id or
 file) into a `Checkpoint`: its spec, the folder of its configs and tokenizers, and its weights.
