@@ -23,7 +23,8 @@ from sdxl import CheckpointError, NonFiniteImageError
 from sdxl.engine import images
 from sdxl.serving import launch, results
 from sdxl.serving.demo import (
-    COMPARE_PROMPTS, COMPARE_SEEDS, ControlForm, DemoService, Settings, Submission, path_of, picture_and_mask,
+    COMPARE_PROMPTS, COMPARE_SEEDS, UPSCALE_RANGE, ControlForm, DemoService, Settings, Submission, path_of,
+    picture_and_mask,
 )
 from sdxl.serving.http_errors import HttpErrors, owner, route
 from sdxl.serving.queue import QueueFullError
@@ -81,6 +82,11 @@ class Handlers:
             return {}
         gr.Info(said, title="Settings reused")
         return fields
+
+    def upscale(self, picture, upscaler, factor) -> tuple[Image.Image, str]:
+        """The Upscale tab's button: the picture upscaled, and what was done."""
+        with _said():
+            return self.service.upscale(picture, upscaler, factor)
 
     def prompt_length(self, text, emphasis, negative: bool = False) -> str:
         return self.service.prompt_length(text, emphasis, negative=negative)
@@ -237,6 +243,21 @@ def _grid_tab(service: DemoService) -> dict:
     return c
 
 
+def _upscale_tab(service: DemoService) -> dict:
+    choices, c = service.choices, {}
+    with gr.Tab("Upscale", id="upscale-tab"):
+        c["upscale_in"] = gr.Image(label="Image: upload one, or send one from the gallery", type="filepath",
+                                   sources=["upload", "clipboard"], elem_id="upscale-in", height=320)
+        with gr.Row():
+            c["upscaler"] = gr.Dropdown(choices.upscalers, value=choices.upscalers[0][1], label="Upscaler",
+                                        info="a model loaded with --upscaler, or a resize")
+            c["upscale_by"] = gr.Slider(*UPSCALE_RANGE, value=2, step=0.25, label="Upscale by")
+        c["upscale_run"] = gr.Button("Upscale", variant="primary", elem_id="upscale-run")
+        c["upscaled"] = gr.Image(label="Upscaled", type="pil", format="png", interactive=False, elem_id="upscaled")
+        c["upscale_status"] = gr.Markdown(elem_id="upscale-status")
+    return c
+
+
 def _control_panel(service: DemoService) -> tuple[gr.Accordion, list[dict]]:
     """For each launched ControlNet, its picture, preprocessor and the map they make, a Union's control
     mode, and its scale, start and end, by `ControlForm` field (and "map")."""
@@ -350,6 +371,7 @@ def _results(service: DemoService) -> dict:
         c["send"] = gr.Button("Send the selected image to image-to-image", size="sm", elem_id="send")
         c["send_control"] = gr.Button("Send it to ControlNet", size="sm", elem_id="send-control",
                                       visible=bool(service.pipe.controlnets))
+        c["send_upscale"] = gr.Button("Send it to Upscale", size="sm", elem_id="send-upscale")
         c["reuse_run"] = gr.Button("Reuse its settings", size="sm", elem_id="reuse")
     c["grid_image"] = gr.Image(label="Grid", type="pil", format="png", visible=False, elem_id="grid-image")
     c["reuse_file"] = gr.File(label="Drop a PNG made here (or by A1111) to reuse its settings", file_types=[".png"],
@@ -373,7 +395,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
             with gr.Column(scale=1, min_width=380):
                 page = {}
                 with gr.Tabs() as page["tabs"]:
-                    for tab in (_generate_tab, _image_tab, _compare_tab, _grid_tab):
+                    for tab in (_generate_tab, _image_tab, _compare_tab, _grid_tab, _upscale_tab):
                         page |= tab(service)
                 page["control_panel"], controls = _control_panel(service) if service.pipe.controlnets else (None, [])
                 page |= _hires_panel(service)
@@ -386,6 +408,8 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
         page["past"] = gr.State([])  # this browser session's results, newest first
         forms = _forms(service, page, controls)
         for field in {id(field): field for form in forms.values() for field in form.values()}.values():
+            _by_the_service(field)
+        for field in (page["upscaler"], page["upscale_by"]):
             _by_the_service(field)
         _wire_submits(handlers, page, forms)
         _wire_live(handlers, page, controls)
@@ -465,6 +489,8 @@ def _wire_submits(handlers: Handlers, p: dict, forms: dict[str, dict]) -> None:
         lambda: gr.update(visible=True), None, p["grid_image"], api_name=False, queue=False).then(**history)
     for button in (p["run"], p["image_run"], p["compare_run"]):
         button.click(lambda: gr.update(visible=False), None, p["grid_image"], api_name=False, queue=False)
+    p["upscale_run"].click(handlers.upscale, [p["upscale_in"], p["upscaler"], p["upscale_by"]],
+                           [p["upscaled"], p["upscale_status"]], api_name="upscale", concurrency_limit=1)
 
 
 def _wire_live(handlers: Handlers, p: dict, controls: list[dict]) -> None:
@@ -510,6 +536,8 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
         lambda path, text, own: [path, own or text, gr.Tabs(selected="image-tab")],
         [p["selected"], p["prompt"], p["image_prompt"]], [p["editor"], p["image_prompt"], p["tabs"]], api_name=False,
         queue=False)
+    chosen(p["send_upscale"], p["selected"])(lambda path: [path, gr.Tabs(selected="upscale-tab")], p["selected"],
+                                             [p["upscale_in"], p["tabs"]], api_name=False, queue=False)
     if controls:
         chosen(p["send_control"], p["selected"])(lambda path: [path, gr.Accordion(open=True)], p["selected"],
                                                  [controls[0]["picture"], p["control_panel"]], api_name=False,

@@ -32,7 +32,7 @@ from safetensors.numpy import load_file, save_file
 
 from sdxl.bench.soak import free_port, running_app
 from sdxl.checkpoints import lora, resolve
-from sdxl.checkpoints.random_models import write_checkpoint, write_controlnet
+from sdxl.checkpoints.random_models import write_checkpoint, write_controlnet, write_upscaler
 
 # gradio_client reads these in this process: no telemetry calls to the Hub from the tests.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -92,14 +92,15 @@ def cache_dir(xla_cache) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cache_dir):
     """The demo with the random tiny model (fast, and its sizes are many), one LoRA for it, off
-    (scale 0) unless a request turns it up, the tiny refiner, and a random ControlNet that steers
-    the requests that give a control image."""
+    (scale 0) unless a request turns it up, the tiny refiner, a random ControlNet that steers the
+    requests that give a control image, and a random 2x model upscaler."""
     tmp = tmp_path_factory.mktemp("app")
     spec = resolve("tiny").spec
     style = lora.write_random(tmp / "style.safetensors", spec)
     controlnet = write_controlnet(tmp / "tiny-canny", spec)
+    upscaler = write_upscaler(tmp / "tiny-x2.safetensors")
     with serve(tmp, cache_dir, "--model", "tiny", "--lora", f"{style}:0", "--refiner", "tiny-refiner",
-               "--controlnet", str(controlnet)) as running:
+               "--controlnet", str(controlnet), "--upscaler", str(upscaler)) as running:
         yield running
 
 
@@ -359,6 +360,23 @@ def test_a_hires_fix_renders_bigger_images_and_names_itself(client):
     assert image.size == (192, 192)
     assert "Denoising strength: 0.5, Hires upscale: 1.5, Hires steps: 1, Hires upscaler: Latent" in image.info[
         "parameters"]
+    gallery, _ = _generate(client, seed=7, hires=True, hires_upscaler="tiny-x2", hires_scale=2, hires_steps=1)
+    assert Image.open(gallery[0]["image"]).size == (256, 256), "the launched model upscaler"
+
+
+@pytest.mark.server
+def test_the_upscale_tab_upscales_an_upload_and_refuses_bad_factors(client, tmp_path):
+    from gradio_client import handle_file
+
+    picture = handle_file(_picture(tmp_path / "in.png"))
+    upscaled, said = client.predict(picture, "tiny-x2", 2, api_name="/upscale")
+    assert Image.open(upscaled).size == (320, 240) and said.startswith("160x120 to 320x240 with tiny-x2 in "), said
+    lanczos, _ = client.predict(picture, "Lanczos", 1.5, api_name="/upscale")
+    assert Image.open(lanczos).size == (240, 180)
+    with pytest.raises(AppError, match="upscale factor must be a number from 1 to 4, got 9"):
+        client.predict(picture, "Lanczos", 9, api_name="/upscale")
+    with pytest.raises(AppError, match="upload an image to upscale"):
+        client.predict(None, "Lanczos", 2, api_name="/upscale")
 
 
 @pytest.mark.server
@@ -485,7 +503,8 @@ def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
     assert _post(server, "run/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "call/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "run/nope", {"data": []})[:2] == (404, {
-        "error": "there is no API endpoint /nope; this demo's are /generate, /image_to_image, /compare, /grid"})
+        "error": "there is no API endpoint /nope; this demo's are /generate, /image_to_image, /compare, /grid, "
+                 "/upscale"})
     status, answer, _ = _post(server, "run/generate", {"data": _generate_values(steps=300)})
     assert (status, answer["error"]) == (422, "steps must be an integer from 1 to 100, got 300")
     status, answer, _ = _post(server, "run/generate", {"data": _generate_values(steps=40, seed=3)})

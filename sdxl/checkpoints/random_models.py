@@ -34,6 +34,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from safetensors import numpy as safetensors_numpy
 
 from ..config import cache_root, config_from_dict, read_json
 from . import single_file
@@ -405,3 +406,22 @@ def ensure_checkpoint(name: str = "tiny") -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def write_upscaler(path: Path, *, scale: int = 2, num_feat: int = 8, num_conv: int = 2, seed: int = 0) -> Path:
+    """A random Real-ESRGAN SRVGGNetCompact upscaler (`sdxl.models.srvgg`) as a .safetensors file in its
+    published keys: small random residuals over the nearest-upsampled picture, for tests and demos."""
+    rng = np.random.default_rng(seed)
+    tensors, channels = {}, 3
+    for i in range(num_conv + 1):
+        tensors[f"body.{2 * i}.weight"] = 0.1 * rng.standard_normal((num_feat, channels, 3, 3), np.float32)
+        tensors[f"body.{2 * i}.bias"] = 0.01 * rng.standard_normal(num_feat, np.float32)
+        tensors[f"body.{2 * i + 1}.weight"] = np.full(num_feat, 0.25, np.float32)  # the PReLU's slopes
+        channels = num_feat
+    last = 2 * num_conv + 2
+    tensors[f"body.{last}.weight"] = 0.01 * rng.standard_normal((3 * scale**2, num_feat, 3, 3), np.float32)
+    tensors[f"body.{last}.bias"] = np.zeros(3 * scale**2, np.float32)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    safetensors_numpy.save_file(tensors, str(path))
+    return path

@@ -34,6 +34,7 @@ from .checks import number
 from .compiled import Executables, ProgressReports, run_in_stages
 from .generate import generate
 from .latent_upscale import upscale_latents
+from .upscaler import Upscaler
 from .prepared import PreparedRequest
 from .program import OUTPUT_TYPES, GenerateProgram
 from .request import LORA_SCALE_RANGE, Limits, Request
@@ -96,7 +97,7 @@ class Pipeline:
         self.preview_factors = preview_factors or factors_for(spec)
         self.executables = executables or Executables(mesh)
         self.refiner: Pipeline | None = None  # continues requests with `refine_from` (`set_refiner`)
-        self.upscalers: dict = {}  # the model upscalers a hires fix may name, by name (`add_upscaler`)
+        self.upscalers: dict[str, Upscaler] = {}  # the model upscalers a hires fix may name, by name (`add_upscaler`)
 
     @classmethod
     def from_pretrained(
@@ -353,6 +354,18 @@ class Pipeline:
         """A program's stage lowered for `platforms` (default: the devices'), not compiled: a CPU host
         can check that the program it would run on a TPU lowers (splash kernels go through Mosaic here)."""
         return self._running(program).executables.lowered(program, stage, platforms)
+
+    def add_upscaler(self, source: str) -> str:
+        """Reads a model upscaler (ESRGAN, Real-ESRGAN: `sdxl.engine.upscaler`) from a local file or a Hub
+        file "owner/name/file.safetensors" for hires fixes and `upscale`, its weights left off the devices
+        until first used; returns the name requests give it (the file's stem).
+
+        Raises:
+          CheckpointError: the file is missing, unsafe or of an architecture not supported.
+        """
+        upscaler = Upscaler.from_file(checkpoints.locate_file(source), dtype=self.dtype)
+        self.upscalers[upscaler.name] = upscaler
+        return upscaler.name
 
     # LoRAs
 

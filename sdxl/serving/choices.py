@@ -42,6 +42,7 @@ class Choices:
     emphasis: list[tuple[str, str]]
     noise_sources: list[tuple[str, str]]
     hires_upscalers: list[tuple[str, str]]  # the latent ones, the image ones, then the model upscalers loaded
+    upscalers: list[tuple[str, str]]  # the Upscale tab's: the model upscalers loaded, then Lanczos and Nearest
     axes: list[tuple[str, str]]  # a grid's: "none" first
     guidance_range: tuple[float, float]
     max_steps: int
@@ -101,6 +102,7 @@ def choices_of(service) -> Choices:
         noise_sources=NOISE_SOURCE_LABELS,
         hires_upscalers=[*((name, name) for name in (*LATENT_UPSCALERS, *IMAGE_UPSCALERS)),
                          *((name, name) for name in service.pipe.upscalers)],
+        upscalers=[(name, name) for name in (*service.pipe.upscalers, "Lanczos", "Nearest")],
         axes=[("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
               *((f"LoRA {name} scale", grid.LORA_AXIS + name) for name in names), *control_axes],
         guidance_range=GUIDANCE_SCALE_RANGE, max_steps=service.pipe.max_steps, lora_scale_range=LORA_SCALE_RANGE,

@@ -9,14 +9,15 @@ import collections
 import dataclasses
 import re
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 from PIL import Image
 
 from ..checkpoints import lora
-from ..engine import images, infotext
-from ..engine.checks import integer, number
+from ..engine import hires as hires_fix, images, infotext
+from ..engine.checks import choice, integer, number
 from ..engine.control_maps import DEFAULT_CANNY_THRESHOLDS
 from ..engine.controls import Control
 from ..engine.hires import DEFAULT_STRENGTH, DEFAULT_UPSCALER, Hires
@@ -41,6 +42,8 @@ SDXL_SIZES = ((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), 
 COMPARE_PROMPTS, COMPARE_SEEDS = "One prompt per line, same seed", "One prompt, consecutive seeds"
 TABS = ("generate", "image_to_image", "compare", "grid")  # what each tab's button submits (`DemoService.submission`)
 CHECKED_KEPT = 64  # checked submissions waiting for their handler (`DemoService.check`), at most
+UPSCALE_RANGE = (1.0, 4.0)  # the Upscale tab's factors
+MAX_UPSCALED_SIDE = 8192  # the Upscale tab's largest picture: a 2048 one, 4x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +226,8 @@ class DemoService:
         self.choices = choices_of(self)
         self._checked: collections.OrderedDict = collections.OrderedDict()  # (owner, tab) -> (form, submission)
         self._lock = threading.Lock()
+        # One upscale at a time: a model upscaler's tiles run on the devices beside the queue's calls.
+        self._upscaling = threading.Lock()
 
     @property
     def max_images(self) -> int:
@@ -383,6 +388,31 @@ class DemoService:
                                             self._styled(cell), (cell.seed,), (0,), controls))
                  for cell, controls in grid.cells((settings, controls), x, y, with_value)]
         return grid.plan(x, y, cells, self.max_images, self.pipe.padded_batch)
+
+    def upscale(self, picture, upscaler, factor) -> tuple[Image.Image, str]:
+        """The Upscale tab (A1111's Extras): an uploaded picture `factor` times larger, by an image
+        upscaler or a launched model upscaler, as a hires fix's image upscalers resize
+        (`hires.upscaled_pictures`). Returns the picture and a sentence saying what was done.
+
+        Raises:
+          ValueError: no picture, or a bad upscaler or factor, in one sentence.
+        """
+        if picture is None:
+            raise ValueError("upload an image to upscale, or send one from the gallery")
+        picture = read_upload(picture).convert("RGB")
+        upscaler = choice(upscaler, "upscaler", [name for _, name in self.choices.upscalers])
+        factor = number(factor, "upscale factor", *UPSCALE_RANGE)
+        width, height = (int(side * factor) for side in picture.size)
+        if max(width, height) > MAX_UPSCALED_SIDE:
+            raise ValueError(f"{picture.width}x{picture.height} upscaled {factor:g}x is {width}x{height}; the most "
+                             f"this demo makes is {MAX_UPSCALED_SIDE} a side: choose a smaller factor")
+        start = time.perf_counter()
+        with self._upscaling:
+            upscaled = hires_fix.upscaled_pictures(images.pixels(picture)[None], height, width, upscaler,
+                                                   self.pipe.upscalers)[0]
+        said = (f"{picture.width}x{picture.height} to {width}x{height} with {upscaler} in "
+                f"{time.perf_counter() - start:.1f} s")
+        return Image.fromarray(upscaled), said
 
     def prepare(self, request: Request) -> PreparedRequest:
         """A request checked against the demo's limits and made what the devices take (`Pipeline.prepare`)."""

@@ -53,6 +53,10 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] |
         "model's, e.g. ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors (local, or owner/name/file on "
         "the Hub)" + variable.named("SDXL_UNET"),
     )
+    parser.add_argument("--upscaler", action="append", default=[], metavar="FILE",
+                        help="a model upscaler (ESRGAN, Real-ESRGAN: 4x-UltraSharp, RealESRGAN_x4plus, ...) for the "
+                        "hires fix and the Upscale tab, by its file's name; repeatable. A .safetensors or .pth file "
+                        "(local, or owner/name/file on the Hub)")
     parser.add_argument("--lora", action="append", type=source_and_scale, default=[], metavar="FILE[:SCALE]",
                         help="a LoRA, with its scale (default 1); repeatable. A .safetensors file (kohya/A1111 or "
                         "diffusers/PEFT), a Hub repo id, or owner/name/file.safetensors")
@@ -156,6 +160,8 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
         log.warning(notice)
         pipe, name = load(FALLBACK_MODEL), FALLBACK_MODEL
     pipe.set_loras(loras)
+    for source in options.upscaler:
+        pipe.add_upscaler(source)
     if options.refiner:
         pipe.set_refiner(load(options.refiner, devices=list(pipe.mesh.devices.flat)))
     unet = None if notice else options.unet
