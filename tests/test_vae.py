@@ -29,11 +29,10 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 LEGACY_ATTENTION_NAMES = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """A random torch VAE saved with save_pretrained, and its inputs in NCHW."""
+def randomised(config: dict) -> TorchAutoencoderKL:
+    """A torch VAE with every parameter random, seeded."""
     torch.manual_seed(0)
-    vae = TorchAutoencoderKL(**TINY_CONFIG).eval()
+    vae = TorchAutoencoderKL(**config).eval()
     # Default init leaves norm scales at 1 and biases at 0, which would hide mis-mapped affine
     # parameters; randomise everything at a scale that keeps activations O(1).
     with torch.no_grad():
@@ -44,6 +43,13 @@ def reference(tmp_path_factory):
                 p.normal_(1, 0.2)
             else:
                 p.normal_(0, 0.2)
+    return vae
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A random torch VAE saved with save_pretrained, and its inputs in NCHW."""
+    vae = randomised(TINY_CONFIG)
     path = tmp_path_factory.mktemp("vae")
     vae.save_pretrained(path)
     rng = np.random.default_rng(0)
