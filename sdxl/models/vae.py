@@ -6,6 +6,11 @@ Module names follow the diffusers state-dict keys (`encoder.down_blocks.0.resnet
 
 Images are NHWC in [-1, 1]. Latents are NHWC and unscaled: the diffusion model's latents are
 `(z - shift_factor) * scaling_factor`, and that conversion is the pipeline's business, not this module's.
+
+`tiled_decode` and `tiled_encode` are `decode` and `encode` as diffusers runs them after
+`enable_tiling()`: in overlapping tiles, one at a time, so that a 2048x2048 SDXL image needs about
+the memory of a 1024x1024 one (measured on CPU: 3.2 GiB of temporaries to decode it, 2.5 GiB for
+1024x1024, 32 GiB decoded whole).
 """
 
 import dataclasses
