@@ -361,3 +361,12 @@ def test_a_hyper_sd_lora_asks_for_ddim_with_trailing_steps():
     assert (settings.steps, settings.guidance_scale) == (8, 0.0)
     assert settings.scheduler == {"_class_name": "DDIMScheduler", "timestep_spacing": "trailing"}
     assert known.recommended(SDXL_REPO, loras=("style.safetensors",)).steps == 25
+
+
+def test_a_separate_vae_replaces_the_base_vae_which_is_never_fetched(tiny_weights, tmp_path, monkeypatch):
+    vae = tiny_weights["sdxl", "float32"] / "vae"
+    with FakeHub({SDXL_REPO: _repo(tiny_weights, "sdxl", SDXL_BASE_FILES)}) as fake:
+        with hub_at(fake, tmp_path / "hf", monkeypatch):
+            pipe = Pipeline.from_pretrained(SDXL_REPO, vae=str(vae), dtype="float32", devices=jax.devices()[:1])
+            assert [f for f in fake.downloaded(SDXL_REPO) if f.startswith("vae/")] == ["vae/config.json"]
+            assert pipe.vae_name == "vae" and _load(SDXL_REPO).vae_name is None

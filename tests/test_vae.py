@@ -12,7 +12,9 @@ from safetensors.numpy import load_file, save_file
 from sdxl.checkpoints import BUILTIN_CONFIGS
 from sdxl.checkpoints.weights import CheckpointError, load_params
 from sdxl.config import config_from_dict, config_from_file, read_json
-from sdxl.models.vae import AutoencoderKL, VAEConfig, abstract_params, rename_key
+from sdxl.models.vae import (
+    AutoencoderKL, VAEConfig, abstract_params, rename_key, tile_sizes, tiled_decode, tiled_encode,
+)
 
 # Three levels (two down/upsamplers), channel changes on both skip paths, two resnets per block.
 TINY_CONFIG = dict(
@@ -27,11 +29,10 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 LEGACY_ATTENTION_NAMES = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """A random torch VAE saved with save_pretrained, and its inputs in NCHW."""
+def randomised(config: dict) -> TorchAutoencoderKL:
+    """A torch VAE with every parameter random, seeded."""
     torch.manual_seed(0)
-    vae = TorchAutoencoderKL(**TINY_CONFIG).eval()
+    vae = TorchAutoencoderKL(**config).eval()
     # Default init leaves norm scales at 1 and biases at 0, which would hide mis-mapped affine
     # parameters; randomise everything at a scale that keeps activations O(1).
     with torch.no_grad():
@@ -42,6 +43,13 @@ def reference(tmp_path_factory):
                 p.normal_(1, 0.2)
             else:
                 p.normal_(0, 0.2)
+    return vae
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A random torch VAE saved with save_pretrained, and its inputs in NCHW."""
+    vae = randomised(TINY_CONFIG)
     path = tmp_path_factory.mktemp("vae")
     vae.save_pretrained(path)
     rng = np.random.default_rng(0)
@@ -153,3 +161,78 @@ def test_sdxl_parameter_count():
 def test_unsupported_config_raises(overrides):
     with pytest.raises(ValueError):
         VAEConfig(**overrides)
+
+
+@pytest.fixture
+def tiling(reference):
+    """The reference VAE with diffusers' tiling switched on for one test."""
+    vae = reference[0]
+    vae.enable_tiling()
+    yield reference
+    vae.disable_tiling()
+
+
+# Latents 3 tiles tall and 4 wide (a tile is 8 latent pixels, one every 6), whose last tiles are
+# narrow: 7 and 1 rows, 2 columns; images likewise (a tile is 32 pixels, one every 24).
+@pytest.mark.oracle
+@pytest.mark.parametrize("shape", [(13, 20)])
+def test_tiled_decode_matches_diffusers(tiling, shape):
+    vae, path, _, _ = tiling
+    config, params = load(path)
+    latents = np.random.default_rng(1).standard_normal((2, 4, *shape)).astype(np.float32)
+    with torch.no_grad():
+        expected = vae.decode(torch.from_numpy(latents)).sample.numpy()
+    model = AutoencoderKL(config)
+    got = jax.jit(lambda p, z: tiled_decode(model, p, z))(params, nhwc(latents))
+    check_close(f"tiled decode {shape}", got, nhwc(expected))
+    # The tiles' seams are there to see: the whole decode differs.
+    assert np.abs(np.asarray(got) - decode(config, params, nhwc(latents))).max() > 1e-2
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("shape", [(52, 80)])
+def test_tiled_encode_matches_diffusers(tiling, shape):
+    vae, path, _, _ = tiling
+    config, params = load(path)
+    images = np.random.default_rng(2).uniform(-1, 1, (2, 3, *shape)).astype(np.float32)
+    with torch.no_grad():
+        posterior = vae.encode(torch.from_numpy(images)).latent_dist
+    model = AutoencoderKL(config)
+    mean, logvar = jax.jit(lambda p, x: tiled_encode(model, p, x))(params, nhwc(images))
+    check_close(f"tiled encode mean {shape}", mean, nhwc(posterior.mean.numpy()))
+    check_close(f"tiled encode logvar {shape}", logvar, nhwc(posterior.logvar.numpy()))
+
+
+def test_small_inputs_are_not_tiled(reference):
+    """As diffusers, what fits one tile is decoded or encoded whole."""
+    _, path, images, _ = reference
+    config, params = load(path)
+    model = AutoencoderKL(config)
+    latents = nhwc(np.random.default_rng(3).standard_normal((1, 4, 8, 6)).astype(np.float32))
+    np.testing.assert_array_equal(tiled_decode(model, params, latents), decode(config, params, latents))
+    whole = model.apply({"params": params}, nhwc(images)[:, :32, :32], method=AutoencoderKL.encode)
+    tiled = tiled_encode(model, params, nhwc(images)[:, :32, :32])
+    jax.tree.map(np.testing.assert_array_equal, tiled, whole)
+
+
+def temp_bytes(function, *args) -> int:
+    return jax.jit(function).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_tiled_decode_needs_one_tiles_memory():
+    """Four times the area decodes tiled in about the temporaries of one tile, where a whole decode
+    needs four times as much."""
+    config = VAEConfig(**TINY_CONFIG, sample_size=64)
+    model, params = AutoencoderKL(config), abstract_params(config)
+    _, tile = tile_sizes(config)
+
+    def latents(size):
+        return jax.ShapeDtypeStruct((1, size, size, config.latent_channels), np.float32)
+
+    one_tile = temp_bytes(lambda p, z: decode(config, p, z), params, latents(tile))
+    whole = temp_bytes(lambda p, z: decode(config, p, z), params, latents(2 * tile))
+    tiled = temp_bytes(lambda p, z: tiled_decode(model, p, z), params, latents(2 * tile))
+    print(f"temporaries: one tile {one_tile / 2**20:.2f} MiB, 4x area whole {whole / 2**20:.2f} MiB, "
+          f"tiled {tiled / 2**20:.2f} MiB")
+    assert whole > 3 * one_tile
+    assert tiled < 1.5 * one_tile

@@ -9,6 +9,7 @@
 - `weights.py`: safetensors files read and written, every key and shape checked.
 - `tokenizer.py`: a checkpoint's CLIP tokenizers.
 - `lora.py`: LoRA files in every shared format, read and applied to the weights.
+- `vaes.py`: a separate VAE in place of the checkpoint's own.
 - `shapes.py`: the built-in `shapes` model's world: its captions, pictures and configs.
 - `upscalers.py`: ESRGAN and Real-ESRGAN upscaler files (safetensors, or PyTorch's read without it).
 
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..models import previews
-from . import hub, random_models, single_file
+from . import hub, random_models, single_file, vaes
 from .folder import load_weights
 from .hub import HubUnavailableError
 from .random_models import BUILTIN_CONFIGS
@@ -56,6 +57,7 @@ class Checkpoint:
     single_file: Path | None = None  # the weights, when not in `folder`
     family: str | None = None  # the single file's ("sdxl", "sd1", "sd2")
     unet_file: Path | None = None  # a UNet's weights (diffusers keys) replacing the folder's
+    vae: vaes.VAECheckpoint | None = None  # a VAE replacing its own; `spec.vae` is then this VAE's config
 
     @property
     def preview_factors(self) -> tuple:
@@ -65,13 +67,18 @@ class Checkpoint:
 
     def load(self, dtype, put: Callable) -> dict:
         """The parameter tree, every key and shape checked; `put` places each array."""
+        replaced = {"unet": self.unet_file, "vae": self.vae}
+        without = tuple(component for component, replacement in replaced.items() if replacement is not None)
         if self.single_file is not None:
-            return single_file.load(self.single_file, self.family, self.spec, dtype, put)
-        abstract = self.spec.abstract_params()
-        if self.unet_file is None:
-            return load_weights(self.folder, abstract, dtype, put)
-        params = load_weights(self.folder, {k: v for k, v in abstract.items() if k != "unet"}, dtype, put)
-        return params | {"unet": load_params([self.unet_file], abstract["unet"], dtype=dtype, put=put)}
+            params = single_file.load(self.single_file, self.family, self.spec, dtype, put, without)
+        else:
+            abstract = self.spec.abstract_params()
+            params = load_weights(self.folder, {k: v for k, v in abstract.items() if k not in without}, dtype, put)
+        if self.unet_file is not None:
+            params["unet"] = load_params([self.unet_file], self.spec.abstract_params()["unet"], dtype=dtype, put=put)
+        if self.vae is not None:
+            params["vae"] = self.vae.load(dtype, put)
+        return params
 
 
 def resolve(
@@ -81,6 +88,7 @@ def resolve(
     config: str | os.PathLike | None = None,
     scheduler: dict | None = None,
     unet: str | os.PathLike | None = None,
+    vae: str | os.PathLike | None = None,
 ) -> Checkpoint:
     """The checkpoint a user names: a diffusers folder, a built-in name, a Hub repo id
     ("owner/name"), a single `.safetensors` file in the original layout, or a Hub file
@@ -95,16 +103,29 @@ def resolve(
       unet: a UNet's weights in diffusers' keys (SDXL-Lightning's `sdxl_lightning_4step_unet.safetensors`,
         say) that replace the checkpoint's, as a local file or a Hub file "owner/name/file.safetensors";
         the checkpoint's own UNet weights are then not fetched. Only for diffusers folders and repos.
+      vae: a VAE that replaces the checkpoint's (`sdxl.checkpoints.vaes`): a diffusers folder, a Hub
+        repo id, or a .safetensors file, local or "owner/name/file.safetensors"; the checkpoint's own
+        VAE weights are then not fetched or read.
 
     Raises:
       CheckpointError: with the reason, before any weights are fetched where it can tell.
     """
-    text = str(name)
+    without = () if vae is None else ("vae",)
+    checkpoint = _checkpoint(str(name), dtype, config, scheduler, unet, without)
+    if vae is None:
+        return checkpoint
+    replacement = vaes.resolve(str(vae), checkpoint.spec, dtype=dtype)
+    spec = dataclasses.replace(checkpoint.spec, vae=replacement.config)
+    return dataclasses.replace(checkpoint, spec=spec, vae=replacement)
+
+
+def _checkpoint(text: str, dtype, config, scheduler: dict | None, unet, without: tuple[str, ...]) -> Checkpoint:
+    """`resolve` but for the VAE; the weights of the components in `without` are not fetched."""
     if unet is not None:
         if text.endswith(".safetensors"):
             raise CheckpointError(f"{text}: unet= replaces a diffusers folder's or repo's UNet, not a single file's")
         unet_file = locate_file(str(unet))
-        folder = locate(text, dtype=dtype, scheduler=scheduler, without=("unet",))
+        folder = locate(text, dtype=dtype, scheduler=scheduler, without=("unet", *without))
         return Checkpoint(ModelSpec.from_folder(folder, scheduler), folder, unet_file=unet_file)
     if text.endswith(".safetensors"):
         path = Path(text).expanduser()
@@ -119,7 +140,7 @@ def resolve(
         return _single_file(path, config, scheduler)
     if config is not None:
         raise CheckpointError(f"{text}: config= is for single-file checkpoints; a folder has its own configs")
-    folder = locate(text, dtype=dtype, scheduler=scheduler)
+    folder = locate(text, dtype=dtype, scheduler=scheduler, without=without)
     return Checkpoint(ModelSpec.from_folder(folder, scheduler), folder)
 
 

@@ -23,18 +23,16 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config import config_from_dict, read_json
 from ..models.controlnet import ControlNetConfig, abstract_params
 from ..models.controlnet_union import ControlNetUnionConfig, rename_key
 from . import hub, single_file
-from .folder import weight_files
+from .folder import model_config, weight_files
 from .random_models import BUILTIN_CONFIGS
 from .spec import ModelSpec, cached_shapes
-from .weights import CheckpointError, SafetensorsFile, load_params
+from .weights import CheckpointError, SafetensorsFile, load_params, refuse_pickled
 
 # The configs of ControlNet files that come without one, by family (see `sdxl/configs/README.md`).
 DEFAULT_CONFIGS = {"sd1": "controlnet-sd-1.5", "sdxl": "controlnet-sdxl-1.0"}
-PICKLED_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 # A key each layout has: the original's conditioning embedding, diffusers'.
 _ORIGINAL_KEY = "input_hint_block.0.weight"
 _DIFFUSERS_KEY = "controlnet_cond_embedding.conv_in.weight"
@@ -60,7 +58,9 @@ class ControlNetCheckpoint:
         if self.original_prefix is None:
             rename = rename_key if isinstance(self.config, ControlNetUnionConfig) else lambda key: key
             return load_params(list(self.files), abstract, dtype=dtype, rename=rename, put=put)
-        return single_file.load_controlnet(self.files[0], self.original_prefix, self.config, abstract, dtype, put)
+        return single_file.load_original(
+            self.files[0], self.original_prefix, single_file.controlnet_original, self.config, abstract, dtype, put
+        )
 
 
 def resolve(source: str, spec: ModelSpec, *, dtype) -> ControlNetCheckpoint:
@@ -72,11 +72,7 @@ def resolve(source: str, spec: ModelSpec, *, dtype) -> ControlNetCheckpoint:
     """
     text = str(source)
     path = Path(text).expanduser()
-    if path.suffix in PICKLED_SUFFIXES:
-        raise CheckpointError(
-            f"{text}: a pickled file; it is never loaded because unpickling can run arbitrary code. "
-            "Use the ControlNet's .safetensors file."
-        )
+    refuse_pickled(text, "ControlNet")
     if path.is_dir():
         config = _config(path / "config.json", spec, text)
         return ControlNetCheckpoint(text, config, tuple(weight_files(path, dtype)))
@@ -134,19 +130,7 @@ def check_fits(config: ControlNetConfig, spec: ModelSpec, where: str) -> None:
 
 
 def _config(path: Path, spec: ModelSpec, where: str) -> ControlNetConfig:
-    try:
-        values = read_json(path)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{where}: no config.json; not a diffusers ControlNet folder") from e
-    except ValueError as e:
-        raise CheckpointError(str(e)) from e
-    kind = values.get("_class_name", "ControlNetModel")
-    if kind not in CONFIG_CLASSES:
-        raise CheckpointError(f"{where}: a {kind}; only {' and '.join(CONFIG_CLASSES)} ControlNets are supported")
-    try:
-        config = config_from_dict(CONFIG_CLASSES[kind], values)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: {e}") from e
+    config = model_config(path, CONFIG_CLASSES, where, "ControlNet")
     check_fits(config, spec, where)
     return config
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import read_json
+from ..config import config_from_dict, read_json
 from ..models import clip, vae
-from .weights import CheckpointError, StoredTensor, load_params, stored_tensors
+from .weights import PICKLED_SUFFIXES, CheckpointError, StoredTensor, load_params, stored_tensors
 
 # The components whose weights a pipeline loads (a safety checker, say, is never run).
 WEIGHT_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae")
@@ -77,7 +77,7 @@ def choose_weight_files(filenames: list[str], dtype, where: str) -> list[str]:
     for variant in (preferred, None, "fp16"):
         if variant in by_variant:
             return _one_set(by_variant[variant], where)
-    pickled = sorted(f for f in filenames if Path(f).suffix in (".bin", ".ckpt", ".pt", ".pth"))
+    pickled = sorted(f for f in filenames if Path(f).suffix in PICKLED_SUFFIXES)
     if pickled:
         raise CheckpointError(
             f"{where}: only pickled weights ({', '.join(pickled)}); they are never loaded because "
@@ -97,6 +97,29 @@ def _one_set(filenames: list[str], where: str) -> list[str]:
     if not standard:
         raise CheckpointError(f"{where}: several sets of weights ({', '.join(filenames)}); name the file to load")
     return [f for f in filenames if _weight_set(f)[0] == standard[0]]
+
+
+def model_config(path: Path, classes: dict[str, type], where: str, what: str):
+    """A one-model folder's config (a ControlNet's, a VAE's `config.json`) as the class its
+    `_class_name` names among `classes`, the first where it names none.
+
+    Raises:
+      CheckpointError: the config is missing or unreadable, of another class, or holds values the
+        class refuses; `where` and `what` (the kind of model) say which.
+    """
+    try:
+        values = read_json(path)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{where}: no config.json; not a diffusers {what} folder") from e
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    kind = values.get("_class_name", next(iter(classes)))
+    if kind not in classes:
+        raise CheckpointError(f"{where}: a {kind}; only {' and '.join(classes)} {what}s are supported")
+    try:
+        return config_from_dict(classes[kind], values)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: {e}") from e
 
 
 def weight_files(folder: Path, dtype) -> list[Path]:

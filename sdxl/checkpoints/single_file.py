@@ -274,8 +274,9 @@ def key_map(family: str, spec: ModelSpec) -> dict[str, dict[str, Original]]:
 # Loading and writing
 
 
-def load(path: Path, family: str, spec: ModelSpec, dtype, put: Callable) -> dict:
-    """The parameter tree of `spec`'s model from a single file, every key and shape checked.
+def load(path: Path, family: str, spec: ModelSpec, dtype, put: Callable, without: tuple[str, ...] = ()) -> dict:
+    """The parameter tree of `spec`'s model from a single file, every key and shape checked; the
+    components in `without` (another file replaces them) are neither read nor checked.
 
     Raises:
       CheckpointError: a parameter is missing or mis-shaped, or the file holds tensors that are
@@ -284,14 +285,19 @@ def load(path: Path, family: str, spec: ModelSpec, dtype, put: Callable) -> dict
     file = SafetensorsFile(path)
     table = key_map(family, spec)
     used = {original.key for component in table.values() for original in component.values()}
+    skipped = tuple(PREFIXES[family][component] for component in without)
     # Fused q/k/v tensors are used three times; OpenCLIP-H's last layer is unused by SD 2.x's encoder.
-    extra = sorted(k for k in file.keys() if k not in used and not _NOT_PARAMETERS.search(k))
+    extra = sorted(
+        k for k in file.keys() if k not in used and not _NOT_PARAMETERS.search(k) and not k.startswith(skipped)
+    )
     unused_layers = [k for k in extra if _beyond_the_encoder(k, family, spec)]
     extra = [k for k in extra if k not in unused_layers and not k.endswith("text_projection")]
     if extra:
         raise CheckpointError(f"{path}: keys that belong to no component of the model: {_listed(extra)}")
     abstract, params = spec.abstract_params(), {}
     for component, originals in table.items():
+        if component in without:
+            continue
         present = {k: o for k, o in originals.items() if o.key in file.keys()}
         stored = {k: StoredTensor(file, o.key, o.rows, o.transpose, o.squeeze) for k, o in present.items()}
         missing = sorted(set(originals) - set(present))
@@ -304,22 +310,30 @@ def load(path: Path, family: str, spec: ModelSpec, dtype, put: Callable) -> dict
     return params
 
 
-def load_controlnet(path: Path, prefix: str, config: ControlNetConfig, abstract: dict, dtype, put: Callable) -> dict:
-    """A ControlNet's parameters from one file in the original layout, its keys under `prefix`
-    ("control_model." or none), every key and shape checked both ways.
+def load_original(
+    path: Path, prefix: str, original: Callable[[str, object], Original], config, abstract: dict, dtype, put: Callable
+) -> dict:
+    """One model's parameters from a file that holds it alone in the original layout: a ControlNet
+    (`controlnet_original`, its keys under "control_model." or none) or a VAE (`vae_original`, under
+    "first_stage_model." or none); every key and shape checked both ways.
+
+    Args:
+      prefix: the stored keys' prefix.
+      original: where the layout stores each of our keys, given the model's `config`.
+      abstract: the model's parameter shapes.
 
     Raises:
       CheckpointError: a parameter is missing or mis-shaped, or the file holds other tensors.
     """
     file = SafetensorsFile(path)
-    originals = {checkpoint_key(p): controlnet_original(checkpoint_key(p), config) for p in flatten(abstract)}
-    stored_keys = {prefix + original.key for original in originals.values()}
+    originals = {checkpoint_key(p): original(checkpoint_key(p), config) for p in flatten(abstract)}
+    stored_keys = {prefix + o.key for o in originals.values()}
     missing = sorted(k for k in stored_keys if k not in file.keys())
     extra = sorted(k for k in file.keys() if k not in stored_keys)
-    for what, keys in (("missing", missing), ("that belong to no part of the ControlNet", extra)):
+    for what, keys in (("missing", missing), ("that belong to no part of the model", extra)):
         if keys:
             raise CheckpointError(f"{path}: {len(keys)} tensors {what} ({_listed(keys)})")
-    stored = {k: StoredTensor(file, prefix + original.key) for k, original in originals.items()}
+    stored = {k: StoredTensor(file, prefix + o.key, o.rows, o.transpose, o.squeeze) for k, o in originals.items()}
     return load_stored(stored, abstract, dtype=dtype, put=put, where=str(path))
 
 

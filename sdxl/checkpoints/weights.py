@@ -57,6 +57,19 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or does not match the model it is loaded into."""
 
 
+# PyTorch's pickled formats: never loaded, because unpickling can run arbitrary code.
+PICKLED_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
+
+
+def refuse_pickled(source: str, what: str) -> None:
+    """Raises CheckpointError when `source` names a pickled file, pointing to `what`'s safetensors file."""
+    if Path(source).suffix in PICKLED_SUFFIXES:
+        raise CheckpointError(
+            f"{source}: a pickled file; it is never loaded because unpickling can run arbitrary code. "
+            f"Use the {what}'s .safetensors file."
+        )
+
+
 class SafetensorsFile:
     """A safetensors file whose tensors are read one at a time, on demand.
 

@@ -77,9 +77,10 @@ class Pipeline:
     def __init__(
         self, spec: ModelSpec, params: dict, tokenizers: Sequence, *, mesh: Mesh, dtype, max_steps: int = 100,
         name: str = "", preview_factors: tuple | None = None, controlnets: Sequence[ControlNetCheckpoint] = (),
-        executables: Executables | None = None,
+        executables: Executables | None = None, vae_name: str | None = None,
     ):
-        """`executables`: the compiled programs to use, shared with other pipelines on the same mesh
+        """`vae_name`: the separate VAE loaded in place of the checkpoint's, None for its own.
+        `executables`: the compiled programs to use, shared with other pipelines on the same mesh
         (each program names its model, so one cache serves several); default a cache of its own."""
         self.spec = spec
         # The ControlNets a request's control images steer through, in order; `params["controlnets"]` their weights.
@@ -94,6 +95,7 @@ class Pipeline:
         self.dtype = jnp.dtype(dtype)
         self.max_steps = max_steps
         self.name = name
+        self.vae_name = vae_name
         self.preview_factors = preview_factors or factors_for(spec)
         self.executables = executables or Executables(mesh)
         self.refiner: Pipeline | None = None  # continues requests with `refine_from` (`set_refiner`)
@@ -110,6 +112,7 @@ class Pipeline:
         config: str | None = None,
         scheduler: dict | None = None,
         unet: str | None = None,
+        vae: str | None = None,
         controlnet: str | Sequence[str] | None = None,
         executables: Executables | None = None,
     ) -> "Pipeline":
@@ -129,6 +132,9 @@ class Pipeline:
             the default sampler follows its class.
           unet: a UNet weights file in diffusers' keys replacing the checkpoint's, as SDXL-Lightning's
             are used (a local file or "owner/name/file.safetensors").
+          vae: a VAE replacing the checkpoint's (`sdxl.checkpoints.vaes`): a diffusers folder, a Hub
+            repo id ("madebyollin/sdxl-vae-fp16-fix"), or a .safetensors file in diffusers' or the
+            original layout, local or "owner/name/file.safetensors"; `vae_name` then names it.
           controlnet: a ControlNet (a diffusers folder, a Hub repo id, or a .safetensors file: see
             `sdxl.checkpoints.controlnets`; a ControlNet Union too) or a list of them (diffusers'
             MultiControlNet), checked against the model before their weights are fetched.
@@ -137,7 +143,9 @@ class Pipeline:
         """
         devices = list(devices or jax.devices())
         dtype = jnp.dtype(dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16"))
-        checkpoint = checkpoints.resolve(path_or_repo_id, dtype=dtype, config=config, scheduler=scheduler, unet=unet)
+        checkpoint = checkpoints.resolve(
+            path_or_repo_id, dtype=dtype, config=config, scheduler=scheduler, unet=unet, vae=vae
+        )
         sources = [] if controlnet is None else [controlnet] if isinstance(controlnet, str) else list(controlnet)
         controlnets = [controlnet_checkpoints.resolve(source, checkpoint.spec, dtype=dtype) for source in sources]
         tokenizers = [load_tokenizer(checkpoint.folder / name) for name in checkpoint.spec.tokenizer_names]
@@ -152,7 +160,7 @@ class Pipeline:
             params["controlnets"] = tuple(c.load(dtype, put) for c in controlnets)
         return cls(checkpoint.spec, params, tokenizers, mesh=mesh, dtype=dtype, max_steps=max_steps,
                    name=str(path_or_repo_id), preview_factors=checkpoint.preview_factors, controlnets=controlnets,
-                   executables=executables)
+                   executables=executables, vae_name=None if checkpoint.vae is None else checkpoint.vae.name)
 
     @property
     def num_devices(self) -> int:

@@ -57,6 +57,11 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] |
                         help="a model upscaler (ESRGAN, Real-ESRGAN: 4x-UltraSharp, RealESRGAN_x4plus, ...) for the "
                         "hires fix and the Upscale tab, by its file's name; repeatable. A .safetensors or .pth file "
                         "(local, or owner/name/file on the Hub)")
+    parser.add_argument(
+        "--vae", default=variable.get("SDXL_VAE"), help="a VAE replacing the model's: a diffusers folder, a Hub repo "
+        "id (madebyollin/sdxl-vae-fp16-fix), or a .safetensors file in diffusers' or the original keys (local, or "
+        "owner/name/file on the Hub)" + variable.named("SDXL_VAE"),
+    )
     parser.add_argument("--lora", action="append", type=source_and_scale, default=[], metavar="FILE[:SCALE]",
                         help="a LoRA, with its scale (default 1); repeatable. A .safetensors file (kohya/A1111 or "
                         "diffusers/PEFT), a Hub repo id, or owner/name/file.safetensors")
@@ -141,7 +146,7 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
     try:
         scheduler = recommended(options.model, options.unet, loras=tuple(loras)).scheduler
         pipe = load(options.model, config=options.config, scheduler=scheduler, unet=options.unet,
-                    controlnet=options.controlnet)
+                    vae=options.vae, controlnet=options.controlnet)
         name, notice = options.model, None
     except HubUnavailableError as e:
         if not fallback:  # the CLI: a script gets the model it asked for, or a reason and what to do
@@ -156,7 +161,9 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
             f"reachable and without HF_HUB_OFFLINE=1: the files the pipeline loads (configs, tokenizers, "
             f"safetensors weights) are then downloaded into your Hugging Face cache, and later starts read them "
             f"from there, offline too."
-        ) + (" The ControlNets are not loaded: they steer the model asked for." if options.controlnet else "")
+        ) + (" The ControlNets are not loaded: they steer the model asked for." if options.controlnet else "") + (
+            " The VAE asked for is not loaded: it belongs with the model asked for." if options.vae else ""
+        )
         log.warning(notice)
         pipe, name = load(FALLBACK_MODEL), FALLBACK_MODEL
     pipe.set_loras(loras)
