@@ -1,9 +1,10 @@
 """The hires fix's sizes, steps, checks and image upscaling (`sdxl.engine.hires`), against webui's
-rules as its processing.py, sd_samplers_common.py and images.py state them. Its pictures against
-A1111's: tests/test_a1111_pictures.py."""
+rules as its processing.py, sd_samplers_common.py and images.py state them, and the tiled VAE that
+decodes its big pictures. Its pictures against A1111's: tests/test_a1111_pictures.py."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from PIL import Image
@@ -11,6 +12,10 @@ from PIL import Image
 from sdxl.checkpoints.random_models import BUILTIN_CONFIGS
 from sdxl.checkpoints.spec import ModelSpec
 from sdxl.engine.hires import Hires, upscaled_pictures
+from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.program import unscaled_latents
+from sdxl.engine.request import Request
+from sdxl.models import vae
 
 SDXL = ModelSpec.from_folder(BUILTIN_CONFIGS / "sdxl-base-1.0")
 FIRST_PASS = dict(height=1024, width=1024, steps=20, sampler="dpmpp_2m", schedule_type="Karras")
@@ -101,3 +106,22 @@ def test_a_model_upscaler_runs_until_the_picture_covers_the_target():
     out = upscaled_pictures(pictures, 48, 72, "double", {"double": model})
     assert model.calls == 2
     assert out.shape == (1, 48, 72, 3) and (out == 200).all()
+
+
+@pytest.mark.compiles
+def test_with_vae_tiling_pictures_larger_than_a_tile_decode_in_tiles():
+    """`vae_tiling`: a picture of more pixels than the VAE's tile (tiny's: 128x128) decodes as
+    `tiled_decode` decodes its latents; a picture of a tile's size whole."""
+    pipe = Pipeline.from_pretrained("tiny", max_steps=4, vae_tiling=True, devices=jax.devices()[:1])
+    one_tile = Request.from_prompt("a fox", num_images=1, steps=2, height=128, width=128)
+    assert not pipe.prepare(one_tile).program.vae_tiling
+    request = Request.from_prompt("a fox", num_images=1, steps=2, height=192, width=160)
+    prepared = pipe.prepare(request, output_type="np")
+    assert prepared.program.vae_tiling
+    pictures = pipe.render(prepared).images
+    latents = pipe.render(request, output_type="latent").images
+    model = vae.AutoencoderKL(pipe.spec.vae)
+    decoded = vae.tiled_decode(model, pipe.params["vae"], unscaled_latents(pipe.spec, latents))
+    np.testing.assert_allclose(pictures, np.clip(np.asarray(decoded) / 2 + 0.5, 0, 1), atol=1e-5)
+    whole = model.apply({"params": pipe.params["vae"]}, unscaled_latents(pipe.spec, latents), method=model.decode)
+    assert np.abs(np.asarray(decoded) - np.asarray(whole)).max() > 1e-3, "the tiles' blending shows"

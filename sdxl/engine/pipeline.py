@@ -26,6 +26,7 @@ from ..checkpoints import ModelSpec, controlnets as controlnet_checkpoints, lora
 from ..checkpoints.controlnets import ControlNetCheckpoint
 from ..checkpoints.tokenizer import load_tokenizer
 from ..models.previews import factors_for
+from ..models.vae import tile_sizes
 from ..prompts.tokens import Prompts
 from ..sampling import kdiffusion, methods, noise
 from ..sampling.brownian import BrownianNoise
@@ -77,9 +78,10 @@ class Pipeline:
     def __init__(
         self, spec: ModelSpec, params: dict, tokenizers: Sequence, *, mesh: Mesh, dtype, max_steps: int = 100,
         name: str = "", preview_factors: tuple | None = None, controlnets: Sequence[ControlNetCheckpoint] = (),
-        executables: Executables | None = None, vae_name: str | None = None,
+        executables: Executables | None = None, vae_name: str | None = None, vae_tiling: bool = False,
     ):
         """`vae_name`: the separate VAE loaded in place of the checkpoint's, None for its own.
+        `vae_tiling`: see `from_pretrained`.
         `executables`: the compiled programs to use, shared with other pipelines on the same mesh
         (each program names its model, so one cache serves several); default a cache of its own."""
         self.spec = spec
@@ -96,6 +98,7 @@ class Pipeline:
         self.max_steps = max_steps
         self.name = name
         self.vae_name = vae_name
+        self.vae_tiling = vae_tiling
         self.preview_factors = preview_factors or factors_for(spec)
         self.executables = executables or Executables(mesh)
         self.refiner: Pipeline | None = None  # continues requests with `refine_from` (`set_refiner`)
@@ -115,6 +118,7 @@ class Pipeline:
         vae: str | None = None,
         controlnet: str | Sequence[str] | None = None,
         executables: Executables | None = None,
+        vae_tiling: bool = False,
     ) -> "Pipeline":
         """Loads an SDXL or SD 1.x/2.x checkpoint: a diffusers folder or Hub repo, or a single file.
 
@@ -140,6 +144,10 @@ class Pipeline:
             MultiControlNet), checked against the model before their weights are fetched.
           executables: compiled programs shared with another pipeline on the same devices (a refiner
             with its base model: `base.executables`).
+          vae_tiling: decode and encode pictures of more pixels than the VAE's tile (its config's
+            sample_size squared: SDXL's 1024x1024) in overlapping tiles, as diffusers' pipelines after
+            `enable_vae_tiling()` (`sdxl.models.vae.tiled_decode`), so that a 2048x2048 picture needs
+            the VAE memory of a 1024x1024 one. The tiles' blending changes such pictures a little.
         """
         devices = list(devices or jax.devices())
         dtype = jnp.dtype(dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16"))
@@ -160,7 +168,8 @@ class Pipeline:
             params["controlnets"] = tuple(c.load(dtype, put) for c in controlnets)
         return cls(checkpoint.spec, params, tokenizers, mesh=mesh, dtype=dtype, max_steps=max_steps,
                    name=str(path_or_repo_id), preview_factors=checkpoint.preview_factors, controlnets=controlnets,
-                   executables=executables, vae_name=None if checkpoint.vae is None else checkpoint.vae.name)
+                   executables=executables, vae_name=None if checkpoint.vae is None else checkpoint.vae.name,
+                   vae_tiling=vae_tiling)
 
     @property
     def num_devices(self) -> int:
@@ -315,7 +324,7 @@ class Pipeline:
             given_step_noise=drawn and methods.loop(request.sampler, a1111).stochastic,
             chunks=tokens.num_chunks, preview_factors=self.preview_factors,
             controlnets=tuple(c.config for c in self.controlnets) if request.controls else (),
-            a1111=a1111,
+            a1111=a1111, vae_tiling=self._tiles_vae(request.height, request.width),
         )
         if start is None:
             steps = inputs.steps_run(program, request)
@@ -324,6 +333,11 @@ class Pipeline:
         if drawn and request.noise is None:
             request = with_drawn_noise(request, program, steps)
         return PreparedRequest(request, tokens, program, steps)
+
+    def _tiles_vae(self, height: int, width: int) -> bool:
+        """Whether the VAE tiles a picture of this size (`vae_tiling`): it has more pixels than a tile."""
+        tile, _ = tile_sizes(self.spec.vae)
+        return self.vae_tiling and height * width > tile * tile
 
     def programs_for(self, request: Request, num_images: int | None = None) -> tuple[GenerateProgram, ...]:
         """The programs `request` runs (`prepare`), at `num_images` images (default its own count)."""

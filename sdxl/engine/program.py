@@ -30,6 +30,7 @@ reads each image's control mode, an input too.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -271,6 +272,9 @@ class GenerateProgram:
     controlnets: tuple[controlnet.ControlNetConfig, ...] = ()
     # The sampler runs as A1111's k-diffusion one, on one of A1111's schedule types; else as diffusers'.
     a1111: bool = False
+    # The VAE decodes (and encodes) in overlapping tiles, as diffusers' after `enable_vae_tiling()`
+    # (`vae.tiled_decode`): a picture of any size in the memory of one tile.
+    vae_tiling: bool = False
 
     @property
     def method(self) -> Sampler:
@@ -347,9 +351,11 @@ class GenerateProgram:
         spec = self.spec
         dtype = jnp.float32 if spec.is_sdxl and spec.vae.force_upcast else self.dtype
         encoder = vae.AutoencoderKL(spec.vae, dtype=dtype)
-        mean, _ = one_image_per_device_at_a_time(
-            lambda x: encoder.apply({"params": params["vae"]}, x, method=encoder.encode), images.astype(dtype)
-        )
+        if self.vae_tiling:
+            encode = functools.partial(vae.tiled_encode, encoder, params["vae"])
+        else:
+            encode = functools.partial(encoder.apply, {"params": params["vae"]}, method=encoder.encode)
+        mean, _ = one_image_per_device_at_a_time(encode, images.astype(dtype))
         return scaled_latents(spec, mean.astype(self.dtype).astype(jnp.float32))
 
     def _known(self, params, inputs: Inputs, encoded: jax.Array, noise: jax.Array) -> Known:
@@ -494,9 +500,11 @@ class GenerateProgram:
         upcast = self.spec.is_sdxl and self.spec.vae.force_upcast and self.dtype == jnp.float16
         dtype = jnp.float32 if upcast else self.dtype
         decoder = vae.AutoencoderKL(self.spec.vae, dtype=dtype)
-        images = one_image_per_device_at_a_time(
-            lambda x: decoder.apply({"params": params["vae"]}, x, method=decoder.decode), latents.astype(dtype)
-        )
+        if self.vae_tiling:
+            decode = functools.partial(vae.tiled_decode, decoder, params["vae"])
+        else:
+            decode = functools.partial(decoder.apply, {"params": params["vae"]}, method=decoder.decode)
+        images = one_image_per_device_at_a_time(decode, latents.astype(dtype))
         images = images.astype(jnp.float32)
         finite = jnp.isfinite(images).all(axis=(1, 2, 3))
         images = jnp.clip(images / 2 + 0.5, 0.0, 1.0)

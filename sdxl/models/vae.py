@@ -281,8 +281,9 @@ def tiled_decode(vae: AutoencoderKL, params: dict, latents: jax.Array) -> jax.Ar
     taller than a tile are decoded in overlapping tiles, each blended into its upper and left
     neighbours; smaller ones in one piece.
 
-    The tiles run one at a time (`jax.lax.map`), so a decode needs the temporaries of one tile
-    whatever the image's size.
+    The tiles run one at a time (`jax.lax.map`), each for the whole batch, so a decode needs the
+    temporaries of one tile per image whatever the image's size (`GenerateProgram` decodes one image
+    per device at a time).
 
     Args:
       vae: the module whose `decode` to run (its config gives the tile size).
@@ -319,16 +320,17 @@ def tiled_encode(vae: AutoencoderKL, params: dict, images: jax.Array) -> tuple[j
 
 
 def _tiled(run: Callable, x: jax.Array, tile: int, out_tile: int) -> jax.Array:
-    """diffusers' tiling of `run` ([1, t, t', C] -> [1, t * s, t' * s, C']) over x [B, H, W, C]: tiles
+    """diffusers' tiling of `run` ([B, t, t', C] -> [B, t * s, t' * s, C']) over x [B, H, W, C]: tiles
     `tile` wide start every 3/4 tile, edge tiles are what is left; each output tile is blended into
     its upper, then its left neighbour over a quarter `out_tile`, and cropped to 3/4 `out_tile`."""
     stride = int(tile * (1 - TILE_OVERLAP))
     extent = int(out_tile * TILE_OVERLAP)
     keep = out_tile - extent
-    batch, height, width, channels = x.shape
+    height, width = x.shape[1:3]
     rows, columns = range(0, height, stride), range(0, width, stride)
-    # Tiles of one shape run through one loop, one image's tile at a time: one compiled decoder
-    # per shape (at most four: inner, right edge, bottom edge, corner), never one per tile.
+    # Tiles of one shape run through one loop, one tile (of every image) at a time: one compiled
+    # decoder per shape (at most four: inner, right edge, bottom edge, corner), never one per tile.
+    # The batch stays whole in each step, so that a batch split over devices stays where it is.
     groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for i in rows:
         for j in columns:
@@ -336,8 +338,7 @@ def _tiled(run: Callable, x: jax.Array, tile: int, out_tile: int) -> jax.Array:
     done = {}
     for (h, w), starts in groups.items():
         tiles = jnp.stack([x[:, i : i + h, j : j + w] for i, j in starts])  # [n, B, h, w, C]
-        out = jax.lax.map(run, tiles.reshape(-1, 1, h, w, channels))  # [n * B, 1, h * s, w * s, C']
-        out = out.reshape(len(starts), batch, *out.shape[2:])
+        out = jax.lax.map(run, tiles)  # [n, B, h * s, w * s, C']
         done.update((start, out[n]) for n, start in enumerate(starts))
     # diffusers blends in place, so each tile meets its neighbours already blended.
     for i in rows:

@@ -62,6 +62,12 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] |
         "id (madebyollin/sdxl-vae-fp16-fix), or a .safetensors file in diffusers' or the original keys (local, or "
         "owner/name/file on the Hub)" + variable.named("SDXL_VAE"),
     )
+    parser.add_argument(
+        "--no-vae-tiling", action="store_true", default=variable.get("SDXL_VAE_TILING") == "0",
+        help="decode and encode pictures of more pixels than the VAE's tile (SDXL: 1024x1024) whole; by default "
+        "they go in overlapping tiles as diffusers' enable_vae_tiling(), in the memory of one tile (a hires fix's "
+        "2048x2048 in a 1024x1024's)" + variable.named("SDXL_VAE_TILING=0"),
+    )
     parser.add_argument("--lora", action="append", type=source_and_scale, default=[], metavar="FILE[:SCALE]",
                         help="a LoRA, with its scale (default 1); repeatable. A .safetensors file (kohya/A1111 or "
                         "diffusers/PEFT), a Hub repo id, or owner/name/file.safetensors")
@@ -142,7 +148,8 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
     """
     enable_compilation_cache(options.cache_dir)
     loras = dict(options.lora)
-    load = functools.partial(Pipeline.from_pretrained, dtype=options.dtype, max_steps=max_steps)
+    load = functools.partial(Pipeline.from_pretrained, dtype=options.dtype, max_steps=max_steps,
+                             vae_tiling=not options.no_vae_tiling)
     try:
         scheduler = recommended(options.model, options.unet, loras=tuple(loras)).scheduler
         pipe = load(options.model, config=options.config, scheduler=scheduler, unet=options.unet,
