@@ -177,7 +177,7 @@ def test_an_a1111_text_fills_in_the_noise_and_says_what_it_leaves_out(service):
         variation_strength=0.5)
     assert "sampler DPM++ 2M SDE, schedule type Karras," in said
     assert said.endswith("noise CPU (A1111's CPU, ComfyUI, diffusers), ENSD 31337, variation seed 9, variation "
-                         "strength 0.5, the hires fix (Latent, 2x). Not used: Model"), said
+                         "strength 0.5, the hires fix (Latent, 2x). Not used: Model juggernautXL (loaded: tiny)"), said
     request = service.images(service.settings(fields)).request
     assert (request.sampler, request.schedule_type, request.noise_source, request.ensd, request.variation_seed,
             request.variation_strength) == ("dpmpp_2m_sde", "Karras", "cpu", 31337, 9, 0.5)

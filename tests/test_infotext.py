@@ -117,6 +117,18 @@ def test_webui_hires_fields_read_as_a_hires_fix(fields, hires):
     assert "hires" not in infotext.read_infotext("a fox\nSteps: 20, Denoising strength: 0.5")[0], "image-to-image's"
 
 
+def test_a_model_or_vae_other_than_the_loaded_ones_is_named_with_what_is_loaded():
+    pipe = dataclasses.make_dataclass("Loaded", ["name", "vae_name"])("/models/juggernautXL.safetensors", None)
+    text = "a fox\nSteps: 20, Model: juggernautXL, VAE: sdxl_vae.safetensors"
+    assert infotext.read_infotext(text, pipe)[1] == ("VAE sdxl_vae.safetensors (loaded: the model's own)",)
+    pipe.vae_name = "madebyollin/sdxl_vae"
+    assert infotext.read_infotext(text, pipe)[1] == ()
+    other = "a fox\nSteps: 20, Model: sd_xl_base_1.0"
+    with pytest.warns(UserWarning, match=r"^parameters not applied: Model sd_xl_base_1.0 \(loaded: juggernautXL\), "
+                      r"VAE the model's own \(loaded: sdxl_vae\)$"):
+        infotext.read_parameters(other, pipe)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return Pipeline.from_pretrained("tiny", max_steps=4, devices=jax.devices()[:1])

@@ -50,7 +50,8 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
     return parameters_text(request.prompts[i], request.negative_prompts[i], {
         "Steps": request.steps, "Sampler": SAMPLER_NAMES[request.sampler], "Schedule type": request.schedule_type,
         "CFG scale": float(request.guidance_scales[i]), **_seed_fields(request, i),
-        "Size": f"{request.width}x{request.height}", "Model": model, **_noise_fields(request, i),
+        "Size": f"{request.width}x{request.height}", "Model": model, "VAE": pipe.vae_name,
+        **_noise_fields(request, i),
         "Denoising strength": None if request.images is None else float(request.strength),
         **hires_infotext(request),
         "Refiner": None if request.refine_from is None else pipe.refiner.name,
@@ -156,7 +157,7 @@ def emphasis_infotext(emphasis: str, texts: Iterable[str]) -> str | None:
     return A1111_EMPHASIS_NAMES[emphasis]
 
 
-def read_parameters(text: str) -> dict:
+def read_parameters(text: str, pipe=None) -> dict:
     """The keyword arguments of `Pipeline.generate` that a "parameters" text (`png_parameters`', or
     webui's and Forge's) gives, so that `pipe.generate(**read_parameters(text))` draws its picture:
     prompt and negative_prompt; and of steps, sampler and schedule_type (A1111's k-diffusion sampler
@@ -164,20 +165,22 @@ def read_parameters(text: str) -> dict:
     guidance_scale, seed, width, height, emphasis, noise_source, variation_seed, variation_strength,
     ensd and batch_noise, those it gives; and its hires fix as `hires` (`sdxl.engine.hires.Hires`). The
     noise source is webui's RNG (a text without one is webui's default GPU source, on NVIDIA cards its
-    NV; this project's own texts say JAX). Settings it gives that `generate` cannot apply (a model,
-    clip skip, ...) are named in one warning.
+    NV; this project's own texts say JAX). Settings it gives that `generate` cannot apply (clip skip,
+    ...) are named in one warning; so are its "Model" and "VAE", unless `pipe` (a `Pipeline`) has
+    loaded them.
 
     Raises:
       ValueError: it has no settings line.
     """
-    found, unused = read_infotext(text)
+    found, unused = read_infotext(text, pipe)
     if unused:
         warnings.warn(f"parameters not applied: {', '.join(unused)}", stacklevel=2)
     return found
 
 
-def read_infotext(text: str) -> tuple[dict, tuple[str, ...]]:
-    """`read_parameters`' arguments, and the names of the settings it leaves out. Raises ValueError."""
+def read_infotext(text: str, pipe=None) -> tuple[dict, tuple[str, ...]]:
+    """`read_parameters`' arguments, and the settings it leaves out: their names, or for a "Model" or
+    "VAE" that `pipe` (given) has not loaded, what the text names and what is loaded. Raises ValueError."""
     lines = text.strip().split("\n")
     settings_line = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Steps: ")), None)
     if settings_line is None:
@@ -220,7 +223,29 @@ def read_infotext(text: str) -> tuple[dict, tuple[str, ...]]:
     if hires is not None:
         found["hires"] = hires
         used.update(hires_used)
-    return found, tuple(key for key in fields if key not in used)
+    others = {}
+    if pipe is not None:
+        others = _not_loaded(fields, pipe)
+        used.update(key for key in ("Model", "VAE") if key in fields and key not in others)
+    return found, tuple(others.get(key, key) for key in fields if key not in used) + tuple(
+        others[key] for key in others if key not in fields)
+
+
+def _not_loaded(fields: dict, pipe) -> dict[str, str]:
+    """For a text's "Model" and "VAE" (webui writes a separate VAE's file name; none: the model's own)
+    that name another than `pipe` has loaded, a sentence saying both, by field. Names compare by their
+    last part without an extension ("sdxl_vae.safetensors" is the VAE "madebyollin/sdxl_vae")."""
+
+    def named(name: str | None) -> str | None:
+        return None if name is None else Path(str(name).rstrip("/")).name.removesuffix(".safetensors")
+
+    found = {}
+    if "Model" in fields and named(fields["Model"]) != named(pipe.name):
+        found["Model"] = f"Model {fields['Model']} (loaded: {named(pipe.name)})"
+    if named(fields.get("VAE")) != named(pipe.vae_name):
+        own = "the model's own"
+        found["VAE"] = f"VAE {fields.get('VAE', own)} (loaded: {named(pipe.vae_name) or own})"
+    return found
 
 
 def _hires_named(fields: dict) -> tuple[Hires | None, set[str]]:

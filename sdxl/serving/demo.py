@@ -443,7 +443,7 @@ class DemoService:
         of this model's), noise source, ENSD, variation seed and hires fix (by a scale, with an upscaler
         the page has) those it names; and a sentence that says what was filled in, and what was not.
         Raises ValueError."""
-        found, unused = infotext.read_infotext(text)
+        found, unused = infotext.read_infotext(text, self.pipe)
         hires = found.pop("hires", None)
         if hires is not None and hires.by_scale and hires.upscaler in dict(map(reversed, self.choices.hires_upscalers)):
             found |= {"hires": True, **{name: getattr(hires, field) for name, field in HIRES_FIELDS.items()}}
