@@ -23,7 +23,8 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
         peak_device_memory_bytes progress_overhead unguided_images_per_s unguided_speedup lora_first_s lora_scale_s
         lora_clear_s lora_recompiles long_prompt_images_per_s long_prompt_cost controlnet_images_per_s controlnet_cost
         controlnet_param_bytes_per_device controlnet_step_flops controlnet_step_flops_ratio noise_nv_s noise_cpu_s
-        noise_nv_cost noise_cpu_cost noise_sde_nv_s noise_sde_nv_cost""".split()
+        noise_nv_cost noise_cpu_cost noise_sde_nv_s noise_sde_nv_cost hires_images_per_s hires_cost hires_bytes
+        base_bytes hires_bytes_ratio upscaler_images_per_s""".split()
     assert not [key for key in required if key not in r]
     assert (r["model"], r["device"], r["n_devices"], r["batch"]) == ("tiny", "cpu", 1, 1)
     assert r["attention"] == "xla" and r["convolution"] == "xla"  # 4x4 latents: too small for Winograd
@@ -39,6 +40,9 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
     assert np.isclose(r["controlnet_cost"], r["images_per_s"] / r["controlnet_images_per_s"])
     assert 1.1 < r["controlnet_step_flops_ratio"] < 2 and r["controlnet_param_bytes_per_device"] > 0
     assert "one ControlNet" in stdout and "A1111's noise (NV, CPU; Euler a)" in stdout
+    # A hires fix renders twice, the second time 4x the pixels: more time, and more memory beside the weights.
+    assert r["hires_cost"] > 1 and r["hires_bytes_ratio"] > 1 and r["upscaler_images_per_s"] > 0
+    assert "a hires fix (2x by Latent" in stdout and "32x32 to 128x128" in stdout
     assert r["noise_nv_s"] > 0 and np.isclose(r["noise_cpu_cost"], r["noise_cpu_s"] * r["images_per_s"] / r["batch"])
     assert r["load_s"] > 0 and r["raw_read_s"] > 0 and r["weight_bytes"] > r["param_bytes_bf16"]  # tiny is float32
     assert "ratio (ours / diffusers)" in stdout

@@ -87,6 +87,15 @@ def _full_rows(r: dict) -> list[tuple[str, str]]:
             f"{r['controlnet_step_flops_ratio']:.2f}x a guided step's FLOPs; "
             f"{_mib(r['controlnet_param_bytes_per_device'])} of parameters per device",
         ),
+        (
+            "a hires fix (2x by Latent, half as many steps again)",
+            f"{_number(r['hires_images_per_s'])} images/s, {r['hires_cost']:.2f}x the time of the first pass alone; "
+            f"its pass holds {_mib(r['hires_bytes'])} beside the weights, {r['hires_bytes_ratio']:.2f}x the first's",
+        ),
+        (
+            f"model upscaler (realesr-general-x4v3's shape), {r['upscaler_from']} to {r['upscaler_to']}",
+            f"{_number(r['upscaler_images_per_s'])} images/s",
+        ),
         ("recompilations over the sweep", f"{r['recompiles']} in {r['sweep_runs']} calls"),
         (
             "A1111's noise (NV, CPU; Euler a), and its Brownian trees (NV; DPM++ 2M SDE)",

@@ -11,11 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from ..checkpoints import lora, random_models
 from ..engine.compilation import CompileCounter, enable_compilation_cache
 from ..engine.compiled import Executables
+from ..engine.hires import Hires
+from ..engine.memory import bytes_beside_weights
+from ..engine.upscaler import Upscaler
 from ..engine.request import DEFAULT_GUIDANCE_SCALE, Request
 from ..models import attention, convolution, unet
 from ..prompts.tokens import TOKENS_PER_CHUNK
@@ -329,10 +333,15 @@ def run_benchmark(
             long = pipe.prepare(batch_request(len(request), height, width, steps, prompt=long_prompt))
             log("writing a random ControlNet of the model's UNet shape, and compiling the model steered by it")
             steered, controlled, controlnet_first = _controlnet_first_run(pipe, scratch, request, dtype)
+            # A hires fix as SDXL's shared infotexts have it: 2x by "Latent", half the steps again.
+            hires = pipe.prepare(dataclasses.replace(request, hires=HIRES))
+            log(f"compiling the hires pass at {hires.hires.request.width}x{hires.hires.request.height}")
+            pipe.compile(hires.programs)
             calls |= {
                 "unguided": lambda: pipe.render(unguided),  # the program without the negative prompts' pass
                 "long_prompt": lambda: pipe.render(long),  # the program of 4 chunks
                 "controlnet": lambda: steered.render(controlled),  # the same batch steered by one ControlNet
+                "hires": lambda: pipe.render(hires),
             }
         reference = {}
         if compare:
@@ -353,6 +362,9 @@ def run_benchmark(
             rest |= time_lora_switches(pipe, scratch, request)
             log("timing A1111's noise, drawn on the host")
             rest |= time_noise_draws(pipe, request, runs, _median_s(timings["ours"]))
+            rest |= hires_memory(pipe, hires)
+            log(f"timing a model upscaler of realesr-general-x4v3's shape on {width}x{height} pictures")
+            rest |= time_upscaler(scratch, height, width, runs)
 
     result = dict(
         date=datetime.date.today().isoformat(),
@@ -377,6 +389,26 @@ def run_benchmark(
 
 
 LORA_RANK = 32  # a common rank for SDXL LoRAs
+HIRES = Hires(scale=2, upscaler="Latent", strength=0.5)  # a hires fix of the benchmark's steps (0.5: as many again)
+
+
+def hires_memory(pipe, prepared) -> dict:
+    """The hires pass's compiled program against the first pass's: the bytes each holds beside the
+    weights, as the launch's fit check counts them (`memory.bytes_beside_weights`)."""
+    first, second = (bytes_beside_weights(pipe.compiled(program)) for program in prepared.programs)
+    return {"hires_bytes": second, "base_bytes": first, "hires_bytes_ratio": second / first}
+
+
+def time_upscaler(scratch: Path, height: int, width: int, runs: int) -> dict:
+    """Images/s of a random 4x SRVGGNetCompact of realesr-general-x4v3's shape (64 features, 32 convs)
+    on height x width pictures (to 4x that), whole or in its tiles, compile excluded."""
+    upscaler = Upscaler.from_file(random_models.write_upscaler(scratch / "realesr-general-x4v3.safetensors", scale=4,
+                                                               num_feat=64, num_conv=32))
+    picture = np.random.default_rng(0).integers(0, 256, (height, width, 3), np.uint8)
+    upscaler.upscale(picture)  # compiles
+    seconds = statistics.median(_timed(lambda: upscaler.upscale(picture))[0] for _ in range(runs))
+    return {"upscaler_images_per_s": 1 / seconds, "upscaler_from": f"{width}x{height}",
+            "upscaler_to": f"{4 * width}x{4 * height}"}
 
 
 def time_noise_draws(pipe, request: Request, runs: int, call_s: float) -> dict:
@@ -460,7 +492,7 @@ def _controlnet_first_run(pipe, scratch: Path, request: Request, dtype: str) -> 
 
 # Untimed calls before the timed ones: ours ran once already (the first image), and so did the
 # ControlNet's; torch's CPU kernels take a few calls to settle.
-WARMUP_CALLS = {"ours": 0, "progress": 1, "unguided": 1, "long_prompt": 1, "controlnet": 1, "reference": 2}
+WARMUP_CALLS = {"ours": 0, "progress": 1, "unguided": 1, "long_prompt": 1, "controlnet": 1, "hires": 1, "reference": 2}
 
 
 def _interleaved_timings(calls: dict[str, Callable[[], object]], runs: int) -> dict[str, list[tuple[float, float]]]:
@@ -512,7 +544,7 @@ def _speed(pipe, request: Request, timings: dict, flops: float) -> dict:
 
 def _variant_speed(request: Request, timings: dict) -> dict:
     """The other programs' images/s, each against the benchmark's: without guidance, with a long
-    prompt, steered by a ControlNet."""
+    prompt, steered by a ControlNet, with a hires fix (both passes)."""
     batch, ours = len(request), timings["ours"]
     return dict(
         unguided_images_per_s=batch / _median_s(timings["unguided"]),
@@ -523,6 +555,8 @@ def _variant_speed(request: Request, timings: dict) -> dict:
         controlnet_images_per_s=batch / _median_s(timings["controlnet"]),
         controlnet_cost=_median_s(timings["controlnet"]) / _median_s(ours),
         controlnet_run_s=[t[0] for t in timings["controlnet"]],
+        hires_images_per_s=batch / _median_s(timings["hires"]),
+        hires_cost=_median_s(timings["hires"]) / _median_s(ours),
     )
 
 
