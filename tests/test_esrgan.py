@@ -92,6 +92,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_matches_spandrel(layout, tmp_path, rng):
     make, network_type, scale = LAYOUTS[layout]
@@ -107,6 +108,7 @@ def test_matches_spandrel(layout, tmp_path, rng):
     assert error < 1e-4
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("layout", ["x2plus", "x1"])
 def test_unshuffle_pads_odd_sizes_as_spandrel(layout, tmp_path, rng):
     """Real-ESRGAN's unshuffling models on a picture that is no multiple of the factor: reflect-padded,
@@ -120,6 +122,7 @@ def test_unshuffle_pads_odd_sizes_as_spandrel(layout, tmp_path, rng):
     assert np.abs(got - want).max() < 1e-4
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("name", ["original-4x.pth", "x4plus.params_ema.pth", "srvgg-x4.pt"])
 def test_pytorch_files_match_spandrel(name, tmp_path, rng):
     """torch.save'd state dicts (Real-ESRGAN's wrapped in "params_ema") read without PyTorch."""
