@@ -60,7 +60,7 @@ from .report import (
 from .soak import SOAK_MARKDOWN_HEADER, format_soak_table, run_soak, soak_markdown_row
 from .speed import run_benchmark
 from .topology import (
-    PROGRAMS, REFINE, STAGES, TOPOLOGY_MARKDOWN_HEADER, format_topology_table, run_topology_benchmark,
+    HIRES, PROGRAMS, REFINE, STAGES, TOPOLOGY_MARKDOWN_HEADER, format_topology_table, run_topology_benchmark,
     topology_markdown_row,
 )
 
@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stages",
         default=",".join(STAGES),
         help="with --topology, which stages of each program to compile, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--hires-scale",
+        type=float,
+        default=2.0,
+        help=f"with --topology, the upscale of the {' and '.join(HIRES)} programs: a hires fix's second pass, "
+        "from the first pass's latents (at --height x --width) upscaled (default: %(default)g)",
     )
     parser.add_argument(
         "--refiner",
@@ -148,6 +155,7 @@ def command(args: argparse.Namespace) -> None:
             programs=tuple(args.programs.split(",")),
             refiner=args.refiner,
             stages=tuple(args.stages.split(",")),
+            hires_scale=args.hires_scale,
             log=log,
         )
         table, header, row = format_topology_table(result), TOPOLOGY_MARKDOWN_HEADER, topology_markdown_row(result)
