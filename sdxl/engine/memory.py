@@ -87,7 +87,8 @@ def check_fits(pipe, batch_programs: Callable[[int], list[GenerateProgram]], per
     size = "more than the compiler could place" if asked is None else f"{asked / GIB:.2f} GiB"
     fitting = _largest_fitting(needed, limit)
     # A hires fix's second pass: the one program of a request at another size than its first pass's.
-    hires_sizes = sorted({_size(p) for p in batch_programs(1)} - {_size(batch_programs(1)[0])})
+    one = batch_programs(1)
+    hires_sizes = sorted({_size(p) for p in one} - {_size(one[0])})
     if fitting:
         advice = _fit(fitting, setting)
     elif hires_sizes:
