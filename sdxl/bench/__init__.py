@@ -32,7 +32,8 @@ checkpoints, one tensor at a time.
 
 With `--topology T` (a TPU slice such as v5e:2x2), it compiles the demo's programs for that slice on
 this host instead, without running them (`topology.py`): bytes per chip against the chip's memory,
-FLOPs per step, compile times. It needs libtpu (`pip install "jax[tpu]"`) and no TPU.
+FLOPs per step, compile times; with `--programs hires`, a hires fix's second pass at `--hires-scale`.
+It needs libtpu (`pip install "jax[tpu]"`) and no TPU.
 
 With `--soak-clients N`, it measures the demo under load instead (`soak.py`): `python app.py --model M`
 in a subprocess, N clients sending `--soak-requests` requests each at `--steps`, and
@@ -96,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--programs",
         default=",".join(PROGRAMS),
-        help="with --topology, the programs to compile, comma-separated (default: %(default)s)",
+        help=f"with --topology, the programs to compile, comma-separated (default: %(default)s; also "
+        f"{', '.join(HIRES)}: a hires fix's second pass, see --hires-scale)",
     )
     parser.add_argument(
         "--stages",
