@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import jax
@@ -6,10 +7,12 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from sdxl.bench import report, speed
+from sdxl.bench import report, speed, topology
 from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec, random_models
 from sdxl.config import config_from_dict
+from sdxl.engine.hires import Hires
 from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.request import Request
 from sdxl.models import controlnet, unet
 
 
@@ -206,6 +209,20 @@ def test_the_benchmark_controlnet_of_sdxl_base_is_the_published_sdxl_controlnet(
     spec = ModelSpec.from_folder(BUILTIN_CONFIGS / "sdxl-base-1.0")
     published = json.loads((BUILTIN_CONFIGS / "controlnet-sdxl-1.0" / "config.json").read_text())
     assert random_models.controlnet_config(spec) == config_from_dict(controlnet.ControlNetConfig, published)
+
+
+@pytest.mark.parametrize("guidance_scale, name", [(5.0, "hires"), (1.0, "hires-unguided")])
+def test_the_topology_benchs_hires_programs_are_the_pipelines_second_pass(guidance_scale, name):
+    """What `bench --topology --programs hires` compiles is the program the demo's pipeline (its VAE
+    tiling on) runs for a latent upscaler's hires fix: at the upscaled size, from the upscaled latents."""
+    pipe = Pipeline.from_pretrained("tiny", dtype="bfloat16", vae_tiling=True, devices=jax.devices()[:1])
+    request = Request.from_prompt("a fox", num_images=1, height=128, width=96, steps=4,
+                                  guidance_scale=guidance_scale)
+    second = pipe.prepare(dataclasses.replace(request, hires=Hires(scale=2.0))).hires.program
+    assert (second.height, second.width, second.start_from, second.vae_tiling) == (256, 192, "clean_latents", True)
+    program = topology.hires_program(name, topology.model_spec("tiny"), 128, 96, 4, "bfloat16", 2.0)
+    # The bench's own batch, the demo's padded schedule, and the family's previews, which the pipeline names.
+    assert program == dataclasses.replace(second, batch=4, max_steps=topology.MAX_STEPS, preview_factors=None)
 
 
 @pytest.mark.compiles

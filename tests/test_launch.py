@@ -69,6 +69,36 @@ def test_the_demo_refuses_an_images_per_core_that_does_not_fit_before_it_serves(
     assert len(measured) == 3, "4, 3, then 2 per device, which fits"
 
 
+def test_the_launch_says_whether_a_hires_fix_at_the_forms_default_fits(monkeypatch, capsys):
+    """A hires fix is off by default: its second pass at the form's default upscale is checked, and
+    what fits said, not refused."""
+    from sdxl.engine import memory
+    from sdxl.engine.pipeline import Pipeline
+    from sdxl.serving.demo import DemoService, Settings
+
+    measured = []
+
+    def needed(pipe, programs, in_use, progress=True):  # 100 bytes an image a device
+        measured.append({(p.start_from, p.width, p.height) for p in programs})
+        return in_use + 100 * programs[0].batch // pipe.num_devices
+
+    monkeypatch.setattr(memory, "device_memory", lambda pipe: (1000 + 250, 1000))
+    monkeypatch.setattr(memory, "bytes_needed", needed)
+    service = DemoService(Pipeline.from_pretrained("tiny"), model_label="tiny", max_images_per_core=4)
+    settings = Settings(prompt="warm-up", steps=2)
+    launch._report_hires_fit(service, settings)
+    first_pass = service.images(settings).request
+    width, height = (int(side * Settings.hires_scale) for side in (first_pass.width, first_pass.height))
+    assert measured[0] == {("clean_latents", width, height)}, "the second pass alone: the first's fits as text's"
+    assert capsys.readouterr().out == (
+        f"warning: a hires fix at its default 1.5x ({width}x{height}): --max-images-per-core 4 needs 0.00 GiB on "
+        "each cpu, which holds 0.00 GiB; 2 per device fit: --max-images-per-core 2\n")
+    monkeypatch.setattr(memory, "device_memory", lambda pipe: (1000 + 400, 1000))
+    launch._report_hires_fit(service, settings)
+    fits = f"a hires fix at its default 1.5x ({width}x{height}): fits at --max-images-per-core 4\n"
+    assert capsys.readouterr().out == fits
+
+
 @pytest.mark.parametrize("text, expected", [
     ("style.safetensors", ("style.safetensors", 1.0)),
     ("style.safetensors:0.7", ("style.safetensors", 0.7)),

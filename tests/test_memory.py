@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from sdxl.engine import memory
+from sdxl.engine.hires import Hires
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.request import Request
 
@@ -84,3 +85,22 @@ def test_with_a_refiner_that_leaves_no_room_the_check_says_what_fits_without_it(
     with pytest.raises(memory.DoesNotFitError, match=r"not even 1 per device fits beside the refiner's [\d.]+ GiB; "
                        r"without --refiner, \d per device fits?: --max-images-per-core \d$"):
         memory.check_fits(base, batches, 2, "--max-images-per-core {}".format)
+
+
+@pytest.mark.compiles
+def test_a_hires_fix_is_checked_with_its_second_pass_and_the_check_says_what_fits_without_it(pipe, monkeypatch):
+    """The CLI checks a request's programs (`PreparedRequest.programs_at`), a hires fix's second pass among
+    them; where that pass leaves no room for 1 image per device, the sentence names what fits without it."""
+    request = Request.from_prompt("a fox", num_images=1, height=64, width=64, steps=2)
+    prepared = pipe.prepare(dataclasses.replace(request, hires=Hires(scale=2.0)))
+    batches = lambda n: prepared.programs_at(pipe.padded_batch(n * pipe.num_devices))  # noqa: E731
+    assert [(p.width, p.height) for p in batches(1)] == [(64, 64), (128, 128)]
+    in_use = 10_000_000
+    first_pass, with_hires = (memory.bytes_needed(pipe, programs, in_use, progress=False)
+                              for programs in (batches(1)[:1], batches(1)))
+    assert first_pass < with_hires, "the second pass, at 4x the pixels, needs more"
+    monkeypatch.setattr(memory, "device_memory", lambda pipe: ((first_pass + with_hires) // 2, in_use))
+    with pytest.raises(memory.DoesNotFitError, match=r"^--num-images 2 needs [\d.]+ GiB on each cpu, which holds "
+                       r"[\d.]+ GiB; not even 1 per device fits with the hires fix's 128x128 pass \(a smaller upscale "
+                       r"may\); without it, (1 per device fits|2 per device fit): --num-images (1|2)$"):
+        memory.check_fits(pipe, batches, 2, "--num-images {}".format, progress=False)

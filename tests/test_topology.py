@@ -102,6 +102,19 @@ def test_a_refiner_shares_each_chip_with_the_model(tmp_path):
     assert report["refiner"] == "tiny-refiner"
 
 
+def test_the_hires_pass_compiles_at_the_upscaled_size_and_the_report_says_it(tmp_path):
+    """A hires fix's second pass: the report's size is the first pass's, and says the pass's too."""
+    out = tmp_path / "report.json"
+    args = ["bench", "--model", "tiny", "--topology", "v5e:2x2", "--height", str(SIZE), "--width", str(SIZE),
+            "--batch", str(CHIPS), "--programs", "hires", "--stages", "whole", "--hires-scale", "1.5"]
+    assert main([*args, "--json", str(out), "--markdown", str(tmp_path / "BENCHMARKS.md")]) == 0
+    report = json.loads(out.read_text())
+    assert (report["height"], report["width"]) == (SIZE, SIZE)
+    assert report["hires"] == {"scale": 1.5, "height": 96, "width": 96}
+    assert report["compiled"] and report["largest_program"] == "hires whole"
+    assert f"{SIZE}x{SIZE} (hires pass x1.5: 96x96), 1 |" in (tmp_path / "BENCHMARKS.md").read_text()
+
+
 def test_an_unknown_stage_is_refused_before_compiling(capsys):
     args = ["bench", "--model", "tiny", "--topology", "v5e:2x2", "--stages", "whole,decode"]
     assert main(args) == 2

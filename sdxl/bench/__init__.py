@@ -32,7 +32,8 @@ checkpoints, one tensor at a time.
 
 With `--topology T` (a TPU slice such as v5e:2x2), it compiles the demo's programs for that slice on
 this host instead, without running them (`topology.py`): bytes per chip against the chip's memory,
-FLOPs per step, compile times. It needs libtpu (`pip install "jax[tpu]"`) and no TPU.
+FLOPs per step, compile times; with `--programs hires`, a hires fix's second pass at `--hires-scale`.
+It needs libtpu (`pip install "jax[tpu]"`) and no TPU.
 
 With `--soak-clients N`, it measures the demo under load instead (`soak.py`): `python app.py --model M`
 in a subprocess, N clients sending `--soak-requests` requests each at `--steps`, and
@@ -60,7 +61,7 @@ from .report import (
 from .soak import SOAK_MARKDOWN_HEADER, format_soak_table, run_soak, soak_markdown_row
 from .speed import run_benchmark
 from .topology import (
-    PROGRAMS, REFINE, STAGES, TOPOLOGY_MARKDOWN_HEADER, format_topology_table, run_topology_benchmark,
+    HIRES, PROGRAMS, REFINE, STAGES, TOPOLOGY_MARKDOWN_HEADER, format_topology_table, run_topology_benchmark,
     topology_markdown_row,
 )
 
@@ -96,12 +97,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--programs",
         default=",".join(PROGRAMS),
-        help="with --topology, the programs to compile, comma-separated (default: %(default)s)",
+        help=f"with --topology, the programs to compile, comma-separated (default: %(default)s; also "
+        f"{', '.join(HIRES)}: a hires fix's second pass, see --hires-scale)",
     )
     parser.add_argument(
         "--stages",
         default=",".join(STAGES),
         help="with --topology, which stages of each program to compile, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--hires-scale",
+        type=float,
+        default=2.0,
+        help=f"with --topology, the upscale of the {' and '.join(HIRES)} programs: a hires fix's second pass, "
+        "from the first pass's latents (at --height x --width) upscaled (default: %(default)g)",
     )
     parser.add_argument(
         "--refiner",
@@ -148,6 +157,7 @@ def command(args: argparse.Namespace) -> None:
             programs=tuple(args.programs.split(",")),
             refiner=args.refiner,
             stages=tuple(args.stages.split(",")),
+            hires_scale=args.hires_scale,
             log=log,
         )
         table, header, row = format_topology_table(result), TOPOLOGY_MARKDOWN_HEADER, topology_markdown_row(result)

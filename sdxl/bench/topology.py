@@ -16,6 +16,7 @@ come from a model, not a measurement.
 Run it with JAX_PLATFORMS=cpu, so that jax does not look for a TPU on this host first.
 """
 
+import dataclasses
 import datetime
 import json
 import os
@@ -29,10 +30,12 @@ from jax.experimental import topologies
 
 from ..checkpoints import ModelSpec, random_models
 from ..engine.compiled import IN_STAGES, WHOLE, Executables
+from ..engine.hires import Hires
 from ..engine.memory import bytes_beside_weights
 from ..engine.mesh import batch_mesh
 from ..engine.program import GenerateProgram
 from ..models.attention import kernels_in
+from ..models.vae import tile_sizes
 from .loading import machine_description
 
 # Per-chip HBM in GiB from Google Cloud's TPU system architecture pages (v4, v5e, v5p, v6e), matched
@@ -44,6 +47,9 @@ MAX_STEPS = 100
 # The programs the demo runs at one size: where the loop starts (text-to-image, image-to-image,
 # inpainting), each with and without classifier-free guidance.
 PROGRAMS = ("text", "text-unguided", "image", "image-unguided", "inpaint", "inpaint-unguided")
+# A hires fix's second pass (`sdxl.engine.hires`), at the size upscaled by `--hires-scale`: compiled when
+# named, not by default, as its size is not the others'.
+HIRES = ("hires", "hires-unguided")
 # With a refiner, the refiner's program too: it finishes the base's latents (`Pipeline._handoff`).
 REFINE = "refine"
 # Each program compiled whole, and as the prepare/denoise/finish chain that progress reports run.
@@ -79,6 +85,18 @@ def program_named(name: str, spec: ModelSpec, height: int, width: int, batch: in
         start_from=start_from,
         inpaint=kind == "inpaint",
     )
+
+
+def hires_program(name: str, spec: ModelSpec, height: int, width: int, batch: int, dtype,
+                  scale: float) -> GenerateProgram:
+    """One of `HIRES` as the demo compiles it for a first pass at `height` x `width`: text-to-image's
+    program at the size a latent upscaler's hires fix of `scale` renders (`Hires.size`), from the
+    upscaled latents, its VAE tiling where the demo's pipeline tiles (`Pipeline._tiles_vae`)."""
+    first_pass = program_named(name.replace("hires", "text"), spec, height, width, batch, dtype)
+    height, width = Hires(scale=scale).size(height, width, spec)
+    tile, _ = tile_sizes(spec.vae)
+    return dataclasses.replace(first_pass, height=height, width=width, start_from="clean_latents",
+                               vae_tiling=height * width > tile * tile)
 
 
 def refine_program(refiner: ModelSpec, height: int, width: int, batch: int, dtype) -> GenerateProgram:
@@ -124,6 +142,7 @@ def run_topology_benchmark(
     programs: tuple[str, ...] = PROGRAMS,
     refiner: str | None = None,
     stages: tuple[str, ...] = STAGES,
+    hires_scale: float = 2.0,
     log=print,
 ) -> dict:
     """Compiles `programs` whole and in stages for the TPU slice `topology` ("v5e:2x2"); returns the report.
@@ -136,6 +155,7 @@ def run_topology_benchmark(
         `programs` may then name (it is added to the default ones).
       stages: which of each program's stages to compile and report (at SDXL's size each takes minutes
         to tens of minutes here): the whole program, and the staged ones that progress reports run.
+      hires_scale: the upscale of the `HIRES` programs' hires fix, whose first pass is at `height` x `width`.
     """
     # libtpu locks a file so that one process drives a host's chips; compiling drives none, so a test
     # may compile while a bench does.
@@ -145,9 +165,9 @@ def run_topology_benchmark(
     batch = batch or chips
     if batch % chips:
         raise ValueError(f"--batch must be a multiple of the {chips} chips of {topology}, got {batch}")
-    known = PROGRAMS + ((REFINE,) if refiner else ())
+    known = PROGRAMS + HIRES + ((REFINE,) if refiner else ())
     if refiner and programs == PROGRAMS:
-        programs = known
+        programs = PROGRAMS + (REFINE,)
     if unknown := set(programs) - set(known):
         hint = f" ({REFINE} needs --refiner)" if REFINE in unknown else ""
         raise ValueError(f"unknown programs {sorted(unknown)}; choose from {', '.join(known)}{hint}")
@@ -155,11 +175,19 @@ def run_topology_benchmark(
         raise ValueError(f"unknown stages {sorted(unknown)}; choose from {', '.join(STAGES)}")
     spec, mesh = model_spec(model), batch_mesh(devices)
     refiner_spec = refiner and model_spec(refiner)
-    log(f"compiling {model} at {width}x{height}, {batch // chips} images per chip, for {topology} ({chips} chips)")
+    # The hires pass's size, where it is compiled: the report's height and width are its first pass's.
+    hires = None
+    if set(programs) & set(HIRES):
+        hires_height, hires_width = Hires(scale=hires_scale).size(height, width, spec)
+        hires = {"scale": hires_scale, "height": hires_height, "width": hires_width}
+    log(f"compiling {model} at {_size(width, height, hires)}, {batch // chips} images per chip, for {topology} "
+        f"({chips} chips)")
     compiled = []
     for name in programs:
         if name == REFINE:
             program = refine_program(refiner_spec, height, width, batch, dtype)
+        elif name in HIRES:
+            program = hires_program(name, spec, height, width, batch, dtype, hires_scale)
         else:
             program = program_named(name, spec, height, width, batch, dtype)
         executables = Executables(mesh)  # one program's at a time: SDXL's executables are large
@@ -174,6 +202,7 @@ def run_topology_benchmark(
         # Every model's weights stay on each chip whichever program runs, a component they share once.
         weight_bytes=param_bytes(spec, dtype) + (param_bytes(refiner_spec, dtype, spec) if refiner else 0),
         shared=shared_components(spec, refiner_spec) if refiner else [],
+        hires=hires,
         topology=topology,
         devices=devices,
         height=height,
@@ -213,7 +242,8 @@ def _compile(executables: Executables, program: GenerateProgram, stage: str) -> 
 
 
 def _report(
-    compiled: list[dict], *, model, refiner, weight_bytes, shared, topology, devices, height, width, steps, batch, dtype
+    compiled: list[dict], *, model, refiner, weight_bytes, shared, hires, topology, devices, height, width, steps,
+    batch, dtype,
 ) -> dict:
     kind = devices[0].device_kind
     ok = [c for c in compiled if c["compiled"]]
@@ -241,6 +271,8 @@ def _report(
         "dtype": dtype,
         "height": height,
         "width": width,
+        # Only with a hires program: its upscale and size ({"scale", "height", "width"}).
+        **({"hires": hires} if hires else {}),
         "steps": steps,
         "batch": batch,
         "images_per_chip": batch // len(devices),
@@ -263,6 +295,13 @@ def _report(
         prepare, step, finish = (e["estimated_s"] for e in estimates)
         report["estimated_generation_s"] = prepare + steps * step + finish
     return report
+
+
+def _size(width: int, height: int, hires: dict | None) -> str:
+    """A report's size, and its hires pass's where it has one."""
+    if hires is None:
+        return f"{width}x{height}"
+    return f"{width}x{height} (hires pass x{hires['scale']:g}: {hires['width']}x{hires['height']})"
 
 
 def _gib(value) -> str:
@@ -288,7 +327,8 @@ def format_topology_table(r: dict) -> str:
     flops = r["unet_flops_per_step"]
     lines = [
         f"compiled for {r['topology']} ({r['chips']}x {r['device']}, {r['hosts']} host(s)) on this CPU, not run",
-        f"{_models(r)} {r['dtype']} at {r['width']}x{r['height']}, {r['images_per_chip']} images per chip, "
+        f"{_models(r)} {r['dtype']} at {_size(r['width'], r['height'], r.get('hires'))}, "
+        f"{r['images_per_chip']} images per chip, "
         f"{', '.join(r['attention']) or 'no'} attention",
         f"weights {_gib(r['weight_bytes_per_chip'])} per chip, and the largest program beside them, "
         f"{r['largest_program']}: {_gib(r['bytes_per_chip'])} per chip of "
@@ -318,7 +358,7 @@ def topology_markdown_row(r: dict) -> str:
         r["machine"],
         f"{r['topology']} ({r['chips']}x {r['device']})",
         f"{_models(r)} {r['dtype']}, {', '.join(r['attention'])} attention",
-        f"{r['width']}x{r['height']}, {r['images_per_chip']}",
+        f"{_size(r['width'], r['height'], r.get('hires'))}, {r['images_per_chip']}",
         f"{_gib(r['bytes_per_chip'])} / {_gib(r['hbm_bytes_per_chip'])}" + ("" if r["fits"] else " (does not fit)"),
         r["largest_program"] or "",
         "n/a" if flops is None else f"{flops / 1e12:.3g}",

@@ -7,7 +7,8 @@ weights: this device's share of its other arguments (latents, text states), its 
 temporaries, less the outputs that reuse donated inputs' buffers. A TPU's
 compiler refuses a program larger than its memory outright ("RESOURCE_EXHAUSTED ... exceeds
 available HBM"); a GPU's compiles it and fails when it allocates. Either way the demo and the CLI
-find out here, and say what does fit.
+find out here, and say what does fit. A hires fix's second pass, at its bigger size, is one more
+program to check; where not even one image fits with it, the sentence says what fits without it.
 
 Devices that do not report their memory (the CPU) are not checked.
 """
@@ -70,7 +71,8 @@ def check_fits(pipe, batch_programs: Callable[[int], list[GenerateProgram]], per
     in a sentence naming the largest count that does, as the user sets it.
 
     Args:
-      batch_programs: the programs a batch of n images per device runs, for n from `per_device` down.
+      batch_programs: the programs a batch of n images per device runs, for n from `per_device` down
+        (a hires fix's second pass among them: `PreparedRequest.programs_at`).
       setting: how the user asks for n images per device ("--max-images-per-core 4"), for the sentence.
     """
     memory = device_memory(pipe)
@@ -84,8 +86,21 @@ def check_fits(pipe, batch_programs: Callable[[int], list[GenerateProgram]], per
     device = pipe.mesh.devices.flat[0]
     size = "more than the compiler could place" if asked is None else f"{asked / GIB:.2f} GiB"
     fitting = _largest_fitting(needed, limit)
+    # A hires fix's second pass: the one program of a request at another size than its first pass's.
+    one = batch_programs(1)
+    hires_sizes = sorted({_size(p) for p in one} - {_size(one[0])})
     if fitting:
         advice = _fit(fitting, setting)
+    elif hires_sizes:
+        def first_pass(n: int) -> list[GenerateProgram]:
+            programs = batch_programs(n)
+            return [p for p in programs if _size(p) == _size(programs[0])]
+
+        needed = _needed_down_to_fit(pipe, first_pass, per_device, in_use, limit, progress)
+        fitting = _largest_fitting(needed, limit)
+        passes = " and ".join(f"{width}x{height}" for width, height in hires_sizes)
+        advice = (f"not even 1 per device fits with the hires fix's {passes} pass (a smaller upscale may); "
+                  f"without it, {_fit(fitting, setting) if fitting else 'not even 1 either'}")
     elif pipe.refiner is not None:
         # Without the refiner: its own weights off the devices, and none of its programs.
         def alone(n: int) -> list[GenerateProgram]:
@@ -112,6 +127,11 @@ def _needed_down_to_fit(pipe, batch_programs, per_device: int, in_use: int, limi
         if needed[n] is not None and needed[n] <= limit:
             break
     return needed
+
+
+def _size(program: GenerateProgram) -> tuple[int, int]:
+    """(width, height), as sizes are written ("2048x2048")."""
+    return program.width, program.height
 
 
 def _largest_fitting(needed: dict, limit: int) -> int | None:

@@ -270,13 +270,15 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
         max_per_owner=options.max_per_user, notice=model.notice, loras=model.loras, recommended=model.settings,
         emphasis=options.emphasis, runner=None if hosts is None else hosts.runner(pipe),  # calls to every process
     )
-    warm_up = service.images(Settings(prompt="warm-up", guidance_scale=model.settings.guidance_scale, steps=2,
-                                      emphasis=options.emphasis))
+    warm_up_settings = Settings(prompt="warm-up", guidance_scale=model.settings.guidance_scale, steps=2,
+                                emphasis=options.emphasis)
+    warm_up = service.images(warm_up_settings)
     # On an accelerator, the largest batch of each kind the demo renders must fit a device's memory.
     served = [warm_up, *_edits(pipe, warm_up).values()]
     batch = lambda n: pipe.padded_batch(n * pipe.num_devices)  # noqa: E731
     memory.check_fits(pipe, lambda n: [p for r in served for p in r.programs_at(batch(n))],
                       options.max_images_per_core, "--max-images-per-core {}".format)
+    _report_hires_fit(service, warm_up_settings)
     compile_seconds = service.queue.runner.compile(warm_up.programs)
     warm_start = time.perf_counter()
     service.queue.wait(service.queue.submit(warm_up))
@@ -290,6 +292,25 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
         if compiling is not None:
             compiling.add_done_callback(functools.partial(_report_background_compile, label))
     return service
+
+
+def _report_hires_fit(service: DemoService, settings: Settings) -> None:
+    """Says whether the second pass of a hires fix at the form's default upscale fits the largest batch,
+    on a device that reports its memory (where `memory.check_fits` checks): said, not refused, as
+    requests without a hires fix fit. The pass stays compiled for the first request with one."""
+    pipe = service.pipe
+    if memory.device_memory(pipe) is None:
+        return
+    hires = service.images(dataclasses.replace(settings, hires=True))
+    second, most = hires.hires.request, service.max_images_per_core
+    what = f"a hires fix at its default {hires.request.hires.scale:g}x ({second.width}x{second.height})"
+    try:
+        memory.check_fits(pipe, lambda n: hires.hires.programs_at(pipe.padded_batch(n * pipe.num_devices)), most,
+                          "--max-images-per-core {}".format)
+    except memory.DoesNotFitError as e:
+        print(f"warning: {what}: {e}", flush=True)
+    else:
+        print(f"{what}: fits at --max-images-per-core {most}", flush=True)
 
 
 def _join_hosts(options: argparse.Namespace) -> "multihost.Hosts | None":
