@@ -141,8 +141,7 @@ class Hires:
         sampler = first_pass["sampler"] if self.sampler is None else sampler_name(self.sampler)
         schedule_type = self.schedule_type
         if schedule_type is None and self.sampler is not None:  # the first pass's type where it runs on it
-            own = DIFFUSERS if first_pass["schedule_type"] == DIFFUSERS else "Automatic"
-            fits = ON_DIFFUSERS_SCHEDULE if own == DIFFUSERS else ON_A1111_SCHEDULES
+            fits = ON_DIFFUSERS_SCHEDULE if first_pass["schedule_type"] == DIFFUSERS else ON_A1111_SCHEDULES
             schedule_type = first_pass["schedule_type"] if sampler in fits else None
         elif schedule_type is None:
             schedule_type = first_pass["schedule_type"]
