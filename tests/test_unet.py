@@ -248,3 +248,71 @@ def test_unsupported_config_raises(change):
     config = config_from_dict(UNetConfig, SDXL_BASE_CONFIG)
     with pytest.raises(ValueError):
         dataclasses.replace(config, **change)
+
+
+def _attn2_paths(params: dict) -> dict[str, tuple[str, ...]]:
+    """Each cross-attention layer's parameter path, by diffusers' module name."""
+    return {".".join(path[:-2]): path[:-2] for path in flatten(params) if path[-3:] == ("attn2", "to_k", "weight")}
+
+
+@pytest.mark.oracle
+def test_image_prompts_attend_as_diffusers_ip_adapter_processors(sdxl_style, rng):
+    """Two IP-Adapters' tokens through diffusers' IPAdapterAttnProcessor2_0, with scales that differ per
+    layer and per image: each image as diffusers renders it with that image's scales."""
+    from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
+
+    from sdxl.checkpoints.weights import unflatten
+    from sdxl.models.layers import ImagePromptTokens
+    from sdxl.models.unet import attention_layers
+
+    path, values, _ = sdxl_style
+    model = TorchUNet.from_pretrained(path).eval()
+    config, params = load_jax(path, np.float32)
+    layers = attention_layers(config)
+    assert layers == ("down_blocks.1.attentions.0", "down_blocks.1.attentions.1", "down_blocks.2.attentions.0",
+                      "down_blocks.2.attentions.1", "mid_block.attentions.0", "up_blocks.0.attentions.0",
+                      "up_blocks.0.attentions.1", "up_blocks.0.attentions.2", "up_blocks.1.attentions.0",
+                      "up_blocks.1.attentions.1", "up_blocks.1.attentions.2")
+    tokens = (4, 2)
+    cross = SDXL_STYLE["cross_attention_dim"]
+    states = [rng.standard_normal((2, n, cross), dtype=np.float32) for n in tokens]
+    # Per image, per adapter, per layer: some layers off, the two images' scales unlike.
+    scales = rng.uniform(0.2, 1.5, (2, len(tokens), len(layers))).astype(np.float32)
+    scales[:, 1, ::3] = 0.0
+    flat = flatten(params)
+    processors = {}
+    for name, processor in model.attn_processors.items():
+        if not name.endswith("attn2.processor"):
+            processors[name] = AttnProcessor2_0()
+            continue
+        hidden = model.get_submodule(name.removesuffix(".processor")).to_q.out_features
+        ip = IPAdapterAttnProcessor2_0(hidden, cross, tokens)
+        for a in range(len(tokens)):
+            for kind in ("to_k_ip", "to_v_ip"):
+                weight = torch.randn(hidden, cross) / cross**0.5
+                getattr(ip, kind)[a].weight.data.copy_(weight)
+                flat[(*_attn2_paths(params)[name.removesuffix(".processor")], f"{kind}.{a}", "weight")] = weight.numpy()
+        processors[name] = ip
+    model.set_attn_processor(processors)
+
+    expected = []
+    for b in range(2):
+        for name, processor in model.attn_processors.items():
+            if name.endswith("attn2.processor"):
+                layer = layers.index(name.split(".transformer_blocks")[0])
+                processor.scale = [float(s) for s in scales[b, :, layer]]
+        added = {k: torch.from_numpy(values[k]) for k in ("text_embeds", "time_ids")}
+        with torch.no_grad():
+            out = model(
+                torch.from_numpy(values["sample"]).permute(0, 3, 1, 2), torch.from_numpy(values["timesteps"]),
+                (torch.from_numpy(values["encoder_hidden_states"]), [torch.from_numpy(s) for s in states]),
+                added_cond_kwargs=added,
+            ).sample
+        expected.append(out.permute(0, 2, 3, 1).numpy()[b])
+    prompts = tuple(ImagePromptTokens(s, scales[:, a]) for a, s in enumerate(states))
+    out = jax_forward(config, unflatten(flat), {**values, "image_prompts": prompts})
+    without = jax_forward(config, params, values)
+    diff = np.abs(out - np.stack(expected)).max()
+    print(f"IP-Adapter attention: max abs diff {diff:.2e}, effect {np.abs(out - without).max():.2f}")
+    assert np.abs(out - without).max() > 0.1
+    assert diff <= 1e-4

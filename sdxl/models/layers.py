@@ -158,12 +158,27 @@ class ResnetBlock2D(nn.Module):
         return (x + h) / self.output_scale_factor
 
 
+class ImagePromptTokens(NamedTuple):
+    """An IP-Adapter's image prompt as cross-attention takes it: its tokens, which every layer that
+    attends to the text also attends to with weights of the adapter's own, and each image's scale of
+    that attention at every such layer (`unet.attention_layers`' order), or at this one."""
+
+    states: jax.Array  # [B, N, D]
+    scales: jax.Array  # [B, L], or [B] at one layer
+
+
 class Context(NamedTuple):
     """What cross-attention attends to: the text's token states, and how many of them each image's
-    prompt has (a prompt of fewer chunks than the batch's longest); None: all of them."""
+    prompt has (a prompt of fewer chunks than the batch's longest); None: all of them. And an image
+    prompt per IP-Adapter, if any."""
 
     states: jax.Array  # [B, S, D]
     lengths: jax.Array | None = None  # [B] int32
+    image_prompts: tuple[ImagePromptTokens, ...] = ()
+
+    def at_layer(self, layer: int) -> "Context":
+        """This context at the cross-attention layer `layer`: each image prompt's scales there."""
+        return self._replace(image_prompts=tuple(p._replace(scales=p.scales[:, layer]) for p in self.image_prompts))
 
 
 class Attention(nn.Module):
@@ -192,7 +207,14 @@ class Attention(nn.Module):
             key = step_invariant(self, "key", lambda: project("to_k", context.states))
             value = step_invariant(self, "value", lambda: project("to_v", context.states))
             lengths = context.lengths
-        out = dot_product_attention(project("to_q", x), key, value, lengths)
+        query = project("to_q", x)
+        out = dot_product_attention(query, key, value, lengths)
+        # IP-Adapter (diffusers' IPAdapterAttnProcessor2_0): the queries also attend to each image
+        # prompt's tokens, through the adapter's own key and value weights, added at its scale.
+        for a, prompt in enumerate(() if context is None else context.image_prompts):
+            key = step_invariant(self, f"ip_key.{a}", lambda a=a, p=prompt: project(f"to_k_ip.{a}", p.states))
+            value = step_invariant(self, f"ip_value.{a}", lambda a=a, p=prompt: project(f"to_v_ip.{a}", p.states))
+            out = out + prompt.scales[:, None, None, None].astype(out.dtype) * dot_product_attention(query, key, value)
         return Linear(channels, dtype=self.dtype, name="to_out.0")(out.reshape(batch, length, channels))
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .layers import Attention, Context, Conv3x3, Downsample2D, Linear, ResnetBlock2D, Upsample2D, group_norm
+from .layers import Attention, Context, Conv3x3, ImagePromptTokens, Downsample2D, Linear, ResnetBlock2D, Upsample2D, group_norm
 
 DOWN_BLOCK_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
 UP_BLOCK_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
@@ -277,10 +277,12 @@ class Transformer2DModel(nn.Module):
     spec: TransformerSpec
     norm_num_groups: int
     dtype: jnp.dtype = jnp.float32
+    layer: int = 0  # its place in `attention_layers`, where the image prompts' scales are
 
     @nn.compact
     def __call__(self, x, context):  # [B, H, W, C], [B, S, D] -> [B, H, W, C]
         batch, height, width, channels = x.shape
+        context = context.at_layer(self.layer)
         h = group_norm(self.norm_num_groups, TRANSFORMER_GROUP_NORM_EPS, self.dtype, "norm")(x)
         # A 1x1 conv and a linear layer compute the same map on NHWC data; the checkpoint stores
         # one or the other depending on use_linear_projection.
@@ -305,7 +307,7 @@ def _resnet_and_transformer(block: nn.Module, index: int, x, temb, context):
     )(x, temb)
     if block.transformer is not None:
         x = Transformer2DModel(
-            block.transformer, block.norm_num_groups, block.dtype, name=f"attentions.{index}"
+            block.transformer, block.norm_num_groups, block.dtype, block.first_layer + index, name=f"attentions.{index}"
         )(x, context)
     return x
 
@@ -324,6 +326,7 @@ class DownBlock(nn.Module):
     norm_num_groups: int
     norm_eps: float
     dtype: jnp.dtype = jnp.float32
+    first_layer: int = 0  # the place of its first spatial transformer in `attention_layers`
 
     @nn.compact
     def __call__(self, x, temb, context):  # [B, H, W, C_in] -> [B, H/2, W/2, out_channels], skips
@@ -350,6 +353,7 @@ class UpBlock(nn.Module):
     norm_num_groups: int
     norm_eps: float
     dtype: jnp.dtype = jnp.float32
+    first_layer: int = 0  # the place of its first spatial transformer in `attention_layers`
 
     @nn.compact
     def __call__(self, x, skips, temb, context, upsample_size=None):  # [B, h, w, C_in] -> [B, *upsample_size, out]
@@ -368,6 +372,7 @@ class UNetMidBlock2DCrossAttn(nn.Module):
     norm_eps: float
     output_scale_factor: float
     dtype: jnp.dtype = jnp.float32
+    layer: int = 0  # the place of its spatial transformer in `attention_layers`
 
     @nn.compact
     def __call__(self, x, temb, context):  # [B, h, w, C]
@@ -377,7 +382,9 @@ class UNetMidBlock2DCrossAttn(nn.Module):
             )
 
         x = resnet("resnets.0")(x, temb)
-        x = Transformer2DModel(self.transformer, self.norm_num_groups, self.dtype, name="attentions.0")(x, context)
+        x = Transformer2DModel(
+            self.transformer, self.norm_num_groups, self.dtype, self.layer, name="attentions.0"
+        )(x, context)
         return resnet("resnets.1")(x, temb)
 
 
@@ -421,6 +428,28 @@ def _norm(config: UNetConfig, dtype) -> dict:
     return dict(norm_num_groups=config.norm_num_groups, norm_eps=config.norm_eps, dtype=dtype)
 
 
+def attention_layers(config: UNetConfig) -> tuple[str, ...]:
+    """The spatial transformers (diffusers' `attentions.*` of each block), in the order the UNet runs
+    them: the down blocks', the mid block's, the up blocks'. An image prompt's scales are per layer in
+    this order (`ImagePromptTokens`)."""
+    names = []
+    for level, block_type in enumerate(config.down_block_types):
+        if block_type.startswith("CrossAttn"):
+            names += [f"down_blocks.{level}.attentions.{i}" for i in range(config.layers_per_block)]
+    names.append("mid_block.attentions.0")
+    for i, block_type in enumerate(config.up_block_types):
+        if block_type.startswith("CrossAttn"):
+            names += [f"up_blocks.{i}.attentions.{j}" for j in range(config.layers_per_block + 1)]
+    return tuple(names)
+
+
+def _first_layer(config: UNetConfig, block: str) -> int:
+    """Where `block`'s first spatial transformer is in `attention_layers` (0 for a block without)."""
+    layers = attention_layers(config)
+    name = f"{block}.attentions.0"
+    return layers.index(name) if name in layers else 0
+
+
 def down_and_mid_blocks(config: UNetConfig, x, temb, context, dtype) -> tuple[list, jax.Array]:
     """The encoder half, after `conv_in`: every down block, then the mid block.
 
@@ -439,12 +468,14 @@ def down_and_mid_blocks(config: UNetConfig, x, temb, context, dtype) -> tuple[li
             specs[level] if block_type.startswith("CrossAttn") else None,
             add_downsample=level < levels - 1,
             downsample_padding=config.downsample_padding,
+            first_layer=_first_layer(config, f"down_blocks.{level}"),
             name=f"down_blocks.{level}",
             **_norm(config, dtype),
         )(x, temb, context)
         skips += block_skips
     mid = UNetMidBlock2DCrossAttn(
-        specs[-1], output_scale_factor=config.mid_block_scale_factor, name="mid_block", **_norm(config, dtype)
+        specs[-1], output_scale_factor=config.mid_block_scale_factor, layer=_first_layer(config, "mid_block"),
+        name="mid_block", **_norm(config, dtype),
     )(x, temb, context)
     return skips, mid
 
@@ -460,6 +491,7 @@ class UNet2DConditionModel(nn.Module):
     def __call__(
         self, sample, timesteps, encoder_hidden_states, text_embeds=None, time_ids=None, timestep_cond=None,
         encoder_lengths=None, down_block_additional_residuals=None, mid_block_additional_residual=None,
+        image_prompts: tuple[ImagePromptTokens, ...] = (),
     ):
         """Runs the UNet.
 
@@ -476,13 +508,17 @@ class UNet2DConditionModel(nn.Module):
             `encoder_attention_mask` as lengths): the rest is padding of a shorter prompt. None: all.
           down_block_additional_residuals, mid_block_additional_residual: a ControlNet's output
             (`sdxl.models.controlnet`), added to every skip and to the mid block's output, as diffusers adds them.
+          image_prompts: each IP-Adapter's image tokens and scales (`ImagePromptTokens`, [B, N, D] and
+            [B, len(attention_layers)]); the UNet's parameters then hold each adapter's `to_k_ip.{a}` and
+            `to_v_ip.{a}` in every `attn2` (`sdxl.checkpoints.ip_adapters`).
 
         Returns:
           [B, H, W, out_channels] in `dtype`.
         """
         cfg = self.config
         dtype = self.dtype
-        context = Context(encoder_hidden_states.astype(dtype), encoder_lengths)
+        image_prompts = tuple(p._replace(states=p.states.astype(dtype)) for p in image_prompts)
+        context = Context(encoder_hidden_states.astype(dtype), encoder_lengths, image_prompts)
         temb = time_embedding(cfg, sample.shape[0], timesteps, text_embeds, time_ids, timestep_cond, dtype)
         x = Conv3x3(cfg.block_out_channels[0], dtype=dtype, name="conv_in")(sample.astype(dtype))
         skips, x = down_and_mid_blocks(cfg, x, temb, context, dtype)
@@ -501,6 +537,7 @@ class UNet2DConditionModel(nn.Module):
                 cfg.block_out_channels[level],
                 specs[level] if block_type.startswith("CrossAttn") else None,
                 add_upsample=level > 0,
+                first_layer=_first_layer(cfg, f"up_blocks.{i}"),
                 name=f"up_blocks.{i}",
                 **_norm(cfg, dtype),
             )(x, block_skips, temb, context, skips[-1].shape[1:3] if skips else None)
