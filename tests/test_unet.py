@@ -281,7 +281,7 @@ def test_image_prompts_attend_as_diffusers_ip_adapter_processors(sdxl_style, rng
     scales[:, 1, ::3] = 0.0
     flat = flatten(params)
     processors = {}
-    for name, processor in model.attn_processors.items():
+    for name in model.attn_processors:
         if not name.endswith("attn2.processor"):
             processors[name] = AttnProcessor2_0()
             continue

@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .layers import Attention, Context, Conv3x3, ImagePromptTokens, Downsample2D, Linear, ResnetBlock2D, Upsample2D, group_norm
+from .layers import (
+    Attention, Context, Conv3x3, Downsample2D, ImagePromptTokens, Linear, ResnetBlock2D, Upsample2D, group_norm,
+)
 
 DOWN_BLOCK_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
 UP_BLOCK_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
