@@ -21,8 +21,8 @@ ARCHITECTURE = "CLIPVisionModelWithProjection"
 
 # A buffer (always arange(num_positions)) that checkpoints from older transformers versions store.
 IGNORED_KEYS = ("vision_model.embeddings.position_ids",)
-# A bare tensor, stored without the ".weight" its module (`layers.Parameter`) gives it.
-_CLASS_EMBEDDING = "vision_model.embeddings.class_embedding"
+# Bare tensors, stored without the ".weight" their modules' keys have (`layers.Parameter`).
+BARE_TENSORS = ("vision_model.embeddings.class_embedding",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +84,8 @@ class CLIPVisionOutput(NamedTuple):
 
 
 def rename_key(key: str) -> str:
-    """Maps a stored key to the module's key (see `_CLASS_EMBEDDING`)."""
-    return key + ".weight" if key == _CLASS_EMBEDDING else key
+    """Maps a stored key to the module's key (see `BARE_TENSORS`)."""
+    return key + ".weight" if key in BARE_TENSORS else key
 
 
 class CLIPVisionEmbeddings(nn.Module):

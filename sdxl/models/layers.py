@@ -220,10 +220,11 @@ class Upsample2D(nn.Module):
 
 class Parameter(nn.Module):
     """A bare tensor (a torch `nn.Parameter` such as CLIP's `class_embedding`) as a module of its own
-    name, whose one parameter `weight` loads from the stored key plus ".weight"."""
+    name, whose one parameter loads from the stored key plus ".weight" (`weights.checkpoint_key`);
+    the model's `rename_key` adds it."""
 
     shape: tuple[int, ...]
 
     @nn.compact
     def __call__(self) -> jax.Array:
-        return self.param("weight", nn.initializers.normal(1.0), self.shape, jnp.float32)
+        return self.param("value", nn.initializers.normal(1.0), self.shape, jnp.float32)
