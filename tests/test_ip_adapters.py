@@ -10,6 +10,7 @@ import transformers
 from diffusers import UNet2DConditionModel
 from safetensors.numpy import load_file
 
+from fake_hub import FakeHub, hub_at
 from reference import sdxl_pipeline
 from sdxl.checkpoints import CheckpointError, ip_adapters, random_models
 from sdxl.config import config_from_dict
@@ -123,3 +124,23 @@ def test_diffusers_load_ip_adapter_reads_the_written_files_as_we_do(folder, tmp_
                 theirs = getattr(processors[path], name)[i].weight.detach().numpy()
                 np.testing.assert_array_equal(weights.layers[path][name], theirs)
     assert processors[path].num_tokens == [4, 8]
+
+
+def test_a_hub_repo_in_h94s_layout(folder, tmp_path, monkeypatch):
+    sd1 = config_from_dict(UNetConfig, SD1_UNET)
+    random_models.write_ip_adapter(tmp_path / "sd1", sd1, subfolder="models")
+    files = {
+        f"sdxl_models/{name}": (folder / "sdxl_models" / name).read_bytes()
+        for name in [FILES["plain"], "image_encoder/config.json", "image_encoder/model.safetensors"]
+    }
+    files["models/ip-adapter.safetensors"] = (tmp_path / "sd1/models" / FILES["plain"]).read_bytes()
+    with FakeHub({"h94/IP-Adapter": files}) as fake, hub_at(fake, tmp_path / "hf", monkeypatch):
+        found = ip_adapters.resolve("h94/IP-Adapter", "sdxl_models", FILES["plain"], UNET)
+        assert found.adapters[0].load(UNET, np.float32).num_tokens == 4
+        assert found.image_encoder.config.image_size == 28
+        with pytest.raises(CheckpointError, match="does not fit"):
+            ip_adapters.resolve("h94/IP-Adapter", "models", "ip-adapter.safetensors", UNET)
+        downloads = fake.downloaded("h94/IP-Adapter")
+    # Its header, then the file; the other refused from its header alone.
+    assert downloads.count(f"sdxl_models/{FILES['plain']}") == 2
+    assert downloads.count("models/ip-adapter.safetensors") == 1
