@@ -33,8 +33,9 @@ from . import hub
 from .folder import weight_files
 from .weights import CheckpointError, SafetensorsFile, load_params, refuse_pickled
 
-PROJECTION_PREFIX = "image_proj."
-LAYERS_PREFIX = "ip_adapter."
+# The file's two parts: the image projection's tensors, and the layers' (`ip_adapter.1.to_k_ip.weight`).
+PROJECTION, LAYERS = "image_proj", "ip_adapter"
+PROJECTION_PREFIX = PROJECTION + "."
 ENCODER_CONFIG = "config.json"
 ENCODER_WEIGHTS = "model.safetensors"  # what transformers reads from the Hub
 # Which models an adapter was trained for, by the width of the text its cross-attention reads.
@@ -80,20 +81,17 @@ class IPAdapterCheckpoint:
           CheckpointError: the file does not fit `unet`, or its keys or shapes are not an adapter's.
         """
         check_fits(_header(self.file), unet, self.name)
-        abstract = {PROJECTION_PREFIX[:-1]: ip_adapter.abstract_params(self.projection)}
-        abstract[LAYERS_PREFIX[:-1]] = {
-            key_id: {
-                name: {"weight": jax.ShapeDtypeStruct(shape, np.float32)}
-                for name in ("to_k_ip", "to_v_ip")
-            }
+        layer_params = {
+            key_id: {name: {"weight": jax.ShapeDtypeStruct(shape, np.float32)} for name in ("to_k_ip", "to_v_ip")}
             for key_id, shape in _expected_layer_shapes(unet).items()
         }
+        abstract = {PROJECTION: ip_adapter.abstract_params(self.projection), LAYERS: layer_params}
         tree = load_params([self.file], abstract, dtype=dtype, rename=_rename_key, put=put)
         layers = {
-            path: {name: weight["weight"] for name, weight in tree[LAYERS_PREFIX[:-1]][key_id].items()}
+            path: {name: weight["weight"] for name, weight in tree[LAYERS][key_id].items()}
             for key_id, path in adapter_key_ids(unet).items()
         }
-        return IPAdapterWeights(self.name, self.projection, tree[PROJECTION_PREFIX[:-1]], layers)
+        return IPAdapterWeights(self.name, self.projection, tree[PROJECTION], layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,17 +169,19 @@ def check_fits(header: dict[str, tuple[int, ...]], unet: UNetConfig, where: str)
     of `unet`'s cross-attention, key ids and widths (an SD 1.5 adapter for an SDXL model, say)."""
     stored = {key: shape for key, shape in header.items() if _LAYER_KEY.fullmatch(key)}
     expected = {
-        f"{LAYERS_PREFIX}{key_id}.{name}.weight": shape
+        f"{LAYERS}.{key_id}.{name}.weight": shape
         for key_id, shape in _expected_layer_shapes(unet).items()
         for name in ("to_k_ip", "to_v_ip")
     }
     if stored == expected:
         return
-    text_widths = {shape[1] for shape in stored.values()}
-    theirs = _FAMILIES.get(next(iter(text_widths)), "another model") if len(text_widths) == 1 else "another model"
+    if not stored:
+        raise CheckpointError(f"{where}: no IP-Adapter layers in this file (no {LAYERS}.<id>.to_k_ip.weight)")
+    text_widths = sorted({shape[1] for shape in stored.values()})
+    theirs = _FAMILIES.get(text_widths[0], "another model") if len(text_widths) == 1 else "another model"
     raise CheckpointError(
         f"{where}: an IP-Adapter for {theirs} ({len(stored) // 2} cross-attention layers reading "
-        f"{'/'.join(map(str, sorted(text_widths))) or 'no'}-wide text); it does not fit this model's UNet "
+        f"{'/'.join(map(str, text_widths))}-wide text); it does not fit this model's UNet "
         f"({len(expected) // 2} layers reading {unet.cross_attention_dim}-wide text)"
     )
 
@@ -207,8 +207,10 @@ def resolve(
     adapters = tuple(_adapter(*args, unet) for args in zip(sources, subfolders, weight_names))
     encoder = None
     if image_encoder_folder is not None:
-        folder = Path(subfolders[0], image_encoder_folder) if "/" not in image_encoder_folder else None
-        encoder = _encoder(sources[0], (folder or Path(image_encoder_folder)).as_posix())
+        # diffusers' rule: a bare folder name is inside the subfolder, a path is from the source's root.
+        inside = "/" not in image_encoder_folder
+        folder = Path(subfolders[0], image_encoder_folder) if inside else Path(image_encoder_folder)
+        encoder = _encoder(sources[0], folder.as_posix())
         for adapter in adapters:
             check_encoder(adapter.projection, encoder.config, f"{adapter.name} with {encoder.name}")
     return IPAdapters(adapters, encoder)
@@ -285,6 +287,7 @@ def _encoder(source: str, folder: str) -> ImageEncoderCheckpoint:
         if not config_path.is_file():
             raise CheckpointError(f"{name}: no image encoder here (no {ENCODER_CONFIG})")
         config = _encoder_config(config_path, name)
+        # The plain weights where there are some, as transformers reads them whatever the dtype.
         return ImageEncoderCheckpoint(name, config, tuple(weight_files(local / folder, np.float32)))
     config = _encoder_config(hub.download_file(source, f"{folder}/{ENCODER_CONFIG}"), name)
     return ImageEncoderCheckpoint(name, config, (hub.download_file(source, f"{folder}/{ENCODER_WEIGHTS}"),))

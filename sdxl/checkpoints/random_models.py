@@ -20,7 +20,8 @@ end with no download. Their images are noise-like patterns: the weights are rand
 - A folder of published configs in `BUILTIN_CONFIGS` ("sdxl-base-1.0"): full size, for the
   benchmark on accelerators (`python -m sdxl write-checkpoint`).
 
-The tiny models are 128 pixels native and share the tiny VAE.
+The tiny models are 128 pixels native and share the tiny VAE. `write_ip_adapter` writes IP-Adapters
+for a UNet, with their CLIP image encoder, in h94/IP-Adapter's layout.
 """
 
 import dataclasses
@@ -478,7 +479,7 @@ def write_ip_adapter(folder: Path, unet, kinds=("plain",), *, subfolder: str = "
       `folder`.
     """
     from ..models import clip_vision, ip_adapter
-    from .ip_adapters import adapter_key_ids, layer_width
+    from .ip_adapters import LAYERS, PROJECTION, adapter_key_ids, layer_width
 
     target = Path(folder) / subfolder
     (target / "image_encoder").mkdir(parents=True, exist_ok=True)
@@ -497,8 +498,8 @@ def write_ip_adapter(folder: Path, unet, kinds=("plain",), *, subfolder: str = "
             }
             for key_id, path in adapter_key_ids(unet).items()
         }
-        abstract = {"image_proj": ip_adapter.abstract_params(projection), "ip_adapter": layers}
-        bare = tuple(f"image_proj.{key}" for key in ip_adapter.BARE_TENSORS)
+        abstract = {PROJECTION: ip_adapter.abstract_params(projection), LAYERS: layers}
+        bare = tuple(f"{PROJECTION}.{key}" for key in ip_adapter.BARE_TENSORS)
         _write_bare_named(target / IP_ADAPTER_FILES[kind], abstract, bare, np.random.default_rng([seed, 41 + i]))
     return Path(folder)
 

@@ -83,6 +83,7 @@ def projection_config(shapes: dict[str, tuple[int, ...]]) -> ImageProjectionConf
     """
     if "proj.weight" in shapes:
         rows, image_embed_dim = shapes["proj.weight"]
+        # diffusers takes 4 tokens for granted; the norm's width gives the same for h94's adapters.
         cross_attention_dim = shapes["norm.weight"][0] if "norm.weight" in shapes else rows
         return ImageProjectionConfig("plain", image_embed_dim, cross_attention_dim, rows // cross_attention_dim)
     if "proj.3.weight" in shapes:
