@@ -20,7 +20,8 @@ end with no download. Their images are noise-like patterns: the weights are rand
 - A folder of published configs in `BUILTIN_CONFIGS` ("sdxl-base-1.0"): full size, for the
   benchmark on accelerators (`python -m sdxl write-checkpoint`).
 
-The tiny models are 128 pixels native and share the tiny VAE.
+The tiny models are 128 pixels native and share the tiny VAE. `write_ip_adapter` writes IP-Adapters
+for a UNet, with their CLIP image encoder, in h94/IP-Adapter's layout.
 """
 
 import dataclasses
@@ -425,3 +426,91 @@ def write_upscaler(path: Path, *, scale: int = 2, num_feat: int = 8, num_conv: i
     path.parent.mkdir(parents=True, exist_ok=True)
     safetensors_numpy.save_file(tensors, str(path))
     return path
+
+
+# A CLIP ViT image encoder in miniature, in the layout of h94/IP-Adapter's `image_encoder/config.json`.
+IP_ADAPTER_ENCODER = {
+    "architectures": ["CLIPVisionModelWithProjection"],
+    "model_type": "clip_vision_model",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "projection_dim": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_channels": 3,
+    "image_size": 28,
+    "patch_size": 7,
+    "hidden_act": "gelu",
+    "layer_norm_eps": 1e-05,
+}
+# The random adapters' files, by kind, named as h94's are.
+IP_ADAPTER_FILES = {
+    "plain": "ip-adapter.safetensors",
+    "plus": "ip-adapter-plus.safetensors",
+    "full": "ip-adapter-full-face.safetensors",
+}
+
+
+def ip_adapter_projection(kind: str, cross_attention_dim: int):
+    """A tiny image projection of `kind` reading `IP_ADAPTER_ENCODER`, with the sizes diffusers
+    builds its classes with: 4 tokens for "plain", and a Resampler 4 layers deep of 64-wide heads
+    and a 4x feed-forward."""
+    from ..models.ip_adapter import ImageProjectionConfig  # the model imports the checkpoints
+
+    encoder = IP_ADAPTER_ENCODER
+    if kind == "plain":
+        return ImageProjectionConfig("plain", encoder["projection_dim"], cross_attention_dim, num_tokens=4)
+    if kind == "full":
+        return ImageProjectionConfig("full", encoder["hidden_size"], cross_attention_dim)
+    hidden = 32
+    return ImageProjectionConfig(
+        "plus", encoder["hidden_size"], cross_attention_dim, num_tokens=8, hidden_dim=hidden, depth=4, heads=1,
+        ff_dim=4 * hidden,
+    )
+
+
+def write_ip_adapter(folder: Path, unet, kinds=("plain",), *, subfolder: str = "sdxl_models", seed: int = 0) -> Path:
+    """Writes random IP-Adapters of `kinds` for the UNet `unet` (a UNetConfig) in h94/IP-Adapter's
+    layout: `folder/subfolder/<IP_ADAPTER_FILES[kind]>`, each one file of `image_proj.*` and
+    `ip_adapter.{id}.to_k_ip/to_v_ip` tensors, and the image encoder they read
+    (`IP_ADAPTER_ENCODER`) in `folder/subfolder/image_encoder` as transformers saves it.
+
+    Returns:
+      `folder`.
+    """
+    from ..models import clip_vision, ip_adapter
+    from .ip_adapters import LAYERS, PROJECTION, adapter_key_ids, layer_width
+
+    target = Path(folder) / subfolder
+    (target / "image_encoder").mkdir(parents=True, exist_ok=True)
+    (target / "image_encoder/config.json").write_text(json.dumps(IP_ADAPTER_ENCODER, indent=2))
+    encoder = config_from_dict(clip_vision.CLIPVisionConfig, IP_ADAPTER_ENCODER)
+    _write_bare_named(
+        target / "image_encoder/model.safetensors", clip_vision.abstract_params(encoder), clip_vision.BARE_TENSORS,
+        np.random.default_rng([seed, 40]),
+    )
+    for i, kind in enumerate(kinds):
+        projection = ip_adapter_projection(kind, unet.cross_attention_dim)
+        layers = {
+            key_id: {
+                name: {"weight": np.empty((layer_width(unet, path), unet.cross_attention_dim), np.float32)}
+                for name in ("to_k_ip", "to_v_ip")
+            }
+            for key_id, path in adapter_key_ids(unet).items()
+        }
+        abstract = {PROJECTION: ip_adapter.abstract_params(projection), LAYERS: layers}
+        bare = tuple(f"{PROJECTION}.{key}" for key in ip_adapter.BARE_TENSORS)
+        _write_bare_named(target / IP_ADAPTER_FILES[kind], abstract, bare, np.random.default_rng([seed, 41 + i]))
+    return Path(folder)
+
+
+def _write_bare_named(path: Path, abstract: dict, bare: tuple[str, ...], rng: np.random.Generator) -> None:
+    """Random tensors (`random_tensor`) for a parameter tree in one safetensors file, the `bare` ones
+    (`layers.Parameter`) under their own names, as torch stores an `nn.Parameter`."""
+    tensors = {}
+    for param_path, leaf in sorted(flatten(abstract).items()):
+        key = checkpoint_key(param_path)
+        value = random_tensor(rng, param_path, tuple(leaf.shape))
+        stored = key.removesuffix(".weight") if key.removesuffix(".weight") in bare else key
+        tensors[stored] = np.ascontiguousarray(value.transpose(torch_axes(param_path, value.ndim)))
+    safetensors_numpy.save_file(tensors, str(path))

@@ -6,7 +6,7 @@ Module names mirror the checkpoint keys, e.g. `text_model.encoder.layers.3.self_
 """
 
 import dataclasses
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -49,6 +49,7 @@ class CLIPTextConfig:
     bos_token_id: int = 49406
     eos_token_id: int = 49407
     architectures: tuple[str, ...] = ("CLIPTextModel",)
+    causal: ClassVar[bool] = True  # each token attends to those before it (the vision tower's: to all)
 
     def __post_init__(self):
         if self.hidden_act not in ACTIVATIONS:
@@ -116,6 +117,9 @@ class CLIPTextEmbeddings(nn.Module):
 
 
 class CLIPAttention(nn.Module):
+    """Self-attention of the text tower, or of the vision tower (`sdxl.models.clip_vision`), whose
+    config names the same fields."""
+
     config: CLIPTextConfig
     dtype: jnp.dtype = jnp.float32
 
@@ -127,8 +131,8 @@ class CLIPAttention(nn.Module):
         q = Linear(cfg.hidden_size, dtype=self.dtype, name="q_proj")(x).reshape(head_shape)
         k = Linear(cfg.hidden_size, dtype=self.dtype, name="k_proj")(x).reshape(head_shape)
         v = Linear(cfg.hidden_size, dtype=self.dtype, name="v_proj")(x).reshape(head_shape)
-        # Causal only: SD pipelines pass no attention mask, so padding tokens are attended to.
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        # No mask beside the causal one: SD pipelines pass none, so padding tokens are attended to.
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=cfg.causal)
         out = out.reshape(x.shape)  # [B, T, C]
         return Linear(cfg.hidden_size, dtype=self.dtype, name="out_proj")(out)
 

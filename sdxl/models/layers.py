@@ -238,3 +238,15 @@ class Upsample2D(nn.Module):
     @nn.compact
     def __call__(self, x, size):  # [B, H, W, C] -> [B, *size, C]
         return Conv3x3(x.shape[-1], dtype=self.dtype, name="conv")(resize_nearest(x, size))
+
+
+class Parameter(nn.Module):
+    """A bare tensor (a torch `nn.Parameter` such as CLIP's `class_embedding`) as a module of its own
+    name, whose one parameter loads from the stored key plus ".weight" (`weights.checkpoint_key`);
+    the model's `rename_key` adds it."""
+
+    shape: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("value", nn.initializers.normal(1.0), self.shape, jnp.float32)
