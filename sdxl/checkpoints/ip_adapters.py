@@ -31,7 +31,8 @@ from ..models.ip_adapter import ImageProjectionConfig
 from ..models.unet import UNetConfig
 from . import hub
 from .folder import weight_files
-from .weights import CheckpointError, SafetensorsFile, load_params, refuse_pickled
+from .spec import cached_shapes
+from .weights import CheckpointError, SafetensorsFile, flatten, load_params, refuse_pickled, unflatten
 
 # The file's two parts: the image projection's tensors, and the layers' (`ip_adapter.1.to_k_ip.weight`).
 PROJECTION, LAYERS = "image_proj", "ip_adapter"
@@ -121,6 +122,48 @@ class IPAdapters:
 
     adapters: tuple[IPAdapterCheckpoint, ...]
     image_encoder: ImageEncoderCheckpoint | None
+
+
+@dataclasses.dataclass(frozen=True)
+class IPAdapterConfig:
+    """What a compiled program knows of a loaded adapter: its image encoder's config and its projection's."""
+
+    encoder: CLIPVisionConfig
+    projection: ImageProjectionConfig
+
+
+def module_path(layer: str) -> tuple[str, ...]:
+    """A cross-attention layer's path in the UNet's parameter tree, whose module names keep their index
+    ("down_blocks.1.attentions.0.transformer_blocks.0.attn2" -> ("down_blocks.1", "attentions.0",
+    "transformer_blocks.0", "attn2"))."""
+    names: list[str] = []
+    for part in layer.split("."):
+        if part.isdigit():
+            names[-1] += f".{part}"
+        else:
+            names.append(part)
+    return tuple(names)
+
+
+def unet_tree(layers: dict[str, dict]) -> dict:
+    """An adapter's key and value weights ({layer: {"to_k_ip": w, "to_v_ip": w}}) as a tree beside the
+    UNet's, each layer's under its `attn2` path (`sdxl.engine.program` puts them in the UNet's)."""
+    return unflatten({(*module_path(layer), name, "weight"): weight
+                      for layer, pair in layers.items() for name, weight in pair.items()})
+
+
+def abstract_params(config: IPAdapterConfig, unet: dict) -> dict:
+    """A loaded adapter's parameters as a program takes them, {"image_encoder", "image_proj", "unet"},
+    as shapes; `unet` is the UNet's tree (of shapes), whose every `attn2` gets a `to_k_ip` and a
+    `to_v_ip` of its `to_k`'s shape."""
+    flat = flatten(unet)
+    layers = {(*path[:-2], name, "weight"): leaf for path, leaf in flat.items()
+              if path[-3:] == ("attn2", "to_k", "weight") for name in ("to_k_ip", "to_v_ip")}
+    return {
+        "image_encoder": cached_shapes(clip_vision.abstract_params, config.encoder),
+        "image_proj": ip_adapter.abstract_params(config.projection),
+        "unet": unflatten(layers),
+    }
 
 
 def cross_attention_layers(unet: UNetConfig) -> list[str]:

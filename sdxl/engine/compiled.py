@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from ..checkpoints import ModelSpec
 from ..checkpoints.spec import cached_shapes
+from ..checkpoints import ip_adapters as ip_adapter_checkpoints
 from ..models import controlnet
 from . import mesh as meshes
 from .inputs import abstract_inputs
@@ -61,19 +62,23 @@ class Executables:
         by_image = meshes.by_image(self.mesh)
         # `prepare` keeps the invariants as computed: the text's keys split by image, kernels on every device.
         fn = jax.jit(getattr(program, stage), out_shardings=(by_image, None) if stage == "prepare" else by_image)
-        params = abstract_params(program.spec, program.controlnets, program.dtype, meshes.replicated(self.mesh))
+        params = abstract_params(program.spec, program.controlnets, program.ip_adapters, program.dtype,
+                                 meshes.replicated(self.mesh))
         # The mesh in context lets kernels XLA cannot partition (splash attention) split the batch.
         with jax.set_mesh(self.mesh):
             return fn.trace(params, *args).lower(lowering_platforms=platforms)
 
 
 @functools.lru_cache(maxsize=8)
-def abstract_params(spec: ModelSpec, controlnets: tuple, dtype, sharding) -> dict:
-    """The parameters a program of `spec` (steered by `controlnets`' configs) takes, as loaded: every
-    leaf in `dtype`, on every device."""
+def abstract_params(spec: ModelSpec, controlnets: tuple, ip_adapters: tuple, dtype, sharding) -> dict:
+    """The parameters a program of `spec` (steered by `controlnets`' and `ip_adapters`' configs) takes,
+    as loaded: every leaf in `dtype`, on every device."""
     tree = spec.abstract_params()
     if controlnets:
         tree["controlnets"] = tuple(cached_shapes(controlnet.abstract_params, config) for config in controlnets)
+    if ip_adapters:
+        unet = tree["unet"]
+        tree["ip_adapters"] = tuple(ip_adapter_checkpoints.abstract_params(config, unet) for config in ip_adapters)
     return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=sharding), tree)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from . import images
 from .controls import Control, default_control_scale
 from .hires import Hires
+from .image_prompts import ImagePrompt
 from .request import DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_strength
 
 
@@ -51,6 +52,8 @@ def generate(
     control_guidance_end: float | Sequence[float] = 1.0,
     control_mode: int | str | Sequence | None = None,
     hires: Hires | None = None,
+    ip_adapter_image=None,
+    ip_adapter_scale=None,
     output_type: str = "pil",
 ):
     """Images (seed, 0), (seed, 1), ...: image i depends only on (seed, i), whatever the device count.
@@ -103,6 +106,12 @@ def generate(
         Union). One mode per Union: several conditions to one Union at once are not supported.
       hires: a hires fix (`sdxl.engine.hires.Hires`): the images upscaled and rendered again at the
         bigger size, as A1111's txt2img does; the output is at that size.
+      ip_adapter_image: with IP-Adapters loaded (`Pipeline.load_ip_adapter`), the picture each takes
+        as a prompt (a PIL image or an [H, W, 3] array, any size): for one adapter a picture for every
+        image or a list of one per image (diffusers gives every image all of a list's pictures), for
+        several a list with one such entry per adapter. None: the adapters sit this call out.
+      ip_adapter_scale: the adapters' scales for this call, in `Pipeline.set_ip_adapter_scale`'s forms;
+        default the ones set there.
       output_type: "pil", "np" (float32 [N, H, W, 3] in [0, 1]) or "latent" ([N, h, w, C] left on the devices).
 
     Raises:
@@ -146,6 +155,7 @@ def generate(
         refine_from=refine_from, emphasis=emphasis, hires=hires,
         controls=_controls(pictures, num_images, width, height, controlnet_conditioning_scale, control_guidance_start,
                            control_guidance_end, control_mode),
+        image_prompts=_image_prompts(ip_adapter_image, num_images, pipe.ip_adapter_scales(ip_adapter_scale)),
     )
     result = pipe.render(pipe.prepare(request, output_type=output_type))
     result.raise_if_not_finite()
@@ -166,6 +176,31 @@ def _controls(pictures: list[np.ndarray], n: int, width, height, scale, start, e
             raise ValueError(f"control_image: give one image for every image, or one per image ({n}), got {len(stack)}")
         made = [Control.of(picture, width, height, fit="resize", scale=scale, start=start, end=end, mode=mode)
                 for picture in stack]
+        columns.append(made * n if len(made) == 1 else made)
+    return tuple(zip(*columns))
+
+
+def _image_prompts(ip_adapter_image, n: int, scales: tuple) -> tuple | None:
+    """Each image's `ImagePrompt`s (one per IP-Adapter, `scales` theirs) from `ip_adapter_image`.
+
+    Raises:
+      ValueError: a picture without adapters, or another count of pictures.
+    """
+    if ip_adapter_image is None:
+        return None
+    k = len(scales)
+    if not k:
+        raise ValueError("ip_adapter_image needs an IP-Adapter: load one with pipe.load_ip_adapter(...)")
+    entries = [ip_adapter_image] if k == 1 else ip_adapter_image
+    if k > 1 and (not isinstance(entries, list | tuple) or len(entries) != k):
+        raise ValueError(f"ip_adapter_image: give a list with one entry per IP-Adapter ({k})")
+    columns = []  # per adapter, its ImagePrompt for each image
+    for entry, scale in zip(entries, scales):
+        pictures = list(entry) if isinstance(entry, list | tuple) else [entry]
+        if len(pictures) not in (1, n):
+            raise ValueError(f"ip_adapter_image: give one picture for every image, or one per image ({n}), "
+                             f"got {len(pictures)}")
+        made = [ImagePrompt.of(picture, scale) for picture in pictures]
         columns.append(made * n if len(made) == 1 else made)
     return tuple(zip(*columns))
 

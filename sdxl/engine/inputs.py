@@ -12,11 +12,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ..models.unet import attention_layers
 from ..prompts.tokens import Tokens
 from ..sampling import methods
 from ..sampling.schedulers import Schedule
 from . import mesh as meshes
 from .controls import Control
+from .image_prompts import ImagePrompt
 from .prepared import PreparedRequest
 from .program import PER_CALL_INPUTS, GenerateProgram, Inputs
 from .request import Request
@@ -110,6 +112,14 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
         if program.control_modes:  # a plain ControlNet's column is unread
             modes = [[0 if c.mode is None else c.mode for c in per] for per in request.controls]
             control["control_modes"] = per_image(modes, np.int32)
+    image_prompts = {}
+    if program.ip_adapters:
+        columns = list(zip(*request.image_prompts))  # per adapter, each image's ImagePrompt
+        image_prompts = {
+            "image_prompt_pixels": tuple(per_image(_stacked([p.pixels for p in column]), np.float32)
+                                         for column in columns),
+            "image_prompt_scales": per_image([[p.scales for p in per] for per in request.image_prompts], np.float32),
+        }
     first, stop = prepared.steps
     return Inputs(
         ids=per_image(tokens.ids, np.int32),
@@ -131,6 +141,7 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
         mask=per_image(request.masks[..., None], np.float32) if program.inpaint else None,
         **start,
         **control,
+        **image_prompts,
     )
 
 
@@ -192,6 +203,12 @@ def placeholder(program: GenerateProgram) -> PreparedRequest:
         per_image = tuple(Control(zeros(program.height, program.width, c.conditioning_channels))
                           for c in program.controlnets)
         controls = (per_image,) * n
+    image_prompts = None
+    if program.ip_adapters:
+        layers = len(attention_layers(spec.unet))
+        per_image = tuple(ImagePrompt(zeros(1, 1, 3), pixels=zeros(c.encoder.image_size, c.encoder.image_size, 3),
+                                      scales=np.zeros(layers, np.float32)) for c in program.ip_adapters)
+        image_prompts = (per_image,) * n
     request = Request(
         ("",) * n, ("",) * n, (0,) * n, (0,) * n, (guidance,) * n, 1, program.height, program.width, program.sampler,
         schedule_type="Automatic" if program.a1111 else methods.DIFFUSERS,
@@ -202,5 +219,6 @@ def placeholder(program: GenerateProgram) -> PreparedRequest:
         start_latents=latents if program.start_from in ("clean_latents", "latents") else None,
         denoising_start=0.5 if program.start_from == "latents" else None,
         controls=controls,
+        image_prompts=image_prompts,
     )
     return PreparedRequest(request, tokens, program, (0, 1))

@@ -22,7 +22,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .. import checkpoints
-from ..checkpoints import ModelSpec, controlnets as controlnet_checkpoints, lora
+from ..checkpoints import ModelSpec, controlnets as controlnet_checkpoints, ip_adapters as ip_adapter_checkpoints, lora
+from ..checkpoints.ip_adapters import IPAdapterConfig
 from ..checkpoints.controlnets import ControlNetCheckpoint
 from ..checkpoints.tokenizer import load_tokenizer
 from ..models.previews import factors_for
@@ -34,6 +35,7 @@ from . import hires as hires_fix, inputs, mesh as meshes
 from .checks import number
 from .compiled import Executables, ProgressReports, run_in_stages
 from .generate import generate
+from .image_prompts import IPAdapter, layer_scales
 from .latent_upscale import upscale_latents
 from .upscaler import Upscaler
 from .prepared import PreparedRequest
@@ -103,6 +105,10 @@ class Pipeline:
         self.executables = executables or Executables(mesh)
         self.refiner: Pipeline | None = None  # continues requests with `refine_from` (`set_refiner`)
         self.upscalers: dict[str, Upscaler] = {}  # the model upscalers a hires fix may name, by name (`add_upscaler`)
+        # The IP-Adapters a request's image prompts steer through, in order (`load_ip_adapter`), with
+        # the scales requests that give none take; `params["ip_adapters"]` their weights.
+        self.ip_adapters: tuple[IPAdapter, ...] = ()
+        self._ip_adapter_scales: tuple = ()
 
     @classmethod
     def from_pretrained(
@@ -197,7 +203,8 @@ class Pipeline:
         with self._lock:
             names = {lora.display_name(source): source for source in self.lora_files}
         return Limits(self.spec, self.max_steps, self.controlnets, names, tuple(self.loras.items()),
-                      None if self.refiner is None else self.refiner.name, upscalers=tuple(self.upscalers))
+                      None if self.refiner is None else self.refiner.name, upscalers=tuple(self.upscalers),
+                      ip_adapters=self.ip_adapters)
 
     def set_refiner(self, refiner: "Pipeline | None") -> None:
         """Makes `refiner` (an SDXL refiner on the same devices) finish requests with `refine_from`,
@@ -220,7 +227,7 @@ class Pipeline:
         equal = {}
         for name, theirs in refiner.params.items():
             mine = self.params.get(name)
-            if name == "controlnets" or mine is None or mine is theirs:
+            if name in ("controlnets", "ip_adapters") or mine is None or mine is theirs:
                 continue
             shapes = [jax.tree.map(lambda a: (a.shape, a.dtype), tree) for tree in (mine, theirs)]
             if jax.tree.structure(mine) != jax.tree.structure(theirs) or shapes[0] != shapes[1]:
@@ -325,6 +332,7 @@ class Pipeline:
             chunks=tokens.num_chunks, preview_factors=self.preview_factors,
             controlnets=tuple(c.config for c in self.controlnets) if request.controls else (),
             a1111=a1111, vae_tiling=self._tiles_vae(request.height, request.width),
+            ip_adapters=tuple(a.config for a in self.ip_adapters) if request.image_prompts else (),
         )
         if start is None:
             steps = inputs.steps_run(program, request)
@@ -388,6 +396,90 @@ class Pipeline:
         upscaler = Upscaler.from_file(checkpoints.locate_file(source), dtype=self.dtype)
         self.upscalers[upscaler.name] = upscaler
         return upscaler.name
+
+    # IP-Adapters
+
+    def load_ip_adapter(
+        self,
+        pretrained_model_name_or_path_or_dict: str | Sequence[str],
+        subfolder: str | Sequence[str] | None,
+        weight_name: str | Sequence[str],
+        image_encoder_folder: str | None = "image_encoder",
+    ) -> None:
+        """Loads IP-Adapters in place of any loaded, with diffusers' arguments and their meaning: a local
+        folder or Hub repo in h94/IP-Adapter's layout ("h94/IP-Adapter", subfolder "sdxl_models",
+        weight_name "ip-adapter_sdxl.safetensors"), lists for several; the CLIP image encoder they share
+        from `image_encoder_folder`, inside `subfolder` unless it has a "/" (None: keep the loaded one).
+        Each adapter's scale is 1 until `set_ip_adapter_scale`. Programs without image prompts are
+        unchanged; those with them compile once per set of adapters.
+
+        Raises:
+          CheckpointError: an adapter or encoder that is missing, pickled, a FaceID one, or not this
+            model's family, before its weights are fetched where that can be told.
+        """
+        found = ip_adapter_checkpoints.resolve(
+            pretrained_model_name_or_path_or_dict, subfolder, weight_name, self.spec.unet,
+            image_encoder_folder=image_encoder_folder,
+        )
+        encoder = found.image_encoder
+        if encoder is None:
+            if not self.ip_adapters:
+                raise checkpoints.CheckpointError("no image encoder is loaded: give image_encoder_folder")
+            encoder_config, encoder_params = self.ip_adapters[0].config.encoder, self.params["ip_adapters"][0][
+                "image_encoder"]
+            for adapter in found.adapters:
+                ip_adapter_checkpoints.check_encoder(adapter.projection, encoder_config, adapter.name)
+        replicated = meshes.replicated(self.mesh)
+
+        def put(array):
+            return meshes.place(array, replicated)
+
+        if encoder is not None:
+            encoder_config, encoder_params = encoder.config, encoder.load(self.dtype, put)
+        adapters, params = [], []
+        for checkpoint in found.adapters:
+            weights = checkpoint.load(self.spec.unet, self.dtype, put)
+            adapters.append(IPAdapter(weights.name, IPAdapterConfig(encoder_config, weights.projection)))
+            params.append({"image_encoder": encoder_params, "image_proj": weights.image_proj,
+                           "unet": ip_adapter_checkpoints.unet_tree(weights.layers)})
+        with self._lock:
+            self.params = {**self.params, "ip_adapters": tuple(params)}
+            self._applied = ((), self.params)
+        self.ip_adapters = tuple(adapters)
+        self._ip_adapter_scales = (1.0,) * len(adapters)
+
+    def set_ip_adapter_scale(self, scale) -> None:
+        """The scales requests take when they give none, as diffusers': a number for every layer, or a
+        dict of blocks (`sdxl.engine.image_prompts.layer_scales`: InstantStyle's `STYLE_ONLY`), for
+        every adapter, or a list with one per adapter.
+
+        Raises:
+          ValueError: a scale out of range or a block the UNet lacks, or another count.
+        """
+        self._ip_adapter_scales = self.ip_adapter_scales(scale)
+
+    def ip_adapter_scales(self, scale=None) -> tuple:
+        """One scale per loaded adapter, from `set_ip_adapter_scale`'s forms, checked; None: the set ones.
+
+        Raises:
+          ValueError: a scale out of range or a block the UNet lacks, or another count.
+        """
+        if scale is None:
+            return self._ip_adapter_scales
+        k = len(self.ip_adapters)
+        scales = list(scale) if isinstance(scale, list | tuple) else [scale] * k
+        if len(scales) != k:
+            raise ValueError(f"{k} IP-Adapter(s) are loaded: give one scale, or a list of {k}, not {len(scales)}")
+        for one in scales:
+            layer_scales(self.spec.unet, one)
+        return tuple(scales)
+
+    def unload_ip_adapter(self) -> None:
+        """Unloads the IP-Adapters and their image encoder, as diffusers' `unload_ip_adapter`."""
+        with self._lock:
+            self.params = {k: v for k, v in self.params.items() if k != "ip_adapters"}
+            self._applied = ((), self.params)
+        self.ip_adapters, self._ip_adapter_scales = (), ()
 
     # LoRAs
 
@@ -484,8 +576,10 @@ class Pipeline:
         n = len(request)
         arrays = inputs.placed(inputs.host_inputs(prepared), self.mesh)
         params = self.params_with(request.loras)
-        # The ControlNets' weights are the program's only when control images steer this request.
-        params = params if program.controlnets else {k: v for k, v in params.items() if k != "controlnets"}
+        # The ControlNets' and IP-Adapters' weights are the program's only when they steer this request.
+        unused = {name for name, used in (("controlnets", program.controlnets), ("ip_adapters", program.ip_adapters))
+                  if not used}
+        params = {k: v for k, v in params.items() if k not in unused}
         if on_step is None and on_preview is None:
             images, finite = self.executables.compiled(program, "whole")(params, arrays)
         else:
@@ -575,10 +669,11 @@ def _upscaled_latents(latents: jax.Array, height: int, width: int, upscaler: str
 def _handoff(request: Request) -> tuple[Request, Request]:
     """A validated request with `refine_from` as its two parts: the base model's down to that fraction
     of the noise (`denoising_end`), and the refiner's from there (`denoising_start`; its latents, the
-    `start_latents`, come from the first part when it renders). The LoRAs and ControlNets are the base's."""
+    `start_latents`, come from the first part when it renders). The LoRAs, ControlNets and IP-Adapters are the
+    base's."""
     base = dataclasses.replace(request, refine_from=None, denoising_end=request.refine_from)
     refining = dataclasses.replace(request, refine_from=None, images=None, masks=None,
-                                   denoising_start=request.refine_from, loras=(), controls=None)
+                                   denoising_start=request.refine_from, loras=(), controls=None, image_prompts=None)
     return base, refining
 
 

@@ -27,6 +27,10 @@ ControlNets (`GenerateProgram.controlnets`) steer the UNet at every step with th
 compute from a control image, each image's scaled by its own scale between its own start and end:
 inputs, so that changing them never recompiles. A ControlNet Union (`sdxl.models.controlnet_union`) also
 reads each image's control mode, an input too.
+
+IP-Adapters (`GenerateProgram.ip_adapters`) add a picture to the text: its image encoder's features,
+projected to tokens, which every cross-attention layer also attends to at each image's scale there.
+The pictures and scales are inputs; the adapters' tokens are computed once, before the loop.
 """
 
 import dataclasses
@@ -36,11 +40,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import struct, traverse_util
 
 from ..checkpoints import ModelSpec
-from ..models import clip, controlnet, controlnet_union, previews, unet, vae
-from ..models.layers import STEP_INVARIANTS
+from ..checkpoints.ip_adapters import IPAdapterConfig
+from ..models import clip, clip_vision, controlnet, controlnet_union, ip_adapter, previews, unet, vae
+from ..models.layers import STEP_INVARIANTS, ImagePromptTokens
 from ..sampling import methods
 from ..sampling.samplers import Sampler, add_noise, denoised_from_model_output, run_steps
 from ..sampling.schedulers import Schedule
@@ -99,6 +104,11 @@ class Inputs:
     # [B, K] int32 each image's control mode per ControlNet, read by the ControlNet Unions only; None
     # where none is a Union (`GenerateProgram.control_modes`).
     control_modes: jax.Array | None = None
+    # IP-Adapters: one [B, S, S, 3] float32 picture per adapter as its image encoder takes it
+    # (normalised), and [B, K, L] each image's scale per adapter at each of the UNet's spatial
+    # transformers (`unet.attention_layers`).
+    image_prompt_pixels: tuple | None = None
+    image_prompt_scales: jax.Array | None = None
 
 
 # The inputs every device reads whole; the others are per image, split over the devices with the batch.
@@ -248,8 +258,10 @@ class GenerateProgram:
     embedding) the UNet sees only the prompts, one pass per step on B latents instead of 2B; the
     negative prompts' ids are then not read.
 
-    `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"][, "controlnets"]} parameter
-    tree, in `dtype`; "controlnets" holds one tree per entry of `controlnets`.
+    `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"][, "controlnets"][, "ip_adapters"]}
+    parameter tree, in `dtype`; "controlnets" holds one tree per entry of `controlnets`, "ip_adapters" one
+    {"image_encoder", "image_proj", "unet"} per entry of `ip_adapters`, whose "unet" holds `to_k_ip` and
+    `to_v_ip` in every `attn2` of the UNet's tree.
     """
 
     spec: ModelSpec
@@ -275,6 +287,8 @@ class GenerateProgram:
     # The VAE decodes (and encodes) in overlapping tiles, as diffusers' after `enable_vae_tiling()`
     # (`vae.tiled_decode`): a picture of any size in the memory of one tile.
     vae_tiling: bool = False
+    # `Inputs.image_prompt_pixels` steer the UNet through these IP-Adapters.
+    ip_adapters: tuple[IPAdapterConfig, ...] = ()
 
     @property
     def method(self) -> Sampler:
@@ -313,6 +327,8 @@ class GenerateProgram:
         if spec.unet.time_cond_proj_dim is not None:  # an LCM UNet: the guidance scale as an embedding
             w = inputs.guidance_scale - 1
             cond["timestep_cond"] = unet.guidance_scale_embedding(w, spec.unet.time_cond_proj_dim)
+        if self.ip_adapters:
+            cond["image_prompts"] = self._image_prompts(params, inputs)
 
         noise_keys, sampler_keys = per_image_keys(inputs.seeds, inputs.image_index)
         noise = inputs.noise
@@ -339,6 +355,34 @@ class GenerateProgram:
         if method.stochastic:
             step_noise = inputs.step_noise if self.given_step_noise else sampler_keys
         return State(cond, method.init(latents), step_noise, known)
+
+    def _image_prompts(self, params, inputs: Inputs) -> tuple[ImagePromptTokens, ...]:
+        """Each IP-Adapter's tokens of each image's picture, with their scales, in the UNet's rows. With
+        guidance the negative rows take diffusers' negative image embeddings: the plain projection of
+        zero image embeds; a Plus or full-face projection of the features of a zero pixel tensor (after
+        the processor's normalisation: the mean colour, not black)."""
+        prompts = []
+        for k, (config, p, pixels) in enumerate(zip(self.ip_adapters, params["ip_adapters"],
+                                                    inputs.image_prompt_pixels)):
+            encoder = clip_vision.CLIPVisionModelWithProjection(config.encoder, self.dtype)
+            projection = ip_adapter.image_projection(config.projection, self.dtype)
+
+            def features(pixels, encoder=encoder, config=config, p=p):
+                out = encoder.apply({"params": p["image_encoder"]}, pixels.astype(self.dtype))
+                return out.hidden_states[-2] if config.projection.reads_hidden_states else out.image_embeds
+
+            def tokens(features, projection=projection, p=p):
+                return projection.apply({"params": p["image_proj"]}, features)
+
+            positive = features(pixels)
+            states, scales = tokens(positive), inputs.image_prompt_scales[:, k]
+            if self.guided:
+                zero = features(jnp.zeros_like(pixels[:1])) if config.projection.reads_hidden_states else (
+                    jnp.zeros_like(positive[:1]))
+                negative = jnp.broadcast_to(tokens(zero), states.shape)
+                states, scales = _interleave(negative, states), _interleave(scales, scales)
+            prompts.append(ImagePromptTokens(states, scales))
+        return tuple(prompts)
 
     def encode(self, params, images: jax.Array) -> jax.Array:
         """[B, H, W, 3] images in [-1, 1] -> [B, h, w, C] the diffusion model's latents.
@@ -379,7 +423,7 @@ class GenerateProgram:
         # The models' outputs are unused, so the compiled program keeps only what computes the invariants.
         x_in = jnp.zeros((batch, h, w, self.spec.unet.in_channels), self.dtype)
         _, unet_invariants = self._unet().apply(
-            {"params": params["unet"]}, x_in, zeros, **state.cond, mutable=[STEP_INVARIANTS]
+            {"params": self._unet_params(params)}, x_in, zeros, **state.cond, mutable=[STEP_INVARIANTS]
         )
         x_in = jnp.zeros((batch, h, w, self.spec.vae.latent_channels), self.dtype)
         controlnet_invariants = tuple(
@@ -391,6 +435,17 @@ class GenerateProgram:
 
     def _unet(self) -> unet.UNet2DConditionModel:
         return unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
+
+    def _unet_params(self, params) -> dict:
+        """The UNet's parameters, with each IP-Adapter k's key and value weights in every cross-attention
+        layer as `to_k_ip.{k}` and `to_v_ip.{k}` (`layers.Attention`)."""
+        if not self.ip_adapters:
+            return params["unet"]
+        flat = traverse_util.flatten_dict(params["unet"])
+        for k, p in enumerate(params["ip_adapters"]):
+            for path, weight in traverse_util.flatten_dict(p["unet"]).items():
+                flat[(*path[:-2], f"{path[-2]}.{k}", path[-1])] = weight
+        return traverse_util.unflatten_dict(flat)
 
     def _controlnets(self) -> list:
         return [config.model(self.dtype) for config in self.controlnets]
@@ -455,7 +510,7 @@ class GenerateProgram:
     def _denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop, denoised=None) -> Any:
         """The denoising loop over iterations start..stop-1: the new carry (and given `denoised`, the
         last denoised prediction: `sampling.run_steps`)."""
-        model, variables = self._unet(), {"params": params["unet"], **invariants.get("unet", {})}
+        model, variables = self._unet(), {"params": self._unet_params(params), **invariants.get("unet", {})}
         control = self._control(params, invariants, state.cond, inputs)
         g = inputs.guidance_scale[:, None, None, None]
         known = state.known
@@ -521,8 +576,9 @@ class GenerateProgram:
 
 
 def _controlnet_cond(cond: dict) -> dict:
-    """What a ControlNet reads of the UNet's conditioning: all but an LCM UNet's guidance embedding."""
-    return {name: value for name, value in cond.items() if name != "timestep_cond"}
+    """What a ControlNet reads of the UNet's conditioning: all but an LCM UNet's guidance embedding and
+    the IP-Adapters' image prompts (diffusers' ControlNets take neither)."""
+    return {name: value for name, value in cond.items() if name not in ("timestep_cond", "image_prompts")}
 
 
 def _blending_known(method: Sampler, known: Known, stop) -> Sampler:

@@ -23,6 +23,7 @@ from ..sampling.methods import DIFFUSERS, sampler_name, schedule_type_for, steps
 from .checks import choice, fraction, integer, number, text
 from .controls import Control
 from .hires import Hires
+from .image_prompts import ImagePrompt
 from .images import checked_pixels
 
 DEFAULT_MODEL = "stabilityai/stable-diffusion-xl-base-1.0"
@@ -83,6 +84,7 @@ class Limits:
     refiner: str | None = None  # the refiner's name, where one continues requests with `refine_from`
     sizes: tuple[tuple[int, int], ...] | None = None  # the (width, height) allowed; None: any the model renders
     upscalers: tuple[str, ...] = ()  # the model upscalers loaded, by name, for a hires fix (`Pipeline.upscalers`)
+    ip_adapters: tuple = ()  # the loaded IP-Adapters (`IPAdapter`s: name, image size), in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +152,9 @@ class Request:
     # Per image, one `Control` for each of the pipeline's ControlNets (`Pipeline.controlnets`: all of
     # them, or none); None: no ControlNet steers.
     controls: tuple[tuple[Control, ...], ...] | None = dataclasses.field(default=None, compare=False)
+    # Per image, one `ImagePrompt` for each of the pipeline's IP-Adapters (`Pipeline.ip_adapters`: all
+    # of them, or none); None: no picture prompts.
+    image_prompts: tuple[tuple[ImagePrompt, ...], ...] | None = dataclasses.field(default=None, compare=False)
     # A second pass at a bigger size, from this one's upscaled result (`sdxl.engine.hires`); None: none.
     hires: Hires | None = None
 
@@ -206,6 +211,11 @@ class Request:
         return 0 if not self.controls else len(self.controls[0])
 
     @property
+    def image_prompt_count(self) -> int:
+        """How many IP-Adapters steer the images (0 or all of the pipeline's)."""
+        return 0 if not self.image_prompts else len(self.image_prompts[0])
+
+    @property
     def call_settings(self) -> tuple:
         """What every image of one compiled call shares: requests with equal settings can render
         together (guidance and prompt lengths aside: `PreparedRequest.batch_key`)."""
@@ -213,6 +223,7 @@ class Request:
             self.height, self.width, self.steps, self.sampler, self.schedule_type, self.loras, self.start_from,
             self.masks is not None, self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores,
             self.refine_from, self.emphasis, self.control_count, self.noise_source, self.noise is not None, self.hires,
+            self.image_prompt_count,
         )
 
     @classmethod
@@ -229,7 +240,7 @@ class Request:
             if any(given) and not all(given):
                 raise ValueError(f"cannot merge requests with {name} and requests without")
             arrays[name] = np.concatenate([getattr(r, name) for r in requests]) if all(given) else None
-        per_image = [f for f in (*_PER_IMAGE, "controls") if getattr(first, f) is not None]
+        per_image = [f for f in (*_PER_IMAGE, "controls", "image_prompts") if getattr(first, f) is not None]
         return dataclasses.replace(
             first, **{f: tuple(v for r in requests for v in getattr(r, f)) for f in per_image}, **arrays,
             start_latents=None,
@@ -302,6 +313,7 @@ class Request:
             aesthetic_scores=tuple(number(a, label, *AESTHETIC_SCORE_RANGE) for a, label in zip(
                 self.aesthetic_scores, ("aesthetic score", "negative aesthetic score"))),
             controls=_controls(self.controls, n, limits.controlnets, height, width),
+            image_prompts=_image_prompts(self.image_prompts, n, limits.ip_adapters, spec),
             hires=hires,
             **noise_settings,
         )
@@ -437,3 +449,25 @@ def _controls(controls, n: int, controlnets: Sequence, height: int, width: int):
             if id(control) not in checked:
                 checked[id(control)] = control.checked(controlnet, height, width)
     return tuple(tuple(checked[id(control)] for control in per_image) for per_image in controls)
+
+
+def _image_prompts(prompts, n: int, adapters: Sequence, spec):
+    """Each image's image prompts checked against the loaded IP-Adapters (`ImagePrompt.checked`): one per
+    adapter, or none at all."""
+    if prompts is None:
+        return None
+    if not adapters:
+        raise ValueError("no IP-Adapter is loaded to take an image prompt (load one with load_ip_adapter, or start "
+                         "with --ip-adapter)")
+    if len(prompts) != n:
+        raise ValueError(f"image prompts: need one per image ({n}), one per IP-Adapter each; got {len(prompts)}")
+    checked = {}  # each ImagePrompt once: a request usually gives the same to every image
+    for per_image in prompts:
+        if len(per_image) != len(adapters):
+            names = ", ".join(a.name for a in adapters)
+            raise ValueError(f"{len(adapters)} IP-Adapter(s) are loaded ({names}): give one image prompt for each, "
+                             f"not {len(per_image)}")
+        for prompt, adapter in zip(per_image, adapters):
+            if id(prompt) not in checked:
+                checked[id(prompt)] = prompt.checked(adapter, spec.unet)
+    return tuple(tuple(checked[id(prompt)] for prompt in per_image) for per_image in prompts)
