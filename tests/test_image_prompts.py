@@ -13,6 +13,7 @@ from reference import diffusers_images, picture, sdxl_pipeline
 from test_unet import SD1_STYLE, SDXL_STYLE
 from sdxl.checkpoints.random_models import IP_ADAPTER_FILES, write_ip_adapter
 from sdxl.config import config_from_dict
+from sdxl.engine.compilation import CompileCounter
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.image_prompts import STYLE_AND_LAYOUT, STYLE_ONLY, layer_scales
 from sdxl.models.unet import UNetConfig, attention_layers
@@ -106,6 +107,11 @@ def test_generations_with_an_ip_adapter_match_diffusers(sdxl, kind):
             return got
 
         steered = both("one picture for all", 0.8, ip_adapter_image=pictures[0])
+        with CompileCounter() as compiles:  # the scales are inputs: a sweep never recompiles
+            swept = pipe.generate(PROMPTS, NEGATIVES, steps=STEPS, guidance_scale=5.0, height=HEIGHT, width=WIDTH,
+                                  latents=noise, output_type="np", ip_adapter_image=pictures[0],
+                                  ip_adapter_scale=0.3)
+        assert compiles.count == 0 and np.abs(swept - steered).mean() > 1e-3
         both("no guidance, scales per block", {"mid": 0.5, "up": {"block_0": [1.2, 0.0]}}, guidance_scale=1.0,
              ip_adapter_image=pictures[0])
         unsteered = pipe.generate(PROMPTS, NEGATIVES, steps=STEPS, guidance_scale=5.0, height=HEIGHT, width=WIDTH,
