@@ -1,6 +1,8 @@
 """The profile's summary: HLO ops read off a compiled program, sorted into kinds of work and parts of the model,
 and their device time read back from a jax.profiler trace (on the CPU, the XLA thunks' events)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +49,17 @@ def test_the_steps_ops_are_sorted_by_kind_and_part(traced):
     assert 0 < summary["busy"] <= 1
     table = profile.markdown(summary, "a test")
     assert table.startswith("## a test\n") and "| convolution |" in table
+
+
+def test_a_saved_trace_is_summarised_again_even_where_it_names_the_program_otherwise(traced):
+    """What a lease brings back (the trace and the HLO text beside it) summarised without the device; a
+    trace whose events name another module still counts (rather than no op at all)."""
+    xplane, hlo_text = traced
+    directory = xplane.parents[3]
+    (directory / profile.HLO_TEXT).write_text(re.sub(r"^HloModule \S+", "HloModule renamed,", hlo_text, flags=re.M))
+    summary = profile.write_summary(directory, "again")
+    assert summary["step_ms"] > 0 and (directory / "profile.md").read_text().startswith("## again\n")
+    assert summary == profile.write_summary(directory, "again")
 
 
 def test_an_ops_kind_comes_from_its_opcodes_targets_and_kernels():

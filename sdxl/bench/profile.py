@@ -117,20 +117,22 @@ def part(op_names: list[str]) -> str:
     return "other"
 
 
-def _device_events(xplane: Path, module: str) -> list[tuple[str, str, int, int, int, int]]:
-    """(HLO op or kernel name, kernel name, plane, start ns, ns, ns less those of the ops it contains) of
-    each op run in the trace.
+def _device_events(xplane: Path, module: str) -> list[tuple[str | None, str, int, int, int, int]]:
+    """(HLO op, kernel name, plane, start ns, ns, ns less those of the ops it contains) of each op of
+    `module` run in the trace; a device's kernel that names no HLO op (a copy) has None for it.
 
-    The device planes' events where there are any with an HLO op, else the host's thunks' (a CPU)."""
+    The device planes' events where any names an HLO op, else the host's thunks' (a CPU's). Should no
+    event name `module`, those of every module (a trace that names the program otherwise)."""
     planes = list(jax.profiler.ProfileData.from_file(str(xplane)).planes)
-    on_device = [p for p in planes if p.name.startswith("/device:")]
-    events = _plane_events(on_device, module, device=True)
-    if not any(op != kernel for op, kernel, *_ in events):
-        events = _plane_events([p for p in planes if p.name.startswith("/host:")], module, device=False)
-    return events
+    for named in (module, None):
+        for device, prefix in ((True, "/device:"), (False, "/host:")):
+            events = _plane_events([p for p in planes if p.name.startswith(prefix)], named, device)
+            if any(op is not None for op, *_ in events):
+                return events
+    return []
 
 
-def _plane_events(planes, module: str, device: bool) -> list[tuple[str, str, int, int, int, int]]:
+def _plane_events(planes, module: str | None, device: bool) -> list[tuple[str | None, str, int, int, int, int]]:
     found = []
     for index, plane in enumerate(planes):
         lines = list(plane.lines)
@@ -145,9 +147,9 @@ def _plane_events(planes, module: str, device: bool) -> list[tuple[str, str, int
                 op = stats.get("hlo_op")
                 # A device's kernels without an HLO op (copies, a command buffer's) count; a host's events
                 # without one are the runtime's, not the program's.
-                if (op is None and not device) or stats.get("hlo_module", module) != module:
+                if (op is None and not device) or (module and stats.get("hlo_module", module) != module):
                     continue
-                spans.append([op or event.name, event.name, index, int(event.start_ns), int(event.duration_ns)])
+                spans.append([op, event.name, index, int(event.start_ns), int(event.duration_ns)])
             found += _self_times(spans)
     return found
 
@@ -185,6 +187,7 @@ def summarise(xplane: Path, hlo_text: str, steps: int, top: int = TOP_OPS) -> di
     busy_ns, span_ns = _busy_ns(events)
     totals, calls, kernels = defaultdict(int), defaultdict(int), defaultdict(lambda: defaultdict(int))
     for op, kernel, _, _, _, own in events:
+        op = op or kernel
         totals[op] += own
         calls[op] += 1
         kernels[op][kernel] += own
@@ -243,6 +246,19 @@ def markdown(summary: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+HLO_TEXT = "program.hlo.txt"  # beside the trace: what `write_summary` reads the ops' kinds and parts from
+TABLE = "profile.md"
+
+
+def write_summary(directory: Path, title: str, steps: int = PROFILE_STEPS) -> dict:
+    """Summarises the newest trace in `directory` with the program's HLO text saved beside it, into
+    directory/profile.md; returns the summary."""
+    xplane = max(directory.glob("plugins/profile/*/*.xplane.pb"), key=lambda path: path.stat().st_mtime)
+    summary = summarise(xplane, (directory / HLO_TEXT).read_text(), steps)
+    (directory / TABLE).write_text(markdown(summary, title))
+    return summary | {"trace": str(xplane), "table": str(directory / TABLE)}
+
+
 def trace(render: Callable[[], object], directory: Path) -> Path:
     """Runs `render` under `jax.profiler.trace` into `directory`; returns the .xplane.pb it wrote."""
     before = set(directory.glob("plugins/profile/*/*.xplane.pb"))
@@ -250,3 +266,10 @@ def trace(render: Callable[[], object], directory: Path) -> Path:
         render()
     (written,) = set(directory.glob("plugins/profile/*/*.xplane.pb")) - before
     return written
+
+
+if __name__ == "__main__":
+    # A lease's trace summarised again here, without a GPU: `python -m sdxl.bench.profile DIR TITLE`.
+    import sys
+
+    print(markdown(write_summary(Path(sys.argv[1]), sys.argv[2]), sys.argv[2]))

@@ -60,7 +60,7 @@ OVERRIDES = ("SDXL_ATTENTION", "SDXL_CONV", "SDXL_GROUP_NORM", "XLA_FLAGS")
 
 def overrides() -> str:
     """This process's settings of `OVERRIDES`, as VAR=value words ("" for none)."""
-    return " ".join(f"{name}={os.environ[name]}" for name in OVERRIDES if os.environ.get(name))
+    return " ".join(f"{name}={os.environ[name].strip()}" for name in OVERRIDES if os.environ.get(name, "").strip())
 
 
 def peak_tflops(device_kind: str) -> float | None:
@@ -369,7 +369,11 @@ def run_benchmark(
         rest = {}
         if profile:
             log(f"tracing {profiling.PROFILE_STEPS} steps into {profile}")
-            rest["profile"] = profile_steps(pipe, request, Path(profile))
+            try:
+                rest["profile"] = profile_steps(pipe, request, Path(profile))
+            except Exception as error:  # noqa: BLE001  the timings above are a lease's to keep; the trace stays
+                log(f"profile failed: {error!r}")
+                rest["profile_error"] = repr(error)
         if not quick:
             log("counting compilations over a sweep of prompts, weights, seeds, guidance and steps")
             sweep = sweep_requests(len(request), height, width, steps, long_prompt)
@@ -461,19 +465,15 @@ def time_lora_switches(pipe, scratch: Path, request: Request) -> dict:
 
 
 def profile_steps(pipe, request: Request, directory: Path) -> dict:
-    """`profile.summarise` of a trace of `request`'s batch with `profile.PROFILE_STEPS` steps, which is
-    also written to directory/profile.md."""
+    """`profile.write_summary` of a trace of `request`'s batch with `profile.PROFILE_STEPS` steps, the
+    compiled program's HLO text saved beside it (to summarise it again elsewhere)."""
     directory.mkdir(parents=True, exist_ok=True)
+    (directory / profiling.HLO_TEXT).write_text(whole_program(pipe, request).as_text())
     prepared = pipe.prepare(dataclasses.replace(request, steps=profiling.PROFILE_STEPS))
     pipe.render(prepared)  # the first call of a request reads its inputs' host side in
-    xplane = profiling.trace(lambda: pipe.render(prepared), directory)
-    summary = profiling.summarise(xplane, whole_program(pipe, request).as_text(), profiling.PROFILE_STEPS)
+    profiling.trace(lambda: pipe.render(prepared), directory)
     title = f"{pipe.device_description}: {request.width}x{request.height}, batch {len(request)}, {pipe.dtype}"
-    if overrides():
-        title += f", {overrides()}"
-    table = directory / "profile.md"
-    table.write_text(profiling.markdown(summary, title))
-    return summary | {"trace": str(xplane), "table": str(table)}
+    return profiling.write_summary(directory, f"{title}, {overrides()}" if overrides() else title)
 
 
 def _first_run(pipe, request: Request, log: Callable[[str], None], started: float, progress: bool) -> dict:
