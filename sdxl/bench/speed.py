@@ -23,7 +23,7 @@ from ..engine.upscaler import Upscaler
 from ..engine.request import DEFAULT_GUIDANCE_SCALE, Request
 from ..models import attention, convolution, unet
 from ..prompts.tokens import TOKENS_PER_CHUNK
-from . import controlnet as control, counting, profile as profiling
+from . import controlnet as control, counting
 from .loading import (
     bf16_bytes, default_dtype, disk_and_fresh_memory_loads, in_fresh_process, load_on_devices, load_ratios,
     machine_description, measure_load, memory_status, process_start_time, resolve_model, scratch_dir,
@@ -368,7 +368,7 @@ def run_benchmark(
         peak_device_memory = _peak_device_memory(pipe)
         rest = {}
         if profile:
-            log(f"tracing {profiling.PROFILE_STEPS} steps into {profile}")
+            log(f"tracing a few steps into {profile}")
             try:
                 rest["profile"] = profile_steps(pipe, request, Path(profile))
             except Exception as error:  # noqa: BLE001  the timings above are a lease's to keep; the trace stays
@@ -467,6 +467,8 @@ def time_lora_switches(pipe, scratch: Path, request: Request) -> dict:
 def profile_steps(pipe, request: Request, directory: Path) -> dict:
     """`profile.write_summary` of a trace of `request`'s batch with `profile.PROFILE_STEPS` steps, the
     compiled program's HLO text saved beside it (to summarise it again elsewhere)."""
+    from . import profile as profiling  # not at the top: `python -m sdxl.bench.profile` runs it as __main__
+
     directory.mkdir(parents=True, exist_ok=True)
     (directory / profiling.HLO_TEXT).write_text(whole_program(pipe, request).as_text())
     prepared = pipe.prepare(dataclasses.replace(request, steps=profiling.PROFILE_STEPS))
