@@ -39,7 +39,8 @@ def cache_root() -> Path:
 
 
 def kernel_override(variable: str, choices: tuple[str, ...]) -> str:
-    """The kernel that environment `variable` (SDXL_ATTENTION, SDXL_CONV) names, or "" when it is unset."""
+    """The kernel that environment `variable` (SDXL_ATTENTION, SDXL_CONV, SDXL_GROUP_NORM) names, or "" when
+    it is unset."""
     chosen = os.environ.get(variable, "").strip().lower()
     if chosen not in choices + ("",):
         raise ValueError(f"{variable} must be one of {', '.join(choices)}, got {chosen!r}")

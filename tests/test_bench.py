@@ -71,6 +71,21 @@ def test_quick_bench_measures_the_accelerator_targets_alone(bench):
 
 
 @pytest.mark.cli
+def test_a_leases_variant_run_profiles_names_its_overrides_and_skips_progress(bench, tmp_path, monkeypatch):
+    """What the GPU lease (.device/run.sh) runs for each variant: no progress programs, and for the
+    baseline a profile of a few warm steps; each row names the environment it ran in."""
+    monkeypatch.setenv("SDXL_GROUP_NORM", "shifted")
+    args = "--model tiny --height 32 --width 32 --steps 2 --batch 2 --devices 1 --runs 1 --quick --no-progress "
+    r, stdout, markdown = bench(*(args + f"--profile {tmp_path / 'trace'}").split())
+    assert "progress_overhead" not in r and "progress_compile_s" not in r and "not measured" in stdout
+    assert "SDXL_GROUP_NORM=shifted" in r["overrides"] and "SDXL_GROUP_NORM=shifted" in markdown.read_text()
+    assert r["profile"]["steps"] == 3 and r["profile"]["step_ms"] > 0
+    table = (tmp_path / "trace" / "profile.md").read_text()
+    assert "| Category | ms per step | Share of a step |" in table and "| 1 | `" in table
+    assert "SDXL_GROUP_NORM=shifted" in table.splitlines()[0]
+
+
+@pytest.mark.cli
 def test_load_only_measures_warm_and_cold_loads_into_its_own_table(bench, tmp_path):
     markdown = tmp_path / "BENCHMARKS.md"
     markdown.write_text(report.MARKDOWN_HEADER + "| an earlier row |\n\nText after the table.\n")

@@ -176,6 +176,7 @@ def test_text_lengths_match_diffusers_encoder_attention_mask(sdxl_style, monkeyp
     [
         ("SDXL_ATTENTION", "splash"),  # the TPU kernel, in Pallas' interpreter here, in every attention layer
         ("SDXL_CONV", "winograd"),  # the CPU's Winograd convolutions in every 3x3 layer, not only the wide ones
+        ("SDXL_GROUP_NORM", "shifted"),  # every GroupNorm's statistics from one read of its input
     ],
 )
 def test_other_kernels_match_diffusers(sdxl_style, monkeypatch, variable, kernel):

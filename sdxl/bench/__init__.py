@@ -13,13 +13,14 @@ One run measures one model at one image size, step count and batch size:
   the compiled program to completion, and the fetch;
 - achieved TFLOP/s from XLA's cost analysis, and MFU against the device's peak;
 - the cost of progress reporting (`render(..., on_step=...)`, a chain of staged programs) against the
-  single program;
+  single program (not with `--no-progress`);
 - the cost of one ControlNet (`controlnet.py`): the same batch steered by a random ControlNet of the
   model's UNet shape (as diffusers' `ControlNetModel.from_unet` makes one; SDXL's published one at
   SDXL's size), timed in turn with the batch without it; its parameters' bytes per device; and the
   FLOPs of one guided step with it over without;
 - the compilations over a sweep of prompt, seed, guidance and step count (expected: none);
-- peak device memory, where the backend reports it.
+- peak device memory, where the backend reports it;
+- with `--profile DIR`, where the device time of a few warm steps goes, op by op (`profile.py`).
 
 With `--compare diffusers`, diffusers' pipeline loads the same saved folder and renders the same
 batch (size, steps, guidance, sampler); its timed runs alternate with ours, so that a machine that
@@ -85,6 +86,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only the cold compile, images/s (and diffusers'), MFU, progress overhead and device memory: "
         "what a lease of minutes on an accelerator allows",
+    )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="neither compile nor time the progress programs (the demo's path): a cold compile less per run",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="also trace a few warm steps of the batch into DIR (jax.profiler), and summarise the ops by device "
+        "time into DIR/profile.md",
     )
     parser.add_argument(
         "--load-only", action="store_true", help="measure only the loading (for checkpoints too big to run here)"
@@ -189,6 +201,8 @@ def command(args: argparse.Namespace) -> None:
             dtype=args.dtype,
             compare=args.compare,
             quick=args.quick,
+            progress=not args.no_progress,
+            profile=args.profile and Path(args.profile),
             log=log,
         )
         table, header, row = format_table(result), MARKDOWN_HEADER, markdown_row(result)

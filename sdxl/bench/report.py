@@ -33,6 +33,18 @@ def format_load_table(r: dict) -> str:
     return _aligned([("model", f"{r['model']} into {r['dtype']}"), ("device", r["machine"]), *_load_rows(r)])
 
 
+def _kernels(r: dict) -> str:
+    """The kernels the program called, and the environment's overrides that chose them (`speed.overrides`)."""
+    kernels = f"{r['attention']} attention, {r['convolution']} convolutions"
+    return f"{kernels}, {r['overrides']}" if r.get("overrides") else kernels
+
+
+def _progress(r: dict) -> str:
+    if "progress_overhead" not in r:
+        return "not measured (--no-progress)"
+    return f"{r['progress_overhead']:+.1%} ({_number(r['progress_s_per_image'])} s/image)"
+
+
 def format_table(r: dict) -> str:
     """The results as an aligned two-column table."""
     mfu = "n/a (no known peak)" if r["mfu"] is None else f"{r['mfu']:.1%} of {r['peak_tflops']:g} TFLOP/s per device"
@@ -40,7 +52,7 @@ def format_table(r: dict) -> str:
         (
             "model",
             f"{r['model']} {r['width']}x{r['height']}, {r['steps']} steps, batch {r['batch']}, {r['dtype']}, "
-            f"{r['attention']} attention, {r['convolution']} convolutions",
+            f"{_kernels(r)}",
         ),
         ("device", f"{r['n_devices']}x {r['device']} ({r['machine']})"),
         ("images/s", _number(r["images_per_s"])),
@@ -60,8 +72,12 @@ def format_table(r: dict) -> str:
             f"{_number(r['first_image_s'], ' s')} / {_number(r.get('first_image_warm_s'), ' s')}",
         ),
         ("peak device memory", _mib(r["peak_device_memory_bytes"])),
-        ("progress overhead", f"{r['progress_overhead']:+.1%} ({_number(r['progress_s_per_image'])} s/image)"),
+        ("progress overhead", _progress(r)),
     ]
+    if "profile" in r:
+        p = r["profile"]
+        rows.append(("profile", f"{p['step_ms']:.2f} ms of device time per denoising step; top ops in "
+                                f"{p['table']}"))
     if not r["quick"]:
         rows += _full_rows(r)
     rows.append(("load average before / after", " / ".join(f"{x:.1f}" for x in r["load_average"])))
@@ -125,7 +141,7 @@ def markdown_row(r: dict) -> str:
         r["date"],
         f"{r['machine']}; load {r['load_average'][0]:.1f} to {r['load_average'][1]:.1f}",
         f"{r['n_devices']}x {r['device']}",
-        f"{r['model']} {r['dtype']}, {r['attention']} attention, {r['convolution']} convolutions",
+        f"{r['model']} {r['dtype']}, {_kernels(r)}",
         f"{r['width']}x{r['height']}, {r['steps']}, {r['batch']}",
         f"{r['images_per_s']:.3g}",
         f"{r['ref_images_per_s']:.3g}" if "ratio" in r else "",
@@ -135,7 +151,7 @@ def markdown_row(r: dict) -> str:
         else f"{r['compile_s']:.1f} / {r['warm_compile_s']:.1f} s",
         "" if r["quick"] else _load_cell(r),
         "" if r["quick"] else f"{r['load_rss_over_bf16']:.2f}x",
-        f"{r['progress_overhead']:+.1%}",
+        f"{r['progress_overhead']:+.1%}" if "progress_overhead" in r else "",
         "" if r["quick"] else str(r["recompiles"]),
     ]
     return "| " + " | ".join(cells) + " |\n"

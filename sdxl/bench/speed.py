@@ -54,6 +54,15 @@ PEAK_BF16_TFLOPS = (
     ("A100", 312.0),
 )
 
+# The environment variables that change how a program compiles, not what it computes (`sdxl.bench.variants`).
+OVERRIDES = ("SDXL_ATTENTION", "SDXL_CONV", "SDXL_GROUP_NORM", "XLA_FLAGS")
+
+
+def overrides() -> str:
+    """This process's settings of `OVERRIDES`, as VAR=value words ("" for none)."""
+    return " ".join(f"{name}={os.environ[name].strip()}" for name in OVERRIDES if os.environ.get(name, "").strip())
+
+
 def peak_tflops(device_kind: str) -> float | None:
     """The device's dense bf16 peak in TFLOP/s, or None when it is not in `PEAK_BF16_TFLOPS`."""
     return next((peak for name, peak in PEAK_BF16_TFLOPS if name in device_kind), None)
@@ -273,6 +282,8 @@ def run_benchmark(
     dtype: str | None = None,
     compare: str | None = None,
     quick: bool = False,
+    progress: bool = True,
+    profile: Path | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> dict:
     """Measures generation as the package docstring (`sdxl.bench`) describes; returns a flat dict.
@@ -287,6 +298,9 @@ def run_benchmark(
       quick: measure only what fits a lease of minutes on an accelerator: the cold compile, the first
         image, images/s (and diffusers'), FLOPs, the progress overhead and the peak device memory;
         not the fresh processes, the other programs, the sweep or LoRAs.
+      progress: also compile and time the progress programs (the demo's path), against the single program.
+      profile: trace `profile.PROFILE_STEPS` warm steps of the batch into this folder, and summarise them
+        into its profile.md (`sdxl.bench.profile`).
       log: receives progress messages.
     """
     process_start = process_start_time()
@@ -311,14 +325,13 @@ def run_benchmark(
         pipe = load_on_devices(folder, dtype, max_steps, num_devices)
         prepared = pipe.prepare(batch_request(batch or pipe.num_devices, height, width, steps))
         request = prepared.request
-        first = _first_run(pipe, request, log, started=process_start + write_s)
+        first = _first_run(pipe, request, log, started=process_start + write_s, progress=progress)
         flops = first.pop("flops")
         log(f"compiled in {first['compile_s']:.1f} s, first image after {first['first_image_s']:.1f} s")
-        calls = {
-            "ours": lambda: pipe.render(prepared),
-            # Progress as the demo shows it: a report and the images' previews after every step.
-            "progress": lambda: pipe.render(prepared, on_step=lambda done: None, on_preview=lambda done, images: None),
-        }
+        calls = {"ours": lambda: pipe.render(prepared)}
+        if progress:  # as the demo shows it: a report and the images' previews after every step
+            calls["progress"] = lambda: pipe.render(prepared, on_step=lambda done: None,
+                                                    on_preview=lambda done, images: None)
         fresh = controlnet_first = {}
         if not quick:
             log("measuring load, warm compile and first image in a fresh process")
@@ -354,6 +367,13 @@ def run_benchmark(
         # Before the sweep and the LoRAs, whose programs are not the benchmark's.
         peak_device_memory = _peak_device_memory(pipe)
         rest = {}
+        if profile:
+            log(f"tracing a few steps into {profile}")
+            try:
+                rest["profile"] = profile_steps(pipe, request, Path(profile))
+            except Exception as error:  # noqa: BLE001  the timings above are a lease's to keep; the trace stays
+                log(f"profile failed: {error!r}")
+                rest["profile_error"] = repr(error)
         if not quick:
             log("counting compilations over a sweep of prompts, weights, seeds, guidance and steps")
             sweep = sweep_requests(len(request), height, width, steps, long_prompt)
@@ -444,9 +464,23 @@ def time_lora_switches(pipe, scratch: Path, request: Request) -> dict:
                 lora_layers=sum(len(layers) for layers in lora.targets(pipe.spec).values()))
 
 
-def _first_run(pipe, request: Request, log: Callable[[str], None], started: float) -> dict:
+def profile_steps(pipe, request: Request, directory: Path) -> dict:
+    """`profile.write_summary` of a trace of `request`'s batch with `profile.PROFILE_STEPS` steps, the
+    compiled program's HLO text saved beside it (to summarise it again elsewhere)."""
+    from . import profile as profiling  # not at the top: `python -m sdxl.bench.profile` runs it as __main__
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / profiling.HLO_TEXT).write_text(whole_program(pipe, request).as_text())
+    prepared = pipe.prepare(dataclasses.replace(request, steps=profiling.PROFILE_STEPS))
+    pipe.render(prepared)  # the first call of a request reads its inputs' host side in
+    profiling.trace(lambda: pipe.render(prepared), directory)
+    title = f"{pipe.device_description}: {request.width}x{request.height}, batch {len(request)}, {pipe.dtype}"
+    return profiling.write_summary(directory, f"{title}, {overrides()}" if overrides() else title)
+
+
+def _first_run(pipe, request: Request, log: Callable[[str], None], started: float, progress: bool) -> dict:
     """Compiles (cold) and renders the first batch, timed from `started` (a `time.time()`); then the
-    kernels and FLOPs of the compiled program, and the progress programs' compile time."""
+    kernels and FLOPs of the compiled program, and (with `progress`) the progress programs' compile time."""
     height, width, batch = request.height, request.width, len(request)
     log(f"compiling for {width}x{height}, batch {batch}, on {pipe.device_description}")
     compile_s = pipe.warmup(height, width, batch, SAMPLER)
@@ -457,15 +491,18 @@ def _first_run(pipe, request: Request, log: Callable[[str], None], started: floa
         convolution.implementation(latent_h >> level, latent_w >> level, channels, pipe.dtype)
         for level, channels in enumerate(pipe.spec.unet.block_out_channels)
     }
-    return dict(
+    first = dict(
         compile_s=compile_s,
         first_image_s=first_image_s,
         flops=generation_flops(pipe, request),
         # read off the compiled program (sdxl.models.attention)
         attention="+".join(sorted(attention.kernels_in(whole_program(pipe, request)))),
         convolution="+".join(sorted(unet_convolution)),  # its resnets' (sdxl.models.convolution)
-        progress_compile_s=pipe.warmup(height, width, batch, SAMPLER, progress=True),
+        overrides=overrides(),
     )
+    if progress:
+        first["progress_compile_s"] = pipe.warmup(height, width, batch, SAMPLER, progress=True)
+    return first
 
 
 def _controlnet_first_run(pipe, scratch: Path, request: Request, dtype: str) -> tuple:
@@ -512,13 +549,13 @@ def _median_s(timings: list[tuple[float, float]], index: int = 0) -> float:
 
 
 def _speed(pipe, request: Request, timings: dict, flops: float) -> dict:
-    """Our images/s, TFLOP/s and MFU, and the progress overhead, from the timed runs."""
+    """Our images/s, TFLOP/s and MFU, and the progress overhead where it was timed, from the timed runs."""
     batch, ours = len(request), timings["ours"]
     device = pipe.mesh.devices.flat[0]
     kind = getattr(device, "device_kind", device.platform)
     peak = None if device.platform == "cpu" else peak_tflops(kind)
     tflops = flops / _median_s(ours) / 1e12
-    return dict(
+    speed = dict(
         height=request.height,
         width=request.width,
         steps=request.steps,
@@ -537,9 +574,11 @@ def _speed(pipe, request: Request, timings: dict, flops: float) -> dict:
         tflops=tflops,
         peak_tflops=peak,
         mfu=None if peak is None else tflops / (peak * pipe.num_devices),
-        progress_s_per_image=_median_s(timings["progress"]) / batch,
-        progress_overhead=_median_s(timings["progress"]) / _median_s(ours) - 1,
     )
+    if "progress" in timings:
+        speed["progress_s_per_image"] = _median_s(timings["progress"]) / batch
+        speed["progress_overhead"] = _median_s(timings["progress"]) / _median_s(ours) - 1
+    return speed
 
 
 def _variant_speed(request: Request, timings: dict) -> dict:
