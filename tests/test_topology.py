@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("libtpu", reason="libtpu compiles for TPU slices on this host: pip install -r requirements-dev.txt")
 
 from sdxl.__main__ import main  # noqa: E402
-from sdxl.bench import speed, topology  # noqa: E402
+from sdxl.bench import ip_adapter, speed, topology  # noqa: E402
 
 pytestmark = pytest.mark.tpu
 
@@ -113,6 +113,20 @@ def test_the_hires_pass_compiles_at_the_upscaled_size_and_the_report_says_it(tmp
     assert report["hires"] == {"scale": 1.5, "height": 96, "width": 96}
     assert report["compiled"] and report["largest_program"] == "hires whole"
     assert f"{SIZE}x{SIZE} (hires pass x1.5: 96x96), 1 |" in (tmp_path / "BENCHMARKS.md").read_text()
+
+
+def test_an_ip_adapter_program_holds_the_adapters_weights_beside_the_models(tmp_path):
+    """Text-to-image with an image prompt: the image encoder and the adapter's weights count on each chip."""
+    out = tmp_path / "report.json"
+    args = ["bench", "--model", "tiny", "--topology", "v5e:2x2", "--height", str(SIZE), "--width", str(SIZE),
+            "--batch", str(CHIPS), "--programs", "ip", "--stages", "whole", "--ip-adapter", "plus"]
+    assert main([*args, "--json", str(out), "--markdown", str(tmp_path / "BENCHMARKS.md")]) == 0
+    report = json.loads(out.read_text())
+    model = topology.param_bytes(topology.model_spec("tiny"), "bfloat16")
+    spec = topology.model_spec("tiny")
+    adapter = sum(ip_adapter.param_bytes(ip_adapter.adapter_config("plus", spec), spec, "bfloat16").values())
+    assert adapter > 0 and report["weight_bytes_per_chip"] == model + adapter
+    assert report["compiled"] and report["largest_program"] == "ip whole"
 
 
 def test_an_unknown_stage_is_refused_before_compiling(capsys):

@@ -62,7 +62,7 @@ from .report import (
 from .soak import SOAK_MARKDOWN_HEADER, format_soak_table, run_soak, soak_markdown_row
 from .speed import run_benchmark
 from .topology import (
-    HIRES, PROGRAMS, REFINE, STAGES, TOPOLOGY_MARKDOWN_HEADER, format_topology_table, run_topology_benchmark,
+    HIRES, IP, PROGRAMS, REFINE, STAGES, TOPOLOGY_MARKDOWN_HEADER, format_topology_table, run_topology_benchmark,
     topology_markdown_row,
 )
 
@@ -110,7 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--programs",
         default=",".join(PROGRAMS),
         help=f"with --topology, the programs to compile, comma-separated (default: %(default)s; also "
-        f"{', '.join(HIRES)}: a hires fix's second pass, see --hires-scale)",
+        f"{', '.join(HIRES)}: a hires fix's second pass, see --hires-scale; {', '.join(IP)}: text-to-image "
+        "with an IP-Adapter, see --ip-adapter)",
     )
     parser.add_argument(
         "--stages",
@@ -123,6 +124,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help=f"with --topology, the upscale of the {' and '.join(HIRES)} programs: a hires fix's second pass, "
         "from the first pass's latents (at --height x --width) upscaled (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--ip-adapter",
+        choices=("plain", "plus"),
+        default="plus",
+        help=f"with --topology, the published SDXL IP-Adapter of the {' and '.join(IP)} programs: plain "
+        "(ip-adapter_sdxl, ViT-bigG) or plus (ip-adapter-plus_sdxl_vit-h, ViT-H) (default: %(default)s)",
     )
     parser.add_argument(
         "--refiner",
@@ -170,6 +178,7 @@ def command(args: argparse.Namespace) -> None:
             refiner=args.refiner,
             stages=tuple(args.stages.split(",")),
             hires_scale=args.hires_scale,
+            ip_adapter_kind=args.ip_adapter,
             log=log,
         )
         table, header, row = format_topology_table(result), TOPOLOGY_MARKDOWN_HEADER, topology_markdown_row(result)

@@ -34,6 +34,7 @@ from ..engine.hires import Hires
 from ..engine.memory import bytes_beside_weights
 from ..engine.mesh import batch_mesh
 from ..engine.program import GenerateProgram
+from . import ip_adapter
 from ..models.attention import kernels_in
 from ..models.vae import tile_sizes
 from .loading import machine_description
@@ -50,6 +51,9 @@ PROGRAMS = ("text", "text-unguided", "image", "image-unguided", "inpaint", "inpa
 # A hires fix's second pass (`sdxl.engine.hires`), at the size upscaled by `--hires-scale`: compiled when
 # named, not by default, as its size is not the others'.
 HIRES = ("hires", "hires-unguided")
+# Text-to-image with an IP-Adapter's image prompt (`--ip-adapter`'s published SDXL adapter): compiled
+# when named; its encoder and weights then share each chip with every program.
+IP = ("ip", "ip-unguided")
 # With a refiner, the refiner's program too: it finishes the base's latents (`Pipeline._handoff`).
 REFINE = "refine"
 # Each program compiled whole, and as the prepare/denoise/finish chain that progress reports run.
@@ -143,6 +147,7 @@ def run_topology_benchmark(
     refiner: str | None = None,
     stages: tuple[str, ...] = STAGES,
     hires_scale: float = 2.0,
+    ip_adapter_kind: str = "plus",
     log=print,
 ) -> dict:
     """Compiles `programs` whole and in stages for the TPU slice `topology` ("v5e:2x2"); returns the report.
@@ -156,6 +161,7 @@ def run_topology_benchmark(
       stages: which of each program's stages to compile and report (at SDXL's size each takes minutes
         to tens of minutes here): the whole program, and the staged ones that progress reports run.
       hires_scale: the upscale of the `HIRES` programs' hires fix, whose first pass is at `height` x `width`.
+      ip_adapter_kind: the published SDXL IP-Adapter ("plain", "plus": `bench.ip_adapter`) of the `IP` programs.
     """
     # libtpu locks a file so that one process drives a host's chips; compiling drives none, so a test
     # may compile while a bench does.
@@ -165,7 +171,7 @@ def run_topology_benchmark(
     batch = batch or chips
     if batch % chips:
         raise ValueError(f"--batch must be a multiple of the {chips} chips of {topology}, got {batch}")
-    known = PROGRAMS + HIRES + ((REFINE,) if refiner else ())
+    known = PROGRAMS + HIRES + IP + ((REFINE,) if refiner else ())
     if refiner and programs == PROGRAMS:
         programs = PROGRAMS + (REFINE,)
     if unknown := set(programs) - set(known):
@@ -180,6 +186,7 @@ def run_topology_benchmark(
     if set(programs) & set(HIRES):
         hires_height, hires_width = Hires(scale=hires_scale).size(height, width, spec)
         hires = {"scale": hires_scale, "height": hires_height, "width": hires_width}
+    adapter = ip_adapter.adapter_config(ip_adapter_kind, spec) if set(programs) & set(IP) else None
     log(f"compiling {model} at {_size(width, height, hires)}, {batch // chips} images per chip, for {topology} "
         f"({chips} chips)")
     compiled = []
@@ -188,6 +195,9 @@ def run_topology_benchmark(
             program = refine_program(refiner_spec, height, width, batch, dtype)
         elif name in HIRES:
             program = hires_program(name, spec, height, width, batch, dtype, hires_scale)
+        elif name in IP:
+            program = dataclasses.replace(program_named(name.replace("ip", "text"), spec, height, width, batch, dtype),
+                                          ip_adapters=(adapter,))
         else:
             program = program_named(name, spec, height, width, batch, dtype)
         executables = Executables(mesh)  # one program's at a time: SDXL's executables are large
@@ -200,7 +210,8 @@ def run_topology_benchmark(
         model=model,
         refiner=refiner,
         # Every model's weights stay on each chip whichever program runs, a component they share once.
-        weight_bytes=param_bytes(spec, dtype) + (param_bytes(refiner_spec, dtype, spec) if refiner else 0),
+        weight_bytes=param_bytes(spec, dtype) + (param_bytes(refiner_spec, dtype, spec) if refiner else 0)
+        + (sum(ip_adapter.param_bytes(adapter, spec, dtype).values()) if adapter else 0),
         shared=shared_components(spec, refiner_spec) if refiner else [],
         hires=hires,
         topology=topology,
