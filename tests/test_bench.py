@@ -27,7 +27,8 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
         lora_clear_s lora_recompiles long_prompt_images_per_s long_prompt_cost controlnet_images_per_s controlnet_cost
         controlnet_param_bytes_per_device controlnet_step_flops controlnet_step_flops_ratio noise_nv_s noise_cpu_s
         noise_nv_cost noise_cpu_cost noise_sde_nv_s noise_sde_nv_cost hires_images_per_s hires_cost hires_bytes
-        base_bytes hires_bytes_ratio upscaler_images_per_s""".split()
+        base_bytes hires_bytes_ratio upscaler_images_per_s ip_adapter_images_per_s ip_adapter_cost
+        ip_adapter_param_bytes_per_device ip_adapter_compile_s""".split()
     assert not [key for key in required if key not in r]
     assert (r["model"], r["device"], r["n_devices"], r["batch"]) == ("tiny", "cpu", 1, 1)
     assert r["attention"] == "xla" and r["convolution"] == "xla"  # 4x4 latents: too small for Winograd
@@ -44,6 +45,8 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
     assert np.isclose(r["controlnet_cost"], r["images_per_s"] / r["controlnet_images_per_s"])
     assert 1.1 < r["controlnet_step_flops_ratio"] < 2 and r["controlnet_param_bytes_per_device"] > 0
     assert "one ControlNet" in stdout and "A1111's noise (NV, CPU; Euler a)" in stdout
+    assert np.isclose(r["ip_adapter_cost"], r["images_per_s"] / r["ip_adapter_images_per_s"])
+    assert r["ip_adapter_param_bytes_per_device"] > 0 and "an IP-Adapter's image prompt" in stdout
     # A hires fix's time and memory against the first pass are reported, not bounded: at 32x32 the
     # pass's buffers beside the weights came out 0.49x the first pass's (the programs' fixed inputs rule).
     assert r["hires_cost"] > 0 and r["hires_bytes"] > 0 and r["upscaler_images_per_s"] > 0
@@ -53,7 +56,8 @@ def test_bench_runs_end_to_end_on_tiny_and_reports_every_key(bench):
     assert "ratio (ours / diffusers)" in stdout
     header, _, row = markdown.read_text().splitlines()[-3:]
     assert header.startswith("| Date |") and row.count("|") == header.count("|")
-    assert "| tiny float32, xla attention, xla convolutions |" in row
+    # Then the environment's overrides, where set: here the tests' XLA_FLAGS (four host devices).
+    assert "| tiny float32, xla attention, xla convolutions, XLA_FLAGS=" in row
 
 
 @pytest.mark.cli

@@ -104,6 +104,11 @@ def _full_rows(r: dict) -> list[tuple[str, str]]:
             f"{_mib(r['controlnet_param_bytes_per_device'])} of parameters per device",
         ),
         (
+            "an IP-Adapter's image prompt (Plus, its tiny random image encoder)",
+            f"{_number(r['ip_adapter_images_per_s'])} images/s, {r['ip_adapter_cost']:.2f}x the time without; "
+            f"{_mib(r['ip_adapter_param_bytes_per_device'])} of parameters per device",
+        ),
+        (
             "a hires fix (2x by Latent, half as many steps again)",
             f"{_number(r['hires_images_per_s'])} images/s, {r['hires_cost']:.2f}x the time of the first pass alone; "
             f"its pass holds {_mib(r['hires_bytes'])} beside the weights, {r['hires_bytes_ratio']:.2f}x the first's",

@@ -18,6 +18,7 @@ from ..checkpoints import lora, random_models
 from ..engine.compilation import CompileCounter, enable_compilation_cache
 from ..engine.compiled import Executables
 from ..engine.hires import Hires
+from ..engine.image_prompts import ImagePrompt
 from ..engine.memory import bytes_beside_weights
 from ..engine.upscaler import Upscaler
 from ..engine.request import DEFAULT_GUIDANCE_SCALE, Request
@@ -332,7 +333,7 @@ def run_benchmark(
         if progress:  # as the demo shows it: a report and the images' previews after every step
             calls["progress"] = lambda: pipe.render(prepared, on_step=lambda done: None,
                                                     on_preview=lambda done, images: None)
-        fresh = controlnet_first = {}
+        fresh = controlnet_first = ip_adapter_first = {}
         if not quick:
             log("measuring load, warm compile and first image in a fresh process")
             options = dict(folder=str(folder), dtype=dtype, max_steps=max_steps, num_devices=num_devices)
@@ -346,6 +347,8 @@ def run_benchmark(
             long = pipe.prepare(batch_request(len(request), height, width, steps, prompt=long_prompt))
             log("writing a random ControlNet of the model's UNet shape, and compiling the model steered by it")
             steered, controlled, controlnet_first = _controlnet_first_run(pipe, scratch, request, dtype)
+            log("writing a random Plus IP-Adapter of the model's UNet shape, and compiling it with an image prompt")
+            prompted, ip_adapter_first = _ip_adapter_first_run(pipe, scratch, request)
             # A hires fix as SDXL's shared infotexts have it: 2x by "Latent", half the steps again.
             hires = pipe.prepare(dataclasses.replace(request, hires=HIRES))
             log(f"compiling the hires pass at {hires.hires.request.width}x{hires.hires.request.height}")
@@ -354,6 +357,7 @@ def run_benchmark(
                 "unguided": lambda: pipe.render(unguided),  # the program without the negative prompts' pass
                 "long_prompt": lambda: pipe.render(long),  # the program of 4 chunks
                 "controlnet": lambda: steered.render(controlled),  # the same batch steered by one ControlNet
+                "ip_adapter": lambda: pipe.render(prompted),  # the same batch with an image prompt
                 "hires": lambda: pipe.render(hires),
             }
         reference = {}
@@ -366,6 +370,8 @@ def run_benchmark(
         timings = _interleaved_timings(calls, runs)
         # Before the sweep and the LoRAs, whose programs are not the benchmark's.
         peak_device_memory = _peak_device_memory(pipe)
+        if not quick:
+            pipe.unload_ip_adapter()  # the rest measures the model alone
         rest = {}
         if profile:
             log(f"tracing a few steps into {profile}")
@@ -398,6 +404,7 @@ def run_benchmark(
         **fresh,  # load warm and cold, raw reads, RSS, warm compile, first image warm
         **_speed(pipe, request, timings, flops),
         **controlnet_first,
+        **ip_adapter_first,
         **rest,  # recompilations over the sweep, LoRA switches
         param_bytes_bf16=bf16_bytes(pipe.spec),
     )
@@ -527,9 +534,30 @@ def _controlnet_first_run(pipe, scratch: Path, request: Request, dtype: str) -> 
     )
 
 
+def _ip_adapter_first_run(pipe, scratch: Path, request: Request) -> tuple:
+    """The benchmark's batch with an image prompt per image, through a random Plus IP-Adapter of the
+    model's UNet shape (`random_models.write_ip_adapter`: its image encoder is a tiny one, so what is
+    timed is the adapter's work at every step), loaded into `pipe`; and what the adapter adds: its
+    compile time and its parameters' bytes per device. Returns (prepared request, that)."""
+    folder = random_models.write_ip_adapter(scratch / "ip-adapter", pipe.spec.unet, kinds=("plus",))
+    pipe.load_ip_adapter(str(folder), subfolder="sdxl_models", weight_name=random_models.IP_ADAPTER_FILES["plus"])
+    picture = ImagePrompt.of(np.full((request.height, request.width, 3), 128, np.uint8))
+    prompted = pipe.prepare(dataclasses.replace(
+        batch_request(len(request), request.height, request.width, request.steps),
+        image_prompts=((picture,),) * len(request)))
+    compile_s = pipe.compile(prompted.programs)
+    pipe.render(prompted)
+    return prompted, dict(
+        ip_adapter_compile_s=compile_s,
+        ip_adapter_param_bytes_per_device=sum(a.addressable_shards[0].data.nbytes
+                                              for a in jax.tree.leaves(pipe.params["ip_adapters"])),
+    )
+
+
 # Untimed calls before the timed ones: ours ran once already (the first image), and so did the
-# ControlNet's; torch's CPU kernels take a few calls to settle.
-WARMUP_CALLS = {"ours": 0, "progress": 1, "unguided": 1, "long_prompt": 1, "controlnet": 1, "hires": 1, "reference": 2}
+# ControlNet's and the IP-Adapter's; torch's CPU kernels take a few calls to settle.
+WARMUP_CALLS = {"ours": 0, "progress": 1, "unguided": 1, "long_prompt": 1, "controlnet": 1, "ip_adapter": 0,
+                "hires": 1, "reference": 2}
 
 
 def _interleaved_timings(calls: dict[str, Callable[[], object]], runs: int) -> dict[str, list[tuple[float, float]]]:
@@ -583,7 +611,7 @@ def _speed(pipe, request: Request, timings: dict, flops: float) -> dict:
 
 def _variant_speed(request: Request, timings: dict) -> dict:
     """The other programs' images/s, each against the benchmark's: without guidance, with a long
-    prompt, steered by a ControlNet, with a hires fix (both passes)."""
+    prompt, steered by a ControlNet, with an IP-Adapter's image prompt, with a hires fix (both passes)."""
     batch, ours = len(request), timings["ours"]
     return dict(
         unguided_images_per_s=batch / _median_s(timings["unguided"]),
@@ -594,6 +622,8 @@ def _variant_speed(request: Request, timings: dict) -> dict:
         controlnet_images_per_s=batch / _median_s(timings["controlnet"]),
         controlnet_cost=_median_s(timings["controlnet"]) / _median_s(ours),
         controlnet_run_s=[t[0] for t in timings["controlnet"]],
+        ip_adapter_images_per_s=batch / _median_s(timings["ip_adapter"]),
+        ip_adapter_cost=_median_s(timings["ip_adapter"]) / _median_s(ours),
         hires_images_per_s=batch / _median_s(timings["hires"]),
         hires_cost=_median_s(timings["hires"]) / _median_s(ours),
     )
