@@ -162,3 +162,27 @@ def test_the_demo_loads_the_ip_adapter_its_variable_names(tmp_path, monkeypatch)
     pipe = launch.load(options).pipe
     assert [a.name.rsplit("/", 1)[1] for a in pipe.ip_adapters] == ["ip-adapter.safetensors",
                                                                     "ip-adapter-plus.safetensors"]
+
+
+def test_with_ip_adapters_the_launch_checks_the_program_with_an_image_prompt(tmp_path, monkeypatch):
+    """The image encoder and the adapters' layers run only in a program with image prompts: the fit
+    check measures one."""
+    from sdxl.checkpoints.random_models import write_ip_adapter
+    from sdxl.engine import memory
+    from sdxl.engine.pipeline import Pipeline
+
+    write_ip_adapter(tmp_path / "ip", Pipeline.from_pretrained("tiny", dtype="float32").spec.unet)
+    measured = []
+
+    def needed(pipe, programs, in_use, progress=True):
+        measured.append({len(p.ip_adapters) for p in programs})
+        return in_use + 100
+
+    monkeypatch.setattr(memory, "device_memory", lambda pipe: (1000 + 50, 1000))
+    monkeypatch.setattr(memory, "bytes_needed", needed)
+    options = launch.demo_parser("SDXL on JAX").parse_args(
+        ["--model", "tiny", "--max-images-per-core", "1", "--cache-dir", str(tmp_path / "xla"),
+         "--ip-adapter", str(tmp_path / "ip/sdxl_models/ip-adapter.safetensors")])
+    with pytest.raises(memory.DoesNotFitError):
+        launch.demo_service(options)
+    assert measured[0] == {0, 1}, "with and without the image prompt"

@@ -19,6 +19,7 @@ import numpy as np
 from ..checkpoints import CheckpointError, HubUnavailableError, shapes
 from ..engine import memory
 from ..engine.compilation import enable_compilation_cache
+from ..engine.image_prompts import ImagePrompt
 from ..engine.images import model_label
 from ..engine.pipeline import Pipeline
 from ..engine.prepared import PreparedRequest
@@ -403,10 +404,13 @@ def _compiled_in_background(pipe: Pipeline, warm_up: PreparedRequest, max_images
 
 def _edits(pipe: Pipeline, warm_up: PreparedRequest) -> dict[str, PreparedRequest]:
     """The warm-up request as the demo's other kinds of request, by label: image-to-image and
-    inpainting (and with a refiner, refined)."""
+    inpainting (and with a refiner, refined; with IP-Adapters, with an image prompt, whose program
+    runs the image encoder and the adapters' layers besides)."""
     request = warm_up.request
     pixels = np.zeros((len(request), request.height, request.width, 3), np.uint8)
     edits = {"image-to-image": dict(images=pixels), "inpainting": dict(images=pixels, masks=pixels[..., 0] == 0)}
+    if pipe.ip_adapters:
+        edits["image prompts"] = dict(image_prompts=((ImagePrompt(pixels[0]),) * len(pipe.ip_adapters),) * len(request))
     if pipe.refiner is not None:
         edits["refining"] = dict(refine_from=DEFAULT_REFINE_FROM)
     return {label: pipe.prepare(dataclasses.replace(request, **edit)) for label, edit in edits.items()}
