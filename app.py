@@ -570,6 +570,7 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
         chosen(p["send_ip_adapter"], p["selected"])(lambda path: [path, gr.Accordion(open=True)], p["selected"],
                                                     [p["ip_adapter_image"], p["ip_adapter_panel"]], api_name=False,
                                                     queue=False)
+    # The image prompt's fields but its picture, which no PNG holds; with IP-Adapters only.
     fields = {"prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
               "guidance_scale": p["guidance"], "steps": p["steps"], "sampler": p["sampler"],
               "emphasis": p["emphasis"], "size": p["size"],
