@@ -21,10 +21,11 @@ from starlette.middleware import Middleware
 
 from sdxl import CheckpointError, NonFiniteImageError
 from sdxl.engine import images
+from sdxl.engine.image_prompts import IP_ADAPTER_SCALE_RANGE
 from sdxl.serving import launch, results
 from sdxl.serving.demo import (
-    COMPARE_PROMPTS, COMPARE_SEEDS, UPSCALE_RANGE, ControlForm, DemoService, Settings, Submission, path_of,
-    picture_and_mask,
+    COMPARE_PROMPTS, COMPARE_SEEDS, IP_ADAPTER_FIELDS, UPSCALE_RANGE, ControlForm, DemoService, Settings, Submission,
+    path_of, picture_and_mask,
 )
 from sdxl.serving.http_errors import HttpErrors, owner, route
 from sdxl.serving.queue import QueueFullError
@@ -69,7 +70,7 @@ class Handlers:
             yield from _routed(request, self._rendered(submission, _owner(request), progress))
 
         names = ["mask"] * (tab == "image_to_image") + [names["picture"] for names in self.service.control_parameters]
-        return _optional(handler, names)
+        return _optional(handler, names + ["ip_adapter_image"] * bool(self.service.pipe.ip_adapters))
 
     def reuse(self, png) -> dict[str, object]:
         """The form's fields (by name) that a PNG made here or by A1111 fills in; a message says what.
@@ -293,6 +294,25 @@ def _control_panel(service: DemoService) -> tuple[gr.Accordion, list[dict]]:
     return accordion, panels
 
 
+def _image_prompt_panel(service: DemoService) -> dict:
+    """The image prompt (IP-Adapter) every tab takes, by `Settings` field (and its accordion)."""
+    choices, default, c = service.choices, Settings(), {}
+    with gr.Accordion("Image prompt", open=False, elem_id="ip-adapter") as c["ip_adapter_panel"]:
+        gr.Markdown("Steer every tab's images with a picture's subject or style (IP-Adapter): upload one or send "
+                    "one from the gallery. Style only takes its look and not its layout (InstantStyle). Clear the "
+                    "picture to generate without it.", elem_classes="prompt-length")
+        c["ip_adapter_image"] = gr.Image(label="Image prompt", type="filepath", format="png", height=220,
+                                         sources=["upload", "clipboard"], elem_id="ip-adapter-image")
+        c["ip_adapter"] = gr.Dropdown(choices.ip_adapters, value=choices.ip_adapters[0], label="IP-Adapter",
+                                      info="the one that takes the picture", visible=len(choices.ip_adapters) > 1)
+        with gr.Row():
+            c["ip_adapter_scale"] = gr.Slider(*IP_ADAPTER_SCALE_RANGE, value=default.ip_adapter_scale, step=0.05,
+                                              label="Scale", info="how much the picture counts beside the prompt")
+            c["ip_adapter_layers"] = gr.Radio(choices.ip_adapter_layers, value=default.ip_adapter_layers,
+                                              label="Layers", visible=len(choices.ip_adapter_layers) > 1)
+    return c
+
+
 def _hires_panel(service: DemoService) -> dict:
     """The hires fix, for the text-to-image tabs (Generate, Compare, Grid), by name."""
     choices, default, c = service.choices, Settings(), {}
@@ -371,6 +391,8 @@ def _results(service: DemoService) -> dict:
         c["send"] = gr.Button("Send the selected image to image-to-image", size="sm", elem_id="send")
         c["send_control"] = gr.Button("Send it to ControlNet", size="sm", elem_id="send-control",
                                       visible=bool(service.pipe.controlnets))
+        c["send_ip_adapter"] = gr.Button("Send it to image prompt", size="sm", elem_id="send-ip-adapter",
+                                         visible=bool(service.pipe.ip_adapters))
         c["send_upscale"] = gr.Button("Send it to Upscale", size="sm", elem_id="send-upscale")
         c["reuse_run"] = gr.Button("Reuse its settings", size="sm", elem_id="reuse")
     c["grid_image"] = gr.Image(label="Grid", type="pil", format="png", visible=False, elem_id="grid-image")
@@ -398,6 +420,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                     for tab in (_generate_tab, _image_tab, _compare_tab, _grid_tab, _upscale_tab):
                         page |= tab(service)
                 page["control_panel"], controls = _control_panel(service) if service.pipe.controlnets else (None, [])
+                page |= _image_prompt_panel(service) if service.pipe.ip_adapters else {}
                 page |= _hires_panel(service)
                 page |= _advanced(service)
             with gr.Column(scale=1, min_width=380):
@@ -438,19 +461,20 @@ def _forms(service: DemoService, page: dict, controls: list[dict]) -> dict[str, 
     prompts = {"negative_prompt": p["negative"], "style": p["style"]}
     a1111 = {name: p[name] for name in A1111_FIELDS}
     hires = {name: p[name] for name in HIRES_FIELDS}
+    image_prompt = {name: p[name] for name in IP_ADAPTER_FIELDS if name in p}  # with IP-Adapters: last of all
     return {
         "generate": {"prompt": p["prompt"], **prompts, **common, **size, "images_per_core": p["per_core"], **options,
-                     **refining, **loras, **control, **a1111, **hires},
+                     **refining, **loras, **control, **a1111, **hires, **image_prompt},
         "image_to_image": {"prompt": p["image_prompt"], **prompts, **common, "image": p["image_in"],
                            "mask": p["mask_in"], "strength": p["strength"], "images_per_core": p["per_core"],
-                           **options, **refining, **loras, **control, **a1111},
+                           **options, **refining, **loras, **control, **a1111, **image_prompt},
         "compare": {"mode": p["mode"], "prompts": p["compare_prompts"], "negative_prompt": p["compare_negative"],
                     "style": p["compare_style"], "seed": p["seed"], "num_seeds": p["num_seeds"],
                     "guidance_scale": p["guidance"], "steps": p["steps"], **size, **options, **loras, **control,
-                    **a1111, **hires},
+                    **a1111, **hires, **image_prompt},
         "grid": {"prompt": p["grid_prompt"], **prompts, **common, **size, **options, "x_axis": p["x_axis"],
                  "x_values": p["x_values"], "y_axis": p["y_axis"], "y_values": p["y_values"], **loras, **control,
-                 **a1111, **hires},
+                 **a1111, **hires, **image_prompt},
     }
 
 
@@ -542,10 +566,15 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
         chosen(p["send_control"], p["selected"])(lambda path: [path, gr.Accordion(open=True)], p["selected"],
                                                  [controls[0]["picture"], p["control_panel"]], api_name=False,
                                                  queue=False)
+    if "ip_adapter_panel" in p:
+        chosen(p["send_ip_adapter"], p["selected"])(lambda path: [path, gr.Accordion(open=True)], p["selected"],
+                                                    [p["ip_adapter_image"], p["ip_adapter_panel"]], api_name=False,
+                                                    queue=False)
+    # The image prompt's fields but its picture, which no PNG holds; with IP-Adapters only.
     fields = {"prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
               "guidance_scale": p["guidance"], "steps": p["steps"], "sampler": p["sampler"],
               "emphasis": p["emphasis"], "size": p["size"],
-              **{name: p[name] for name in (*A1111_FIELDS, *HIRES_FIELDS)}}
+              **{name: p[name] for name in (*A1111_FIELDS, *HIRES_FIELDS, *IP_ADAPTER_FIELDS[1:]) if name in p}}
 
     def reuse(png) -> dict:
         """The fields a PNG fills in, a fixed seed where it has one, and Advanced opened to show them."""
@@ -553,9 +582,11 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
         fixed = {p["randomize"]: False} if "seed" in found else {}
         return {fields[name]: value for name, value in found.items()} | fixed | (
             {p["advanced"]: gr.Accordion(open=True)} if found else {}) | (
-            {p["hires_panel"]: gr.Accordion(open=True)} if found.get("hires") else {})
+            {p["hires_panel"]: gr.Accordion(open=True)} if found.get("hires") else {}) | (
+            {p["ip_adapter_panel"]: gr.Accordion(open=True)} if "ip_adapter" in found else {})
 
-    outputs = [*fields.values(), p["randomize"], p["advanced"], p["hires_panel"]]
+    outputs = [*fields.values(), p["randomize"], p["advanced"], p["hires_panel"],
+               *([p["ip_adapter_panel"]] if "ip_adapter_panel" in p else [])]
     chosen(p["reuse_run"], p["selected"])(reuse, p["selected"], outputs, api_name=False)  # queued: its messages show
     chosen(p["history_reuse"], p["history_selected"])(reuse, p["history_selected"], outputs, api_name=False)
     p["reuse_file"].upload(reuse, p["reuse_file"], outputs, api_name=False)

@@ -15,6 +15,7 @@ from .engine.checks import integer, number
 from .engine.control_maps import DEFAULT_CANNY_THRESHOLDS
 from .engine.controls import Control, default_control_scale
 from .engine.hires import DEFAULT_STRENGTH, DEFAULT_UPSCALER, IMAGE_UPSCALERS, Hires
+from .engine.image_prompts import IP_ADAPTER_SCALE, IP_ADAPTER_SCALE_RANGE, SCALE_PRESETS, ImagePrompt, preset_scale
 from .engine.images import contact_sheet, image_count, save_png, to_pil
 from .engine.latent_upscale import LATENT_UPSCALERS
 from .engine.pipeline import NonFiniteImageError
@@ -64,6 +65,8 @@ def generate_command(args: argparse.Namespace) -> None:
         )
     if args.control_image:
         request = dataclasses.replace(request, controls=_controls(args, pipe, request))
+    if args.ip_adapter_image:
+        request = dataclasses.replace(request, image_prompts=_image_prompts(args, pipe, request))
     request = dataclasses.replace(request, hires=_hires(args))
     prepared = pipe.prepare(request)
     request, devices = prepared.request, pipe.num_devices
@@ -122,6 +125,10 @@ def _check_before_loading(args: argparse.Namespace) -> None:
         control_maps.parse_thresholds(args.canny)
     for mode in args.control_mode:
         control_mode(mode)
+    for option in args.ip_adapter_image:
+        scale = launch.split_scale(option)[1]
+        if scale is not None:
+            number(scale, "--ip-adapter-image's scale", *IP_ADAPTER_SCALE_RANGE)
     if args.mask is not None and args.image is None:
         raise ValueError("--mask needs --image, the image to inpaint")
     unsized = Request.from_prompt("", num_images=1, height=1, width=1)
@@ -182,6 +189,20 @@ def _controls(args: argparse.Namespace, pipe, request: Request) -> tuple:
             end=args.control_end, mode=mode,
         ))
     return (tuple(controls),) * len(request)
+
+
+def _image_prompts(args: argparse.Namespace, pipe, request: Request) -> tuple:
+    """Each image's image prompts from --ip-adapter-image FILE[:SCALE] (one per IP-Adapter, or one for
+    all) on the layers --ip-adapter-layers names."""
+    given, k = args.ip_adapter_image, len(pipe.ip_adapters)
+    if k and len(given) not in (1, k):
+        raise ValueError(f"give one --ip-adapter-image per --ip-adapter ({k}), or one for all; got {len(given)}")
+    prompts = []
+    for option in given * (k if len(given) == 1 else 1):
+        path, scale = launch.split_scale(option)
+        scale = preset_scale(pipe.spec.unet, args.ip_adapter_layers, IP_ADAPTER_SCALE if scale is None else scale)
+        prompts.append(ImagePrompt.of(images.read_image(path), scale))
+    return (tuple(prompts),) * len(request)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -250,6 +271,16 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         "--canny", metavar="LOW,HIGH",
         help="make each control image Canny's edges of it, with these thresholds (e.g. 100,200); "
         "without it control images are used as given (edges, a depth map, a pose)",
+    )
+    parser.add_argument(
+        "--ip-adapter-image", action="append", default=[], metavar="FILE[:SCALE]",
+        help=f"with --ip-adapter: a picture the images take after (an image prompt), with its scale (default "
+        f"{IP_ADAPTER_SCALE:g}); one per --ip-adapter in the same order, or one for all",
+    )
+    parser.add_argument(
+        "--ip-adapter-layers", choices=list(SCALE_PRESETS), default="all",
+        help="the layers the pictures steer: all, or InstantStyle's SDXL blocks that take the picture's style "
+        "(style) and its layout too (style-and-layout) (default: %(default)s)",
     )
     parser.add_argument("--height", type=int, help="default: the image's size, else the model's native size")
     parser.add_argument("--width", type=int, help="default: the image's size, else the model's native size")

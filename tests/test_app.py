@@ -32,7 +32,7 @@ from safetensors.numpy import load_file, save_file
 
 from sdxl.bench.soak import free_port, running_app
 from sdxl.checkpoints import lora, resolve
-from sdxl.checkpoints.random_models import write_checkpoint, write_controlnet, write_upscaler
+from sdxl.checkpoints.random_models import write_checkpoint, write_controlnet, write_ip_adapter, write_upscaler
 
 # gradio_client reads these in this process: no telemetry calls to the Hub from the tests.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -93,14 +93,18 @@ def cache_dir(xla_cache) -> Path:
 def server(tmp_path_factory, cache_dir):
     """The demo with the random tiny model (fast, and its sizes are many), one LoRA for it, off
     (scale 0) unless a request turns it up, the tiny refiner, a random ControlNet that steers the
-    requests that give a control image, and a random 2x model upscaler."""
+    requests that give a control image, two random IP-Adapters that the requests with an image prompt
+    steer through, and a random 2x model upscaler."""
     tmp = tmp_path_factory.mktemp("app")
     spec = resolve("tiny").spec
     style = lora.write_random(tmp / "style.safetensors", spec)
     controlnet = write_controlnet(tmp / "tiny-canny", spec)
+    adapters = write_ip_adapter(tmp / "ip", spec.unet, kinds=("plain", "plus")) / "sdxl_models"
     upscaler = write_upscaler(tmp / "tiny-x2.safetensors")
     with serve(tmp, cache_dir, "--model", "tiny", "--lora", f"{style}:0", "--refiner", "tiny-refiner",
-               "--controlnet", str(controlnet), "--upscaler", str(upscaler)) as running:
+               "--controlnet", str(controlnet), "--upscaler", str(upscaler), "--ip-adapter",
+               str(adapters / "ip-adapter.safetensors"), "--ip-adapter",
+               str(adapters / "ip-adapter-plus.safetensors")) as running:
         yield running
 
 
@@ -332,6 +336,31 @@ def test_a_control_image_steers_over_http_and_a_grid_over_its_scale_is_one_call(
 
 
 @pytest.mark.server
+def test_an_image_prompt_steers_over_http_and_a_grid_over_its_scale_is_one_call(client, tmp_path):
+    """/generate with an image prompt for the second IP-Adapter: its PNGs record it as A1111's extension
+    records an IP-Adapter unit; a grid over the scale is one call whose scale-0 cell is the unsteered image."""
+    from gradio_client import handle_file
+
+    picture = handle_file(_control_picture(tmp_path / "prompt.png"))
+    plain, _ = _generate(client, seed=5)
+    steered, status = _generate(client, seed=5, ip_adapter_image=picture, ip_adapter="ip-adapter-plus",
+                                ip_adapter_scale=1.5)
+    assert len(steered) == 4 and status.startswith("4 images in "), status
+    parameters = Image.open(steered[0]["image"]).info["parameters"]
+    assert 'ControlNet 0: "Module: ip-adapter_clip_h, Model: ip-adapter-plus, Weight: 1.5,' in parameters, parameters
+    assert np.abs(_pixels(steered)[0].astype(int) - _pixels(plain)[0]).mean() > 1, "the picture must steer"
+    _, cells, status = client.submit(**FAST, seed=5, ip_adapter_image=picture, x_axis="ip_adapter_scale",
+                                     x_values="0, 1.5", y_axis="", y_values="", ip_adapter="ip-adapter-plus",
+                                     api_name="/grid").result(timeout=CALL_TIMEOUT)
+    assert "2 images" in status and "1 device call" in status, status
+    off, on = _pixels(cells)
+    assert np.abs(off.astype(int) - _pixels(plain)[0]).max() <= 2, "scale 0 steers nothing"
+    assert np.abs(on.astype(int) - _pixels(steered)[0]).max() <= 2, "a cell is image 0 of /generate"
+    with pytest.raises(AppError, match="IP-Adapter must be one of ip-adapter, ip-adapter-plus"):
+        _generate(client, ip_adapter_image=picture, ip_adapter="faceid")
+
+
+@pytest.mark.server
 def test_previews_stream_to_a_client_that_asks_and_predict_gets_the_result(client):
     job = client.submit(prompt="a lighthouse", steps=40, seed=4, api_name="/generate")
     gallery, status = job.result(timeout=CALL_TIMEOUT)
@@ -475,14 +504,15 @@ def _post(server: Server, route: str, payload: dict) -> tuple[int, dict, dict]:
 
 
 def _generate_values(**kwargs) -> list:
-    """/generate's 31 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
-    settings come before A1111's and the hires fix's)."""
+    """/generate's 35 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
+    settings come before A1111's and the hires fix's; then its IP-Adapters' image prompt's)."""
     values = dict(prompt="a lighthouse", negative_prompt="", style="No style", seed=0, guidance_scale=5, steps=3,
                   width=128, height=128, images_per_core=1, sampler="euler", emphasis="original", refine=False,
                   refine_from=0.8, lora_style=0, control_image=None, control_preprocessor="canny", canny_low=100,
                   canny_high=200, control_scale=1, control_start=0, control_end=1, noise_source="jax", ensd=0,
                   variation_seed=0, variation_strength=0, schedule_type="", hires=False, hires_upscaler="Latent",
-                  hires_scale=1.5, hires_steps=0, hires_strength=0.7)
+                  hires_scale=1.5, hires_steps=0, hires_strength=0.7, ip_adapter_image=None, ip_adapter="ip-adapter",
+                  ip_adapter_scale=0.6, ip_adapter_layers="all")
     return list((values | kwargs).values())
 
 
@@ -495,11 +525,12 @@ def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
     """Issue 21, hole 5: too few values, an unknown endpoint and a bad value on /run/ each get a
     sentence and a 4xx status, and one log line, not a traceback; /run/ answers with the final images."""
     logged = len(server.output())
-    takes = ("/generate takes 31 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
+    takes = ("/generate takes 35 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
              "steps, width, height, images_per_core, sampler, emphasis, refine, refine_from, lora_style, "
              "control_image, control_preprocessor, canny_low, canny_high, control_scale, control_start, control_end, "
              "noise_source, ensd, variation_seed, variation_strength, schedule_type, hires, hires_upscaler, "
-             "hires_scale, hires_steps, hires_strength; got 1")
+             "hires_scale, hires_steps, hires_strength, ip_adapter_image, ip_adapter, ip_adapter_scale, "
+             "ip_adapter_layers; got 1")
     assert _post(server, "run/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "call/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "run/nope", {"data": []})[:2] == (404, {
@@ -766,33 +797,55 @@ def _artifacts() -> Path:
     return artifacts
 
 
-@pytest.mark.server
-@pytest.mark.browser
-def test_browser_controlnet(server, tmp_path):
-    """The ControlNet panel: an uploaded picture shows its Canny map, and Generate steers with it."""
+def _steered_in_browser(server, tmp_path, panel: str, upload: str, shown: str, screenshot: str,
+                        **screenshot_options) -> tuple[str, bytes]:
+    """In the browser: opens the accordion titled `panel`, uploads a picture to the image input `upload`
+    (its id), waits for the image `shown` (a selector), generates, and takes a screenshot (`screenshot`,
+    in artifacts/). Returns the first image's PNG parameters and the bytes of `shown`."""
     from playwright.sync_api import expect
 
-    picture = _control_picture(tmp_path / "control.png")
+    picture = _control_picture(tmp_path / "picture.png")
     with _browser(tmp_path) as browser:
         page = browser.new_page()
         page.goto(server.url, wait_until="load")
         expect(page.locator("#generate")).to_be_visible(timeout=30_000)
-        page.get_by_text("ControlNet", exact=True).click()
-        page.locator("#control-image input[type=file]").set_input_files(picture)
-        expect(page.locator("#control-map img")).to_have_count(1, timeout=30_000)
+        page.get_by_text(panel, exact=True).click()
+        page.locator(f"#{upload} input[type=file]").set_input_files(picture)
+        expect(page.locator(shown)).to_have_count(1, timeout=30_000)
         page.locator("#prompt textarea").fill("a lighthouse")
         page.locator("#generate").click()
         expect(page.locator("#gallery img")).to_have_count(4, timeout=CALL_TIMEOUT * 1000)
         expect(page.locator("#status")).to_contain_text("4 images", timeout=30_000)
-        page.screenshot(path=str(_artifacts() / "app-controlnet.png"), full_page=True)
-        source = page.locator("#control-map img").get_attribute("src")
+        page.locator(f"#{upload}").scroll_into_view_if_needed()
+        page.screenshot(path=str(_artifacts() / screenshot), **screenshot_options)
+        source = page.locator(shown).get_attribute("src")
         first = page.locator("#gallery img").first.get_attribute("src")
     with urllib.request.urlopen(urllib.parse.urljoin(server.url, source), timeout=30) as response:
-        edges = np.asarray(Image.open(io.BytesIO(response.read())).convert("L"))
-    assert set(np.unique(edges)) == {0, 255} and (edges == 255).mean() < 0.2, "a map of thin edges"
+        made = response.read()
     with urllib.request.urlopen(urllib.parse.urljoin(server.url, first), timeout=30) as response:
-        parameters = Image.open(io.BytesIO(response.read())).info["parameters"]
+        return Image.open(io.BytesIO(response.read())).info["parameters"], made
+
+
+@pytest.mark.server
+@pytest.mark.browser
+def test_browser_controlnet(server, tmp_path):
+    """The ControlNet panel: an uploaded picture shows its Canny map, and Generate steers with it."""
+    parameters, made = _steered_in_browser(server, tmp_path, "ControlNet", "control-image", "#control-map img",
+                                           "app-controlnet.png", full_page=True)
+    edges = np.asarray(Image.open(io.BytesIO(made)).convert("L"))
+    assert set(np.unique(edges)) == {0, 255} and (edges == 255).mean() < 0.2, "a map of thin edges"
     assert 'ControlNet 0: "Module: canny, Model: tiny-canny, Weight: 1' in parameters, parameters
+
+
+@pytest.mark.server
+@pytest.mark.browser
+def test_browser_image_prompt(server, tmp_path):
+    """The Image prompt panel (two adapters: the first takes the picture, the other sits out), and
+    Generate steers with it."""
+    parameters, _ = _steered_in_browser(server, tmp_path, "Image prompt", "ip-adapter-image",
+                                        "#ip-adapter-image img", "app-ip-adapter.png")
+    assert "ip-adapter-plus" not in parameters, "the adapter that sits out is not recorded"
+    assert 'ControlNet 0: "Module: ip-adapter_clip_h, Model: ip-adapter, Weight: 0.6,' in parameters, parameters
 
 
 @pytest.mark.server

@@ -227,3 +227,27 @@ def test_a_controlnet_steers_with_a_canny_map_of_the_control_image(tmp_path):
             'Guidance Start: 0, Guidance End: 0.5"') in made.info["parameters"], made.info["parameters"]
     refused = _cli(*common, "--control-image", str(tmp_path / "in.png"))
     assert refused.returncode == 2 and refused.stderr.startswith("error: no ControlNet is loaded")
+
+
+@pytest.mark.cli
+def test_ip_adapters_take_an_image_prompt_and_record_it_as_the_a1111_extension(tmp_path):
+    """--ip-adapter twice with one --ip-adapter-image FILE:SCALE for both: each a unit in the PNG's parameters;
+    InstantStyle's layers on a UNet without SDXL's blocks are one sentence and exit status 2."""
+    from sdxl.engine.pipeline import Pipeline
+
+    random_models.write_ip_adapter(tmp_path / "ip", Pipeline.from_pretrained("tiny", dtype="float32").spec.unet,
+                                   kinds=("plain", "plus"))
+    Image.fromarray(np.full((40, 60, 3), 200, np.uint8)).save(tmp_path / "in.png")
+    folder = tmp_path / "ip/sdxl_models"
+    common = ["--prompt", "a box", "--steps", "2", "--num-images", "1", "--ip-adapter",
+              str(folder / "ip-adapter.safetensors"), "--ip-adapter", str(folder / "ip-adapter-plus.safetensors")]
+    result = _cli(*common, "--ip-adapter-image", f"{tmp_path / 'in.png'}:0.8", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    parameters = Image.open(tmp_path / "out/0-0.png").info["parameters"]
+    assert ('ControlNet 0: "Module: ip-adapter_clip_h, Model: ip-adapter, Weight: 0.8, Guidance Start: 0, '
+            'Guidance End: 1", ControlNet 1: "Module: ip-adapter_clip_h, Model: ip-adapter-plus, Weight: 0.8, ') \
+        in parameters, parameters
+    refused = _cli(*common, "--ip-adapter-image", str(tmp_path / "in.png"), "--ip-adapter-layers", "style")
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("error: the style preset scales SDXL's blocks (InstantStyle's), which this "
+                                     "model's UNet lacks"), refused.stderr

@@ -15,7 +15,9 @@ from sdxl.checkpoints.random_models import IP_ADAPTER_FILES, write_ip_adapter
 from sdxl.config import config_from_dict
 from sdxl.engine.compilation import CompileCounter
 from sdxl.engine.pipeline import Pipeline
-from sdxl.engine.image_prompts import STYLE_AND_LAYOUT, STYLE_ONLY, layer_scales
+from sdxl.engine.image_prompts import (
+    STYLE_AND_LAYOUT, STYLE_ONLY, layer_scales, preset_named, preset_scale, presets_of,
+)
 from sdxl.models.unet import UNetConfig, attention_layers
 
 SCALES = [
@@ -137,3 +139,19 @@ def _compare(label: str, got: np.ndarray, expected: np.ndarray, tolerance: float
     diff = np.abs(got - expected).max()
     print(f"IP-Adapter {label}: max abs diff vs diffusers {diff:.2e}")
     assert got.shape == expected.shape and diff <= tolerance
+
+
+def test_layer_presets_scale_instantstyles_blocks_and_are_named_back():
+    sdxl, sd1 = (config_from_dict(UNetConfig, style) for style in (SDXL_STYLE, SD1_STYLE))
+    assert preset_scale(sdxl, "all", 0.5) == 0.5
+    style = preset_scale(sdxl, "style", 0.5)
+    assert style == {"up": {"block_0": [0.0, 0.5, 0.0]}}
+    np.testing.assert_array_equal(layer_scales(sdxl, style), layer_scales(sdxl, STYLE_ONLY) * 0.5)
+    assert preset_named(style) == ("style", 0.5) and preset_named(0.7) == ("all", 0.7)
+    assert preset_named(preset_scale(sdxl, "style-and-layout", 1.5)) == ("style-and-layout", 1.5)
+    assert preset_named({"up": {"block_0": [0.0, 1.0, 0.5]}}) is None, "blocks of no preset"
+    assert presets_of(sdxl) == ["all", "style", "style-and-layout"] and presets_of(sd1) == ["all"]
+    with pytest.raises(ValueError, match="the style preset scales SDXL's blocks"):
+        preset_scale(sd1, "style", 1.0)
+    with pytest.raises(ValueError, match="the IP-Adapter layers are one of all, style, style-and-layout"):
+        preset_scale(sdxl, "faces", 1.0)

@@ -118,7 +118,8 @@ def test_webui_hires_fields_read_as_a_hires_fix(fields, hires):
 
 
 def test_a_model_or_vae_other_than_the_loaded_ones_is_named_with_what_is_loaded():
-    pipe = dataclasses.make_dataclass("Loaded", ["name", "vae_name"])("/models/juggernautXL.safetensors", None)
+    pipe = dataclasses.make_dataclass("Loaded", ["name", "vae_name", "ip_adapters"])("/models/juggernautXL.safetensors",
+                                                                              None, ())
     text = "a fox\nSteps: 20, Model: juggernautXL, VAE: sdxl_vae.safetensors"
     assert infotext.read_infotext(text, pipe)[1] == ("VAE sdxl_vae.safetensors (loaded: the model's own)",)
     pipe.vae_name = "madebyollin/sdxl_vae"

@@ -107,3 +107,82 @@ def test_the_launch_says_whether_a_hires_fix_at_the_forms_default_fits(monkeypat
 ])
 def test_a_source_and_its_scale(text, expected):
     assert launch.source_and_scale(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("h94/IP-Adapter/sdxl_models/ip-adapter_sdxl.safetensors",
+     ("h94/IP-Adapter", "sdxl_models", "ip-adapter_sdxl.safetensors", "image_encoder")),
+    ("h94/IP-Adapter/sdxl_models/ip-adapter-plus_sdxl_vit-h.safetensors",
+     ("h94/IP-Adapter", "sdxl_models", "ip-adapter-plus_sdxl_vit-h.safetensors", "models/image_encoder")),
+    ("h94/IP-Adapter/models/ip-adapter_sd15.safetensors",
+     ("h94/IP-Adapter", "models", "ip-adapter_sd15.safetensors", "image_encoder")),
+    ("someone/adapter/ip.safetensors", ("someone/adapter", "", "ip.safetensors", "image_encoder")),
+])
+def test_an_ip_adapter_on_the_hub_is_its_repo_folder_and_file(text, expected):
+    found = launch.ip_adapter_file(text)
+    assert (found.source, found.subfolder, found.weight_name, found.image_encoder_folder) == expected
+
+
+def test_a_local_ip_adapter_reads_its_folder_as_the_hubs_layout(tmp_path):
+    """A local file's folder is the subfolder of its parent, so that a vit-h file finds models/image_encoder."""
+    (tmp_path / "sdxl_models").mkdir()
+    for name in ("ip-adapter_sdxl.safetensors", "ip-adapter_sdxl_vit-h.safetensors"):
+        (tmp_path / "sdxl_models" / name).touch()
+    plain = launch.ip_adapter_file(str(tmp_path / "sdxl_models/ip-adapter_sdxl.safetensors"))
+    assert (plain.source, plain.subfolder, plain.image_encoder_folder) == (str(tmp_path), "sdxl_models",
+                                                                          "image_encoder")
+    assert launch.ip_adapter_file(str(tmp_path / "sdxl_models/ip-adapter_sdxl_vit-h.safetensors")
+                                  ).image_encoder_folder == "models/image_encoder"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("h94/IP-Adapter/models/ip-adapter_sd15.bin", "names an adapter's .safetensors file"),
+    ("h94/IP-Adapter", "names an adapter's .safetensors file"),
+    ("./missing/ip.safetensors", "no such file here, and not a Hub file"),
+    ("ip.safetensors", "no such file here, and not a Hub file"),
+])
+def test_a_bad_ip_adapter_is_refused_in_one_sentence_before_the_model_loads(text, message, tmp_path):
+    parser = argparse.ArgumentParser()
+    launch.add_shared_options(parser)
+    options = parser.parse_args(["--model", "nobody/no-model", "--ip-adapter", text])
+    with pytest.raises(launch.CheckpointError, match=message):
+        launch.load(options)  # no Hub is asked for the model: it would say so
+
+
+def test_the_demo_loads_the_ip_adapter_its_variable_names(tmp_path, monkeypatch):
+    from sdxl.checkpoints.random_models import write_ip_adapter
+    from sdxl.engine.pipeline import Pipeline
+
+    write_ip_adapter(tmp_path / "ip", Pipeline.from_pretrained("tiny", dtype="float32").spec.unet,
+                     kinds=("plain", "plus"))
+    monkeypatch.setenv("SDXL_IP_ADAPTER", str(tmp_path / "ip/sdxl_models/ip-adapter.safetensors"))
+    options = launch.demo_parser("SDXL on JAX").parse_args(
+        ["--model", "tiny", "--dtype", "float32", "--cache-dir", str(tmp_path / "xla"),
+         "--ip-adapter", str(tmp_path / "ip/sdxl_models/ip-adapter-plus.safetensors")])
+    pipe = launch.load(options).pipe
+    assert [a.name.rsplit("/", 1)[1] for a in pipe.ip_adapters] == ["ip-adapter.safetensors",
+                                                                    "ip-adapter-plus.safetensors"]
+
+
+def test_with_ip_adapters_the_launch_checks_the_program_with_an_image_prompt(tmp_path, monkeypatch):
+    """The image encoder and the adapters' layers run only in a program with image prompts: the fit
+    check measures one."""
+    from sdxl.checkpoints.random_models import write_ip_adapter
+    from sdxl.engine import memory
+    from sdxl.engine.pipeline import Pipeline
+
+    write_ip_adapter(tmp_path / "ip", Pipeline.from_pretrained("tiny", dtype="float32").spec.unet)
+    measured = []
+
+    def needed(pipe, programs, in_use, progress=True):
+        measured.append({len(p.ip_adapters) for p in programs})
+        return in_use + 100
+
+    monkeypatch.setattr(memory, "device_memory", lambda pipe: (1000 + 50, 1000))
+    monkeypatch.setattr(memory, "bytes_needed", needed)
+    options = launch.demo_parser("SDXL on JAX").parse_args(
+        ["--model", "tiny", "--max-images-per-core", "1", "--cache-dir", str(tmp_path / "xla"),
+         "--ip-adapter", str(tmp_path / "ip/sdxl_models/ip-adapter.safetensors")])
+    with pytest.raises(memory.DoesNotFitError):
+        launch.demo_service(options)
+    assert measured[0] == {0, 1}, "with and without the image prompt"

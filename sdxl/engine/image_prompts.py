@@ -23,10 +23,15 @@ from .checks import number
 
 # diffusers takes any scale; beyond 2 the picture swamps the prompt and images break up.
 IP_ADAPTER_SCALE_RANGE = (0.0, 2.0)
+# What the CLI and the demo start from: diffusers' docs' usual, at which the text still counts (at 1 the
+# picture mostly wins).
+IP_ADAPTER_SCALE = 0.6
 # InstantStyle's block scales for SDXL: the picture's style (up_blocks.0.attentions.1) and not its
 # layout; `STYLE_AND_LAYOUT` adds the layer that carries its layout (down_blocks.2.attentions.1).
 STYLE_ONLY = {"up": {"block_0": [0.0, 1.0, 0.0]}}
 STYLE_AND_LAYOUT = {"down": {"block_2": [0.0, 1.0]}, "up": {"block_0": [0.0, 1.0, 0.0]}}
+# The layers a picture steers, as the CLI and the demo offer them: every one, or InstantStyle's.
+SCALE_PRESETS = {"all": None, "style": STYLE_ONLY, "style-and-layout": STYLE_AND_LAYOUT}
 PIXELS_KEPT = 16  # encoder inputs kept for pictures asked for again
 
 
@@ -92,6 +97,69 @@ def layer_scales(config: UNetConfig, scale: float | Mapping) -> np.ndarray:
             for j, v in enumerate(values):
                 per_layer[f"{side}_blocks.{index}.attentions.{j}"] = _scale(v)
     return np.array([per_layer[name] for name in layers], np.float32)
+
+
+def preset_scale(config: UNetConfig, preset: str, scale) -> float | dict:
+    """`scale` on the layers of `preset` (`SCALE_PRESETS`): the number itself for "all", else the
+    preset's blocks times it, as `set_ip_adapter_scale` takes it.
+
+    Raises:
+      ValueError: an unknown preset, a scale out of range, or a preset of blocks that `config`'s UNet
+        lacks (InstantStyle's are SDXL's), in one sentence.
+    """
+    if preset not in SCALE_PRESETS:
+        raise ValueError(f"the IP-Adapter layers are one of {', '.join(SCALE_PRESETS)}, not {preset!r}")
+    scale = _scale(scale)
+    if SCALE_PRESETS[preset] is None:
+        return scale
+    scaled = _times(SCALE_PRESETS[preset], scale)
+    try:
+        layer_scales(config, scaled)
+    except ValueError:
+        raise ValueError(f"the {preset} preset scales SDXL's blocks (InstantStyle's), which this model's UNet lacks: "
+                         "steer all layers") from None
+    return scaled
+
+
+def presets_of(config: UNetConfig) -> list[str]:
+    """The `SCALE_PRESETS` whose blocks `config`'s UNet has ("all" always)."""
+    found = []
+    for preset in SCALE_PRESETS:
+        try:
+            preset_scale(config, preset, 1.0)
+        except ValueError:
+            continue
+        found.append(preset)
+    return found
+
+
+def preset_named(scale) -> tuple[str, float] | None:
+    """(preset, scale) for a scale `preset_scale` made; None for a dict of blocks of no preset."""
+    if not isinstance(scale, Mapping):
+        return "all", float(scale)
+    for preset, blocks in SCALE_PRESETS.items():
+        if blocks is not None and _times(blocks, 1.0).keys() == scale.keys():
+            value = max(_leaves(scale))
+            if _times(blocks, value) == _times(scale, 1.0):
+                return preset, value
+    return None
+
+
+def _times(scale, factor: float):
+    """A block scale (nested dicts, lists, numbers) with every number times `factor`, as floats."""
+    if isinstance(scale, Mapping):
+        return {key: _times(value, factor) for key, value in scale.items()}
+    if isinstance(scale, list | tuple):
+        return [_times(value, factor) for value in scale]
+    return float(scale) * factor
+
+
+def _leaves(scale) -> list[float]:
+    if isinstance(scale, Mapping):
+        return [v for value in scale.values() for v in _leaves(value)]
+    if isinstance(scale, list | tuple):
+        return [v for value in scale for v in _leaves(value)]
+    return [float(scale)]
 
 
 def _scale(value) -> float:

@@ -11,6 +11,8 @@ import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 from ..checkpoints import lora
 from ..models.controlnet_union import CONTROL_MODES
 from ..prompts import syntax as prompt_syntax
@@ -18,6 +20,7 @@ from ..prompts.syntax import A1111_EMPHASIS_NAMES
 from ..sampling import kdiffusion, methods, noise
 from ..sampling.methods import SAMPLER_NAMES
 from .hires import Hires
+from .image_prompts import SCALE_PRESETS, preset_named, preset_scale
 
 
 def parameters_text(prompt: str, negative_prompt: str, settings: dict[str, object]) -> str:
@@ -63,6 +66,10 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
         ) or None,
         **controlnet_infotext(pipe, request, i),
     })
+
+
+# The image encoder's width of ViT-bigG, which h94's SDXL adapters read; the others read ViT-H's.
+VIT_BIG_G_WIDTH = 1664
 
 
 def hires_infotext(request) -> dict:
@@ -120,7 +127,28 @@ def controlnet_infotext(pipe, request, i: int) -> dict[str, str]:
         order = ("Module", "Model", "Weight", "Threshold A", "Threshold B", "Guidance Start", "Guidance End",
                  "Union Control Type")
         entries[f"ControlNet {k}"] = ", ".join(f"{key}: {_number(fields[key])}" for key in order if key in fields)
-    return entries
+    return entries | ip_adapter_infotext(pipe, request, i, len(entries))
+
+
+def ip_adapter_infotext(pipe, request, i: int, first: int = 0) -> dict[str, str]:
+    """Image `i`'s IP-Adapters as A1111's ControlNet extension records an IP-Adapter unit, numbered on
+    from the ControlNets' (`first`): "ControlNet 1" with "Module: ip-adapter_clip_sdxl, Model:
+    ip-adapter_sdxl, Weight: 0.6, Guidance Start: 0, Guidance End: 1", its module the image encoder the
+    extension names (ViT-bigG's ip-adapter_clip_sdxl, ViT-H's ip-adapter_clip_h), its model the file's
+    name. An adapter at scale 0 (which sits out) is left out; InstantStyle's layers, which the extension
+    has no field for, are our own "IP-Adapter layers" (a dict of blocks of no preset is written as its
+    largest scale, and its blocks are lost)."""
+    entries, layers = {}, None
+    for adapter, prompt in zip(pipe.ip_adapters, request.image_prompts[i] if request.image_prompts else ()):
+        preset, weight = preset_named(prompt.scale) or (None, max(float(s) for s in prompt.scales))
+        if not np.any(prompt.scales):
+            continue
+        layers = layers or (preset if preset != "all" else None)
+        big_g = adapter.config.encoder.hidden_size == VIT_BIG_G_WIDTH
+        module = "ip-adapter_clip_sdxl" if big_g else "ip-adapter_clip_h"
+        entries[f"ControlNet {first + len(entries)}"] = (f"Module: {module}, Model: {Path(adapter.name).stem}, "
+                                                         f"Weight: {weight:g}, Guidance Start: 0, Guidance End: 1")
+    return entries | ({"IP-Adapter layers": layers} if layers else {})
 
 
 def controlnet_label(source: str) -> str:
@@ -163,9 +191,12 @@ def read_parameters(text: str, pipe=None) -> dict:
     prompt and negative_prompt; and of steps, sampler and schedule_type (A1111's k-diffusion sampler
     and schedule type, or for our own texts and A1111's DDIM, PLMS and the like, diffusers'),
     guidance_scale, seed, width, height, emphasis, noise_source, variation_seed, variation_strength,
-    ensd and batch_noise, those it gives; and its hires fix as `hires` (`sdxl.engine.hires.Hires`). The
-    noise source is webui's RNG (a text without one is webui's default GPU source, on NVIDIA cards its
-    NV; this project's own texts say JAX). Settings it gives that `generate` cannot apply (clip skip,
+    ensd and batch_noise, those it gives; and its hires fix as `hires` (`sdxl.engine.hires.Hires`);
+    with `pipe`, its IP-Adapter units (A1111's ControlNet extension's) as `ip_adapter_scale`, one per
+    adapter loaded, 0 for those it names not (the pictures are not in it: give them as
+    `ip_adapter_image`); a unit naming an adapter not loaded is named in the warning. The noise source
+    is webui's RNG (a text without one is webui's default GPU source, on NVIDIA cards its NV; this
+    project's own texts say JAX). Settings it gives that `generate` cannot apply (clip skip,
     ...) are named in one warning; so are its "Model" and "VAE", unless `pipe` (a `Pipeline`) has
     loaded them.
 
@@ -225,7 +256,12 @@ def read_infotext(text: str, pipe=None) -> tuple[dict, tuple[str, ...]]:
         used.update(hires_used)
     others = {}
     if pipe is not None:
-        others = _not_loaded(fields, pipe)
+        scales, units, others = _ip_adapters_named(fields, pipe)
+        if units:
+            found["ip_adapter_scale"] = scales
+            used.update(units)
+    if pipe is not None:
+        others |= _not_loaded(fields, pipe)
         used.update(key for key in ("Model", "VAE") if key in fields and key not in others)
     return found, tuple(others.get(key, key) for key in fields if key not in used) + tuple(
         others[key] for key in others if key not in fields)
@@ -246,6 +282,30 @@ def _not_loaded(fields: dict, pipe) -> dict[str, str]:
         own = "the model's own"
         found["VAE"] = f"VAE {fields.get('VAE', own)} (loaded: {named(pipe.vae_name) or own})"
     return found
+
+
+def _ip_adapters_named(fields: dict, pipe) -> tuple[list, set[str], dict[str, str]]:
+    """A text's IP-Adapter units (A1111's ControlNet extension's, `ip_adapter_infotext`) as one scale per
+    adapter `pipe` has loaded (0 for those no unit names), the units it took, and for each unit naming
+    an adapter not loaded, a sentence saying so."""
+    stems = [Path(adapter.name).stem for adapter in pipe.ip_adapters]
+    scales, used, others = [0.0] * len(stems), set(), {}
+    layers = fields.get("IP-Adapter layers", "all")
+    for key, value in fields.items():
+        unit = dict(_SETTING.findall(value)) if re.fullmatch(r"ControlNet \d+", key) else {}
+        if not unit.get("Module", "").startswith("ip-adapter"):
+            continue
+        model = re.sub(r"\s*\[\w+\]$", "", unit.get("Model", ""))  # the extension writes "name [hash]"
+        if model not in stems:
+            others[key] = f"IP-Adapter {model} (loaded: {', '.join(stems) or 'none'})"
+            continue
+        try:
+            scales[stems.index(model)] = preset_scale(pipe.spec.unet, layers if layers in SCALE_PRESETS else "all",
+                                                      float(unit.get("Weight", 1)))
+        except ValueError:
+            continue  # a weight out of range, or a preset this model lacks: the unit is named as unused
+        used.update((key, "IP-Adapter layers"))
+    return scales, used, others
 
 
 def _hires_named(fields: dict) -> tuple[Hires | None, set[str]]:

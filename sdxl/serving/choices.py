@@ -2,12 +2,14 @@
 and starting values, in the service's terms, so that the page lists what the service takes."""
 
 import dataclasses
+from pathlib import Path
 
 from ..checkpoints import lora
 from ..engine import infotext
 from ..engine.control_maps import default_preprocessor
 from ..engine.controls import default_control_scale
 from ..engine.hires import IMAGE_UPSCALERS
+from ..engine.image_prompts import presets_of
 from ..engine.latent_upscale import LATENT_UPSCALERS
 from ..engine.request import DEFAULT_REFINE_FROM, GUIDANCE_SCALE_RANGE, LORA_SCALE_RANGE, MAX_SEED, default_strength
 from ..models.controlnet_union import CONTROL_MODES, describe_mode
@@ -54,6 +56,8 @@ class Choices:
     strength: float  # image-to-image's
     control_scale: float
     refine_from: float
+    ip_adapters: list[str]  # the launched IP-Adapters' labels (`ip_adapter_labels`)
+    ip_adapter_layers: list[tuple[str, str]]  # the presets the UNet has blocks for, "all" first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +108,23 @@ def choices_of(service) -> Choices:
                          *((name, name) for name in service.pipe.upscalers)],
         upscalers=[(name, name) for name in (*service.pipe.upscalers, "Lanczos", "Nearest")],
         axes=[("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
-              *((f"LoRA {name} scale", grid.LORA_AXIS + name) for name in names), *control_axes],
+              *((f"LoRA {name} scale", grid.LORA_AXIS + name) for name in names), *control_axes,
+              *([("image prompt scale", grid.IP_ADAPTER_AXIS)] if service.pipe.ip_adapters else [])],
         guidance_range=GUIDANCE_SCALE_RANGE, max_steps=service.pipe.max_steps, lora_scale_range=LORA_SCALE_RANGE,
         max_seed=MAX_SEED, refine_from=DEFAULT_REFINE_FROM,
         sampler=spec.default_sampler, guidance_scale=service.recommended.guidance_scale,
         steps=service.recommended.steps, strength=default_strength(spec, inpainting=False),
         control_scale=default_control_scale(spec, image=False, inpainting=False),
+        ip_adapters=ip_adapter_labels(service.pipe), ip_adapter_layers=[
+            (LAYER_LABELS[preset], preset) for preset in presets_of(spec.unet)] if service.pipe.ip_adapters else [],
     )
+
+
+# The IP-Adapter's layer presets (`image_prompts.SCALE_PRESETS`) as the page names them.
+LAYER_LABELS = {"all": "All layers", "style": "Style only", "style-and-layout": "Style and layout"}
+
+
+def ip_adapter_labels(pipe) -> list[str]:
+    """How the page names each loaded IP-Adapter: its file's name, or where two share one, its whole name."""
+    stems = [Path(adapter.name).stem for adapter in pipe.ip_adapters]
+    return [stem if stems.count(stem) == 1 else adapter.name for stem, adapter in zip(stems, pipe.ip_adapters)]

@@ -21,6 +21,7 @@ from ..engine.checks import choice, integer, number
 from ..engine.control_maps import DEFAULT_CANNY_THRESHOLDS
 from ..engine.controls import Control
 from ..engine.hires import DEFAULT_STRENGTH, DEFAULT_UPSCALER, Hires
+from ..engine.image_prompts import IP_ADAPTER_SCALE, ImagePrompt, preset_named, preset_scale
 from ..engine.pipeline import Pipeline
 from ..engine.prepared import PreparedRequest
 from ..engine.request import (
@@ -107,6 +108,12 @@ class Settings:
     hires_scale: float = 1.5  # what SDXL's shared infotexts use most; webui's default 2 quadruples the work
     hires_steps: int = 0  # 0: the first pass's
     hires_strength: float = DEFAULT_STRENGTH
+    # The image prompt (IP-Adapter), for every tab: its picture (None: none), the adapter that takes it
+    # (by its label, `choices.ip_adapter_labels`; None: the first), its scale, and on which layers.
+    ip_adapter_image: Image.Image | None = None
+    ip_adapter: str | None = None
+    ip_adapter_scale: float = IP_ADAPTER_SCALE
+    ip_adapter_layers: str = "all"  # one of `image_prompts.SCALE_PRESETS`
 
 
 # Each `ControlForm` field's name in the form (and the API) for the first ControlNet; the others' add "_2", ...
@@ -123,6 +130,8 @@ REUSED = {"seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampl
 # A hires fix's settings the form has, by its `Settings` field: its `Hires` field.
 HIRES_FIELDS = {"hires_upscaler": "upscaler", "hires_scale": "scale", "hires_steps": "steps",
                 "hires_strength": "strength"}
+# The image prompt's fields, by their names in every form (and the API), after the others.
+IP_ADAPTER_FIELDS = ("ip_adapter_image", "ip_adapter", "ip_adapter_scale", "ip_adapter_layers")
 
 
 def control_parameters(count: int) -> list[dict[str, str]]:
@@ -273,8 +282,8 @@ class DemoService:
         Raises:
           ValueError: a bad value, in one sentence.
         """
-        pictures = {"image": "image", "mask": "image"} | {names["picture"]: "control image"
-                                                          for names in self.control_parameters}
+        pictures = {"image": "image", "mask": "image", "ip_adapter_image": "image prompt"} | {
+            names["picture"]: "control image" for names in self.control_parameters}
         form = {k: read_upload(v, pictures[k]) if k in pictures and v is not None else v for k, v in form.items()}
         settings = self.settings(form)
         if tab == "generate":
@@ -370,6 +379,9 @@ class DemoService:
             if axis is not None and axis.name in grid.CONTROL_AXES and controls is None:
                 raise ValueError(f"the {axis.name.replace('_', ' ')} axis needs a control image (ControlNet panel)"
                                  if self.pipe.controlnets else "no ControlNet is loaded (start with --controlnet)")
+            if axis is not None and axis.name == grid.IP_ADAPTER_AXIS and settings.ip_adapter_image is None:
+                raise ValueError("the image prompt scale axis needs a picture (Image prompt panel)"
+                                 if self.pipe.ip_adapters else "no IP-Adapter is loaded (start with --ip-adapter)")
 
         def with_value(cell: tuple[Settings, tuple | None], name: str, value) -> tuple[Settings, tuple | None]:
             settings, controls = cell
@@ -454,18 +466,31 @@ class DemoService:
         label = size_label(found.get("width"), found.get("height"))
         fields = {"prompt": found["prompt"], "negative_prompt": found["negative_prompt"],
                   **{name: found[name] for name in (*REUSED, *HIRES_FIELDS) if name in found},
-                  **({"size": label} if label in self.choices.sizes else {})}
+                  **({"size": label} if label in self.choices.sizes else {}),
+                  **self._reused_image_prompt(found.get("ip_adapter_scale"))}
         labels = {name: dict(map(reversed, getattr(self.choices, f"{name}s")))
                   for name in ("sampler", "schedule_type", "noise_source")}
         filled = "".join(f", {word} {labels.get(name, {}).get(fields[name], fields[name])}"
                          for name, word in REUSED.items() if name in fields and name != "hires")
         if fields.get("hires"):
             filled += f", the hires fix ({fields['hires_upscaler']}, {fields['hires_scale']:g}x)"
+        if "ip_adapter" in fields:
+            filled += f", the image prompt's {fields['ip_adapter']} at {fields['ip_adapter_scale']:g} (not its picture)"
         if "width" in found and "size" not in fields:
             unused = (f"Size {found['width']}x{found['height']}", *unused)
         said = f"Filled in: the prompts{filled}" + (f". Not used: {', '.join(unused)}" if unused else "")
         # A1111's settings a text leaves out are off in it: one reused before must not stay.
         return {"ensd": 0, "variation_seed": 0, "variation_strength": 0.0, "hires": False} | fields, said
+
+    def _reused_image_prompt(self, scales) -> dict:
+        """The image prompt's fields that a text's IP-Adapter scales (`infotext.read_infotext`'s, one per
+        adapter) fill in: the first adapter that steers, its scale and its layers. The picture is not in
+        a text."""
+        for label, scale in zip(self.choices.ip_adapters, scales or ()):
+            named = preset_named(scale)
+            if named is not None and named[1]:
+                return {"ip_adapter": label, "ip_adapter_scale": named[1], "ip_adapter_layers": named[0]}
+        return {}
 
     def _images(self, settings: Settings) -> Request:
         n = self.pipe.num_devices * integer(settings.images_per_core, "images per core", 1, self.max_images_per_core)
@@ -487,8 +512,23 @@ class DemoService:
             controls=None if controls is None else (controls,) * n, noise_source=settings.noise_source,
             ensd=settings.ensd, variation_seed=settings.variation_seed, variation_strength=settings.variation_strength,
             hires=Hires(**{field: getattr(settings, name) for name, field in HIRES_FIELDS.items()})
-            if settings.hires else None,
+            if settings.hires else None, image_prompts=self._image_prompts(settings, n),
         )
+
+    def _image_prompts(self, settings: Settings, n: int) -> tuple | None:
+        """The request's image prompts: the chosen IP-Adapter takes the picture at the scale, on the
+        layers chosen; the others sit out at 0 with it (a request gives every adapter one, or none).
+        None without a picture."""
+        if settings.ip_adapter_image is None:
+            return None
+        labels = self.choices.ip_adapters
+        if not labels:
+            raise ValueError("no IP-Adapter is loaded to take the image prompt (start with --ip-adapter)")
+        chosen = choice(labels[0] if settings.ip_adapter is None else settings.ip_adapter, "IP-Adapter", labels)
+        prompt = ImagePrompt.of(settings.ip_adapter_image, preset_scale(
+            self.pipe.spec.unet, settings.ip_adapter_layers, settings.ip_adapter_scale))
+        off = ImagePrompt(prompt.picture, 0.0)
+        return (tuple(prompt if label == chosen else off for label in labels),) * n
 
     def _controls(self, settings: Settings, width, height) -> tuple[Control, ...] | None:
         """The request's controls, one per launched ControlNet: none without pictures."""

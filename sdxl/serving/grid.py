@@ -18,6 +18,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ..engine.checks import integer, number
 from ..engine.controls import CONTROL_SCALE_RANGE
+from ..engine.image_prompts import IP_ADAPTER_SCALE_RANGE
 from ..engine.prepared import PreparedRequest
 from ..engine.request import LORA_SCALE_RANGE, MAX_SEED, guidance_scale
 from ..prompts.styles import STYLES
@@ -29,6 +30,8 @@ AXES = ("prompt", "negative_prompt", "style", "seed", "guidance_scale", "steps",
         "hires_strength", "hires_upscaler")
 # With ControlNets: every ControlNet's scale, or end (the fraction of the steps after which it stops).
 CONTROL_AXES = {"control_scale": CONTROL_SCALE_RANGE, "control_end": (0.0, 1.0)}
+# With IP-Adapters: the image prompt's scale (an input of the program: one call, never a recompile).
+IP_ADAPTER_AXIS = "ip_adapter_scale"
 LORA_AXIS = "lora:"
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 T = TypeVar("T")
@@ -113,6 +116,8 @@ def _value(name: str, text: str, max_steps: int, loras: Sequence[str]):
         return text
     if name in CONTROL_AXES:
         return number(text, name.replace("_", " "), *CONTROL_AXES[name])
+    if name == IP_ADAPTER_AXIS:
+        return number(text, "IP-Adapter scale", *IP_ADAPTER_SCALE_RANGE)
     if name.startswith(LORA_AXIS) and name[len(LORA_AXIS):] in loras:
         return number(text, f"scale of {name[len(LORA_AXIS):]}", *LORA_SCALE_RANGE)
     choices = ", ".join([*AXES, *(LORA_AXIS + lora for lora in loras)])

@@ -456,7 +456,8 @@ def option_facts(options) -> dict:
     """What every process must be started with alike, from `sdxl.serving.launch`'s options."""
     import jax
 
-    names = ("model", "config", "unet", "lora", "controlnet", "refiner", "dtype", "emphasis", "max_images_per_core")
+    names = ("model", "config", "unet", "lora", "controlnet", "ip_adapter", "refiner", "dtype", "emphasis",
+             "max_images_per_core")
     return {name: getattr(options, name, None) for name in names} | {
         "sdxl source": source_hash(), "jax": jax.__version__, "python": sys.version.split()[0],
     }
@@ -471,5 +472,5 @@ def model_facts(model) -> dict:
         "dtype": pipe.dtype.name, "sizes": model.settings.sizes, "steps": model.settings.steps,
         "guidance": model.settings.guidance_scale, "loras": sorted(model.loras),
         "refiner": pipe.refiner.name if pipe.refiner is not None else None,
-        "controlnets": [c.name for c in pipe.controlnets],
+        "controlnets": [c.name for c in pipe.controlnets], "ip_adapters": [a.name for a in pipe.ip_adapters],
     }

@@ -11,6 +11,7 @@ import os
 import re
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 from ..checkpoints import CheckpointError, HubUnavailableError, shapes
 from ..engine import memory
 from ..engine.compilation import enable_compilation_cache
+from ..engine.image_prompts import ImagePrompt
 from ..engine.images import model_label
 from ..engine.pipeline import Pipeline
 from ..engine.prepared import PreparedRequest
@@ -78,6 +80,14 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] |
         "folder, a Hub repo id (diffusers/controlnet-canny-sdxl-1.0, lllyasviel/control_v11p_sd15_canny), or a "
         ".safetensors file (local, or owner/name/file on the Hub)" + variable.named("SDXL_CONTROLNET", "for one"),
     )
+    ip_adapter = variable.get("SDXL_IP_ADAPTER")
+    parser.add_argument(
+        "--ip-adapter", action="append", default=[ip_adapter] if ip_adapter else [], metavar="FILE",
+        help="an IP-Adapter that image prompts steer the model through; repeatable. Its .safetensors file, local "
+        "(FOLDER/file.safetensors, the image encoder in FOLDER/image_encoder) or on the Hub as owner/name/FOLDER/"
+        "file (h94/IP-Adapter/sdxl_models/ip-adapter_sdxl.safetensors); h94's *vit-h* files read models/"
+        "image_encoder, and several share the first one's encoder" + variable.named("SDXL_IP_ADAPTER", "for one"),
+    )
     parser.add_argument(
         "--refiner", default=variable.get("SDXL_REFINER"), help="an SDXL refiner (e.g. stabilityai/stable-diffusion-"
         "xl-refiner-1.0) that finishes images from a fraction of the noise; it is held on every device beside the "
@@ -113,6 +123,47 @@ def source_and_scale(text: str) -> tuple[str, float]:
     return source, 1.0 if scale is None else scale
 
 
+@dataclasses.dataclass(frozen=True)
+class IPAdapterFile:
+    """An `--ip-adapter` file as `Pipeline.load_ip_adapter` takes it (diffusers' arguments)."""
+
+    source: str  # a local folder or a Hub repo id
+    subfolder: str  # the file's folder in it ("" for its root)
+    weight_name: str
+    image_encoder_folder: str  # in `subfolder` unless it has a "/" (then from `source`'s root)
+
+
+def ip_adapter_file(text: str) -> IPAdapterFile:
+    """An `--ip-adapter` value: a local .safetensors file (its folder's parent the source, so that
+    h94/IP-Adapter's layout reads alike locally), or owner/name[/FOLDER...]/file.safetensors on the Hub.
+    h94's SDXL adapters for the ViT-H encoder ("*vit-h*") read it at models/image_encoder, as diffusers'
+    docs load them; the others the image_encoder beside them.
+
+    Raises:
+      CheckpointError: it names no .safetensors file, in one sentence (before anything is fetched).
+    """
+    path = Path(text).expanduser()
+    if path.suffix != ".safetensors":
+        raise CheckpointError(f"--ip-adapter names an adapter's .safetensors file (local, or owner/name/FOLDER/"
+                              f"file.safetensors on the Hub), got {text!r}")
+    encoder = "models/image_encoder" if "vit-h" in path.name.lower() else "image_encoder"
+    if path.is_file():
+        folder = path.resolve().parent
+        return IPAdapterFile(str(folder.parent), folder.name, path.name, encoder)
+    parts = text.split("/")
+    if len(parts) < 3 or not all(parts) or text.startswith((".", "/", "~")):
+        raise CheckpointError(f"--ip-adapter {text}: no such file here, and not a Hub file (owner/name/FOLDER/"
+                              "file.safetensors)")
+    return IPAdapterFile("/".join(parts[:2]), "/".join(parts[2:-1]), parts[-1], encoder)
+
+
+def load_ip_adapters(pipe: Pipeline, files: list[IPAdapterFile]) -> None:
+    """Loads `files` (`ip_adapter_file`'s) on `pipe`, all with the first one's image encoder (diffusers' rule)."""
+    if files:
+        pipe.load_ip_adapter([f.source for f in files], [f.subfolder for f in files],
+                             [f.weight_name for f in files], image_encoder_folder=files[0].image_encoder_folder)
+
+
 class _Variables:
     """Options' defaults from environment variables: with no `env` (the CLI's case), none is read or named."""
 
@@ -140,12 +191,14 @@ class Model:
 
 def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int = 100) -> Model:
     """The model `add_shared_options` named, with the compilation cache on, its LoRAs applied (each file
-    read and checked now, not at a first request) and its refiner set. With `fallback`, a Hub model
-    that cannot be fetched is replaced by the built-in `shapes` model, with a notice that says why.
+    read and checked now, not at a first request), its IP-Adapters loaded and its refiner set. With
+    `fallback`, a Hub model that cannot be fetched is replaced by the built-in `shapes` model, with a
+    notice that says why.
 
     Raises:
       CheckpointError: a file is missing or corrupt, or the model cannot run; in one line.
     """
+    ip_adapters = [ip_adapter_file(text) for text in options.ip_adapter]  # refused before any download
     enable_compilation_cache(options.cache_dir)
     loras = dict(options.lora)
     load = functools.partial(Pipeline.from_pretrained, dtype=options.dtype, max_steps=max_steps,
@@ -169,10 +222,12 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
             f"safetensors weights) are then downloaded into your Hugging Face cache, and later starts read them "
             f"from there, offline too."
         ) + (" The ControlNets are not loaded: they steer the model asked for." if options.controlnet else "") + (
+            " The IP-Adapters are not loaded: they steer the model asked for." if ip_adapters else "") + (
             " The VAE asked for is not loaded: it belongs with the model asked for." if options.vae else ""
         )
         log.warning(notice)
-        pipe, name = load(FALLBACK_MODEL), FALLBACK_MODEL
+        pipe, name, ip_adapters = load(FALLBACK_MODEL), FALLBACK_MODEL, []
+    load_ip_adapters(pipe, ip_adapters)
     pipe.set_loras(loras)
     for source in options.upscaler:
         pipe.add_upscaler(source)
@@ -349,10 +404,13 @@ def _compiled_in_background(pipe: Pipeline, warm_up: PreparedRequest, max_images
 
 def _edits(pipe: Pipeline, warm_up: PreparedRequest) -> dict[str, PreparedRequest]:
     """The warm-up request as the demo's other kinds of request, by label: image-to-image and
-    inpainting (and with a refiner, refined)."""
+    inpainting (and with a refiner, refined; with IP-Adapters, with an image prompt, whose program
+    runs the image encoder and the adapters' layers besides)."""
     request = warm_up.request
     pixels = np.zeros((len(request), request.height, request.width, 3), np.uint8)
     edits = {"image-to-image": dict(images=pixels), "inpainting": dict(images=pixels, masks=pixels[..., 0] == 0)}
+    if pipe.ip_adapters:
+        edits["image prompts"] = dict(image_prompts=((ImagePrompt(pixels[0]),) * len(pipe.ip_adapters),) * len(request))
     if pipe.refiner is not None:
         edits["refining"] = dict(refine_from=DEFAULT_REFINE_FROM)
     return {label: pipe.prepare(dataclasses.replace(request, **edit)) for label, edit in edits.items()}

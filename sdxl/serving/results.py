@@ -18,7 +18,7 @@ from .queue import Ticket, Update
 
 # Axis names in a grid cell's caption; a prompt, a style or a sampler says itself.
 AXIS_SHORT = {"guidance_scale": "cfg", "negative_prompt": "neg", "prompt": "", "style": "", "sampler": "",
-              "control_scale": "control", "control_end": "control end"}
+              "control_scale": "control", "control_end": "control end", "ip_adapter_scale": "image prompt"}
 NOT_FINITE = ("The model produced NaN/inf values instead of an image (numerical overflow). Try another seed or "
               "fewer steps; the server is fine.")
 
