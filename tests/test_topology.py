@@ -102,13 +102,18 @@ def test_a_refiner_shares_each_chip_with_the_model(tmp_path):
     assert report["refiner"] == "tiny-refiner"
 
 
-def test_the_hires_pass_compiles_at_the_upscaled_size_and_the_report_says_it(tmp_path):
-    """A hires fix's second pass: the report's size is the first pass's, and says the pass's too."""
+def _whole(tmp_path, program: str, *options: str) -> dict:
+    """The report of one program of the tiny model compiled whole, one image per chip."""
     out = tmp_path / "report.json"
     args = ["bench", "--model", "tiny", "--topology", "v5e:2x2", "--height", str(SIZE), "--width", str(SIZE),
-            "--batch", str(CHIPS), "--programs", "hires", "--stages", "whole", "--hires-scale", "1.5"]
+            "--batch", str(CHIPS), "--programs", program, "--stages", "whole", *options]
     assert main([*args, "--json", str(out), "--markdown", str(tmp_path / "BENCHMARKS.md")]) == 0
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_the_hires_pass_compiles_at_the_upscaled_size_and_the_report_says_it(tmp_path):
+    """A hires fix's second pass: the report's size is the first pass's, and says the pass's too."""
+    report = _whole(tmp_path, "hires", "--hires-scale", "1.5")
     assert (report["height"], report["width"]) == (SIZE, SIZE)
     assert report["hires"] == {"scale": 1.5, "height": 96, "width": 96}
     assert report["compiled"] and report["largest_program"] == "hires whole"
@@ -117,15 +122,10 @@ def test_the_hires_pass_compiles_at_the_upscaled_size_and_the_report_says_it(tmp
 
 def test_an_ip_adapter_program_holds_the_adapters_weights_beside_the_models(tmp_path):
     """Text-to-image with an image prompt: the image encoder and the adapter's weights count on each chip."""
-    out = tmp_path / "report.json"
-    args = ["bench", "--model", "tiny", "--topology", "v5e:2x2", "--height", str(SIZE), "--width", str(SIZE),
-            "--batch", str(CHIPS), "--programs", "ip", "--stages", "whole", "--ip-adapter", "plus"]
-    assert main([*args, "--json", str(out), "--markdown", str(tmp_path / "BENCHMARKS.md")]) == 0
-    report = json.loads(out.read_text())
-    model = topology.param_bytes(topology.model_spec("tiny"), "bfloat16")
+    report = _whole(tmp_path, "ip", "--ip-adapter", "plus")
     spec = topology.model_spec("tiny")
     adapter = sum(ip_adapter.param_bytes(ip_adapter.adapter_config("plus", spec), spec, "bfloat16").values())
-    assert adapter > 0 and report["weight_bytes_per_chip"] == model + adapter
+    assert adapter > 0 and report["weight_bytes_per_chip"] == topology.param_bytes(spec, "bfloat16") + adapter
     assert report["compiled"] and report["largest_program"] == "ip whole"
 
 
