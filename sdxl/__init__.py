@@ -5,6 +5,7 @@ from .engine import control_maps, images
 from .engine.compilation import CompileCounter, enable_compilation_cache
 from .engine.controls import Control
 from .engine.hires import Hires
+from .engine.image_prompts import STYLE_AND_LAYOUT, STYLE_ONLY, ImagePrompt
 from .engine.infotext import read_parameters
 from .engine.pipeline import Generation, NonFiniteImageError, Pipeline
 from .engine.prepared import PreparedRequest
@@ -17,10 +18,13 @@ __all__ = [
     "Control",
     "Generation",
     "Hires",
+    "ImagePrompt",
     "NonFiniteImageError",
     "Pipeline",
     "PreparedRequest",
     "Request",
+    "STYLE_AND_LAYOUT",
+    "STYLE_ONLY",
     "Upscaler",
     "control_maps",
     "enable_compilation_cache",
