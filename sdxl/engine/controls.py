@@ -6,10 +6,7 @@ size and preprocessor however often it is asked (the demo's live map, its check 
 grid's every cell). `Control.checked` is the one check of a control against the ControlNet it steers.
 """
 
-import collections
 import dataclasses
-import hashlib
-import threading
 
 import numpy as np
 
@@ -101,23 +98,10 @@ def _checked_mode(mode, controlnet) -> int | None:
     return index
 
 
-_maps: collections.OrderedDict = collections.OrderedDict()
-_maps_lock = threading.Lock()
+_maps = images.MadeFromPictures(MAPS_KEPT)
 
 
 def _map(picture: np.ndarray, width: int, height: int, made_by: Preprocessor, fit: str) -> np.ndarray:
-    """`made_by`'s map of `picture` fitted to width x height; the last `MAPS_KEPT` kept, by the picture's
-    content, so that asking again (another request of the same picture) costs a hash."""
-    digest = hashlib.blake2b(np.ascontiguousarray(picture).data, digest_size=16).hexdigest()
-    key = (digest, picture.shape, picture.dtype.str, width, height, made_by, fit)
-    with _maps_lock:
-        if key in _maps:
-            _maps.move_to_end(key)
-            return _maps[key]
-    made = made_by(images.resized(picture, height, width, crop=fit == "crop"))
-    made.flags.writeable = False  # shared by every request that asks for it
-    with _maps_lock:
-        _maps[key] = made
-        while len(_maps) > MAPS_KEPT:
-            _maps.popitem(last=False)
-    return made
+    """`made_by`'s map of `picture` fitted to width x height; the last `MAPS_KEPT` kept (`MadeFromPictures`)."""
+    return _maps.get(picture, (width, height, made_by, fit),
+                     lambda: made_by(images.resized(picture, height, width, crop=fit == "crop")))

@@ -7,10 +7,7 @@ not its layout (`STYLE_ONLY`). Scales are inputs of the compiled program, per im
 (`layer_scales`), so that a sweep over them never recompiles.
 """
 
-import collections
 import dataclasses
-import hashlib
-import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -198,23 +195,9 @@ class ImagePrompt:
                                    scales=scales)
 
 
-_pixels: collections.OrderedDict = collections.OrderedDict()
-_pixels_lock = threading.Lock()
+_pixels = images.MadeFromPictures(PIXELS_KEPT)
 
 
 def _encoder_pixels(picture: np.ndarray, adapter) -> np.ndarray:
-    """`adapter.encoder_pixels(picture)`; the last `PIXELS_KEPT` kept by the picture's content, so that the
-    same picture in another request (a grid's every cell) costs a hash."""
-    digest = hashlib.blake2b(np.ascontiguousarray(picture).data, digest_size=16).hexdigest()
-    key = (digest, picture.shape, picture.dtype.str, adapter.image_size)
-    with _pixels_lock:
-        if key in _pixels:
-            _pixels.move_to_end(key)
-            return _pixels[key]
-    made = adapter.encoder_pixels(picture)
-    made.flags.writeable = False  # shared by every request that asks for it
-    with _pixels_lock:
-        _pixels[key] = made
-        while len(_pixels) > PIXELS_KEPT:
-            _pixels.popitem(last=False)
-    return made
+    """`adapter.encoder_pixels(picture)`; the last `PIXELS_KEPT` kept (`images.MadeFromPictures`)."""
+    return _pixels.get(picture, adapter.image_size, lambda: adapter.encoder_pixels(picture))

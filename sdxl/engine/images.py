@@ -6,7 +6,11 @@ diffusers' image processor reads a PIL image's pixels as they are and a mask as 
 read with a sentence that says why.
 """
 
+import collections
+import hashlib
 import math
+import threading
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +166,30 @@ def contact_sheet(images: list[Image.Image]) -> Image.Image:
 
 def to_pil(images: np.ndarray) -> list[Image.Image]:
     return [Image.fromarray(image) for image in images]
+
+
+class MadeFromPictures:
+    """The last `size` arrays made from pictures (a control map, an image encoder's input), kept by the
+    picture's content and how each was made, so that asking again (another request of the same picture:
+    a grid's every cell) costs a hash. What it keeps is read-only: every request that asks shares it."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._made: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, picture: np.ndarray, how: Hashable, make: Callable[[], np.ndarray]) -> np.ndarray:
+        """What `make()` makes of `picture` the way `how` says, made once while it is kept."""
+        digest = hashlib.blake2b(np.ascontiguousarray(picture).data, digest_size=16).hexdigest()
+        key = (digest, picture.shape, picture.dtype.str, how)
+        with self._lock:
+            if key in self._made:
+                self._made.move_to_end(key)
+                return self._made[key]
+        made = make()
+        made.flags.writeable = False
+        with self._lock:
+            self._made[key] = made
+            while len(self._made) > self.size:
+                self._made.popitem(last=False)
+        return made
