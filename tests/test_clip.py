@@ -85,13 +85,14 @@ def load(path, config, **kwargs):
     )
 
 
-def assert_close(name, ours, theirs):
+def assert_close(name, ours, theirs, tolerance=1e-4):
+    """Ours within `tolerance` of transformers' output, which must not be near zero everywhere."""
     ours, theirs = np.asarray(ours), theirs.detach().numpy()
     assert ours.shape == theirs.shape, name
     diff = np.abs(ours - theirs).max()
     print(f"{name}: max abs diff {diff:.2e} (reference std {theirs.std():.2f})")
     assert theirs.std() > 0.1, name
-    assert diff <= 1e-4, name
+    assert diff <= tolerance, name
 
 
 def check_parity(path, reference, config, ids):

@@ -6,11 +6,13 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
+from test_clip import assert_close
 from sdxl.checkpoints.weights import load_params
 from sdxl.config import config_from_dict, config_from_file
 from sdxl.models import clip_vision
 
 IMAGE_SIZE = 28
+VISION_TOLERANCE = 1e-5  # the vision tower matches transformers tighter than the text tower's 1e-4
 
 
 def save_reference(path, *, hidden_act):
@@ -50,15 +52,6 @@ def load(path, config):
     )
 
 
-def assert_close(name, ours, theirs):
-    ours, theirs = np.asarray(ours), theirs.detach().numpy()
-    assert ours.shape == theirs.shape, name
-    diff = np.abs(ours - theirs).max()
-    print(f"{name}: max abs diff {diff:.2e} (reference std {theirs.std():.2f})")
-    assert theirs.std() > 0.1, name
-    assert diff <= 1e-5, name
-
-
 def check_parity(path, reference, rng):
     config = config_from_file(clip_vision.CLIPVisionConfig, path / "config.json")
     pixels = rng.standard_normal((2, IMAGE_SIZE, IMAGE_SIZE, 3)).astype(np.float32)
@@ -67,9 +60,9 @@ def check_parity(path, reference, rng):
         theirs = reference(torch.from_numpy(pixels).permute(0, 3, 1, 2), output_hidden_states=True)
     assert len(ours.hidden_states) == len(theirs.hidden_states) == config.num_hidden_layers + 1
     for i, (a, b) in enumerate(zip(ours.hidden_states, theirs.hidden_states)):
-        assert_close(f"hidden_states[{i}]", a, b)
-    assert_close("last_hidden_state", ours.last_hidden_state, theirs.last_hidden_state)
-    assert_close("image_embeds", ours.image_embeds, theirs.image_embeds)
+        assert_close(f"hidden_states[{i}]", a, b, VISION_TOLERANCE)
+    assert_close("last_hidden_state", ours.last_hidden_state, theirs.last_hidden_state, VISION_TOLERANCE)
+    assert_close("image_embeds", ours.image_embeds, theirs.image_embeds, VISION_TOLERANCE)
 
 
 @pytest.mark.oracle
