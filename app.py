@@ -22,7 +22,7 @@ from starlette.middleware import Middleware
 from sdxl import CheckpointError, NonFiniteImageError
 from sdxl.engine import images
 from sdxl.engine.image_prompts import IP_ADAPTER_SCALE_RANGE
-from sdxl.serving import launch, results
+from sdxl.serving import endpoints, launch, results
 from sdxl.serving.demo import (
     COMPARE_PROMPTS, COMPARE_SEEDS, IP_ADAPTER_FIELDS, UPSCALE_RANGE, ControlForm, DemoService, Settings, Submission,
     path_of, picture_and_mask,
@@ -61,16 +61,17 @@ class Handlers:
 
         return check
 
-    def submit(self, tab: str):
-        """The handler of a tab's button: the gallery and status (for a grid, first its sheet)."""
+    def submit(self, tab: str, fields: list[str]):
+        """The handler of a tab's button, whose form has `fields`: the gallery and status (for a grid,
+        first its sheet)."""
 
         def handler(request: gr.Request, progress=gr.Progress(), **form):
             with _said():
                 submission = self.service.checked(tab, _owner(request), form)
             yield from _routed(request, self._rendered(submission, _owner(request), progress))
 
-        names = ["mask"] * (tab == "image_to_image") + [names["picture"] for names in self.service.control_parameters]
-        return _optional(handler, names + ["ip_adapter_image"] * bool(self.service.pipe.ip_adapters))
+        optional = ["mask", "ip_adapter_image", *(names["picture"] for names in self.service.control_parameters)]
+        return _described(handler, tab, fields, optional)
 
     def reuse(self, png) -> dict[str, object]:
         """The form's fields (by name) that a PNG made here or by A1111 fills in; a message says what.
@@ -85,9 +86,10 @@ class Handlers:
         return fields
 
     def upscale(self, picture, upscaler, factor) -> tuple[Image.Image, str]:
-        """The Upscale tab's button: the picture upscaled, and what was done."""
         with _said():
             return self.service.upscale(picture, upscaler, factor)
+
+    upscale.__doc__ = endpoints.docstring("upscale", ["picture", "upscaler", "factor"])
 
     def prompt_length(self, text, emphasis, negative: bool = False) -> str:
         return self.service.prompt_length(text, emphasis, negative=negative)
@@ -142,19 +144,24 @@ def _owner(request: gr.Request | None) -> str | None:
                  getattr(getattr(request, "client", None), "host", None))
 
 
-def _optional(handler, names: list[str]):
-    """`handler` (a generator) with keyword parameters `names` that default to None: Gradio's API
-    makes a parameter optional only where the handler's signature gives it a default, and a control
-    image or a mask, which have no initial value, must be optional."""
+def _described(handler, endpoint: str, fields: list[str], optional: list[str]):
+    """`handler` (a generator taking `**form`) as the API and the MCP tools describe it: named after
+    `endpoint`, its docstring saying what it and each of `fields` is (`sdxl.serving.endpoints`), and its
+    signature naming the fields, those in `optional` defaulting to None (Gradio's API makes a parameter
+    optional only where the handler's signature gives it a default, and a control image or a mask,
+    which have no initial value, must be optional)."""
     @functools.wraps(handler)
-    def with_defaults(*args, **kwargs):
+    def described(*args, **kwargs):
         yield from handler(*args, **kwargs)
 
     signature = inspect.signature(handler)
     *named, form = signature.parameters.values()
-    optional = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in names]
-    with_defaults.__signature__ = signature.replace(parameters=[*named, *optional, form])
-    return with_defaults
+    keywords = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                  **({"default": None} if name in optional else {})) for name in fields]
+    described.__signature__ = signature.replace(parameters=[*named, *keywords, form])
+    described.__name__ = described.__qualname__ = endpoint
+    described.__doc__ = endpoints.docstring(endpoint, fields)
+    return described
 
 
 def _by_the_service(field):
@@ -183,6 +190,8 @@ def _header(service: DemoService) -> None:
             gr.Markdown(f"{service.notice}\n\n{defaults}")
     elif defaults:
         gr.Markdown(defaults, elem_id="model-settings")
+    if service.launch_notes:
+        gr.Markdown("\n\n".join(service.launch_notes), elem_id="launch-notes", elem_classes="prompt-length")
 
 
 def _generate_tab(service: DemoService) -> dict:
@@ -498,8 +507,8 @@ def _wire_submits(handlers: Handlers, p: dict, forms: dict[str, dict]) -> None:
         queued event's error as one message, and marks no output with an error badge), then the handler."""
         check = listen(handlers.check(tab), inputs_kwargs=forms[tab], outputs=None, api_name=False,
                        show_progress="hidden")
-        return check.success(handlers.submit(tab), inputs_kwargs=forms[tab], outputs=outputs, api_name=api_name,
-                             concurrency_limit=limit)
+        return check.success(handlers.submit(tab, list(forms[tab])), inputs_kwargs=forms[tab], outputs=outputs,
+                             api_name=api_name, concurrency_limit=limit)
 
     answer, history = [p["gallery"], p["status"]], dict(fn=remember, inputs=[p["gallery"], p["past"]],
                                                         outputs=[p["past"], p["history"]], api_name=False, queue=False)
@@ -599,6 +608,25 @@ CLEAR_EDITOR = """() => {
 }"""
 
 
+def _mcp_images() -> None:
+    """Gradio 6.31 gives an MCP client a gallery, and a handler's several outputs, as one text (their
+    Python repr): each image goes as image content with its URL instead, then the status text."""
+    from gradio.mcp import GradioMCPServer
+
+    postprocess = GradioMCPServer.postprocess_output_data
+
+    def items(output):
+        if isinstance(output, dict) and isinstance(output.get("image"), dict):  # a gallery's (image, caption)
+            yield output["image"]
+        elif isinstance(output, list | tuple):
+            for item in output:
+                yield from items(item)
+        else:
+            yield output
+
+    GradioMCPServer.postprocess_output_data = lambda self, data, root_url: postprocess(self, [*items(data)], root_url)
+
+
 def main() -> None:
     parser = launch.demo_parser(__doc__.splitlines()[0])
     options = parser.parse_args()
@@ -609,6 +637,8 @@ def main() -> None:
     if service is None:  # another host's process (--process-id 1 or more): it followed process 0 until that ended
         return
     blocks = create_demo(Handlers(service))
+    if options.mcp:
+        _mcp_images()
     endpoints = {name.lstrip("/"): [parameter["parameter_name"] for parameter in endpoint["parameters"]]
                  for name, endpoint in blocks.get_api_info()["named_endpoints"].items()}
     api_names = {index: fn.api_name for index, fn in blocks.fns.items() if fn.api_name in endpoints}
@@ -616,7 +646,7 @@ def main() -> None:
     blocks.launch(
         server_name=options.host, server_port=options.port, share=options.share, max_file_size=MAX_UPLOAD,
         head=f"<script>\n{(PAGE / 'keyboard.js').read_text()}</script>", css=(PAGE / "style.css").read_text(),
-        app_kwargs={"middleware": [errors]},
+        app_kwargs={"middleware": [errors]}, mcp_server=options.mcp,
     )
 
 

@@ -1,5 +1,6 @@
 import argparse
 import re
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +68,49 @@ def test_the_demo_refuses_an_images_per_core_that_does_not_fit_before_it_serves(
         launch.demo_service(options)
     assert measured[0] == [("image", False), ("image", True), ("noise", False)], "every kind of request it serves"
     assert len(measured) == 3, "4, 3, then 2 per device, which fits"
+
+
+def test_without_a_count_asked_for_the_demo_serves_the_most_images_per_core_that_fit(tmp_path, monkeypatch):
+    """The default count (4) that does not fit is no reason to show an error instead of a demo (a Space
+    on a small GPU): the launch serves the most that fit, and says so."""
+    from sdxl.engine import memory
+
+    def needed(pipe, programs, in_use, progress=True):  # 100 bytes an image a device
+        return in_use + 100 * programs[0].batch // pipe.num_devices
+
+    monkeypatch.setattr(memory, "device_memory", lambda pipe: (1000 + 250, 1000))
+    monkeypatch.setattr(memory, "bytes_needed", needed)
+    monkeypatch.setattr(launch, "_compiled_in_background", lambda *args: {})  # the other batches: not here
+    monkeypatch.delenv("SDXL_MAX_IMAGES_PER_CORE", raising=False)
+    options = launch.demo_parser("SDXL on JAX").parse_args(["--model", "tiny", "--cache-dir", str(tmp_path / "xla")])
+    service = launch.demo_service(options)
+    assert service.max_images_per_core == 2 and service.queue.max_batch_images == 2 * service.pipe.num_devices
+    assert service.launch_notes == [
+        "Serving 2 image(s) per core, the most that fit: the default 4 do not (--max-images-per-core 4 needs 0.00 GiB "
+        "on each cpu, which holds 0.00 GiB; 2 per device fit: --max-images-per-core 2)."]
+
+
+@pytest.mark.parametrize("env, cache_dir, hub_cache, compilation_cache", [
+    ({"SDXL_PERSISTENT_STORAGE": "{root}"}, None, "{root}/.huggingface/hub", "{root}/sdxl-jax/xla"),
+    ({"SDXL_PERSISTENT_STORAGE": "{root}", "HF_HOME": "/hf"}, None, None, "{root}/sdxl-jax/xla"),
+    ({"SDXL_PERSISTENT_STORAGE": "{root}", "HF_HUB_CACHE": "/hf"}, "/xla", None, None),
+])
+def test_persistent_storage_keeps_the_caches_the_user_did_not_place(tmp_path, env, cache_dir, hub_cache,
+                                                                    compilation_cache):
+    storage = launch.persistent_storage({k: v.format(root=tmp_path) for k, v in env.items()}, cache_dir)
+    expected = [None if path is None else Path(path.format(root=tmp_path)) for path in (hub_cache, compilation_cache)]
+    assert [storage.hub_cache, storage.compilation_cache] == expected
+    if hub_cache:
+        assert storage.describe() == (f"Persistent storage at {tmp_path} keeps the models' files in {expected[0]} and "
+                                      f"the compiled programs in {expected[1]}: a restart skips the download and the "
+                                      "compilation.")
+
+
+def test_without_persistent_storage_the_caches_stay_where_they_are(tmp_path, monkeypatch):
+    assert launch.persistent_storage({}, None) is None  # not on a Space, nothing named
+    assert launch.persistent_storage({"SDXL_PERSISTENT_STORAGE": str(tmp_path / "missing")}, None) is None
+    monkeypatch.setattr(launch, "SPACES_STORAGE", str(tmp_path / "missing"))  # a Space without persistent storage
+    assert launch.persistent_storage({"SYSTEM": "spaces"}, None) is None
 
 
 def test_the_launch_says_whether_a_hires_fix_at_the_forms_default_fits(monkeypatch, capsys):
@@ -186,3 +230,29 @@ def test_with_ip_adapters_the_launch_checks_the_program_with_an_image_prompt(tmp
     with pytest.raises(memory.DoesNotFitError):
         launch.demo_service(options)
     assert measured[0] == {0, 1}, "with and without the image prompt"
+
+
+@pytest.mark.server
+def test_on_persistent_storage_a_second_launch_compiles_nothing(tmp_path):
+    """A Space's restart: with persistent storage (a temporary folder standing in for /data) and no
+    cache variables set, the first launch compiles into it, and the second reads every program back."""
+    import os
+    import urllib.request
+
+    from sdxl.bench.soak import running_app
+
+    storage = tmp_path / "data"
+    storage.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SDXL_", "HF_HOME", "HF_HUB_CACHE", "GRADIO_"))}
+    env |= dict(SDXL_PERSISTENT_STORAGE=str(storage), HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False",
+                GRADIO_TEMP_DIR=str(tmp_path / "gradio"), PYTHONUNBUFFERED="1")
+    startups = []
+    for start in ("cold", "warm"):
+        log = tmp_path / f"{start}.log"
+        with running_app(["--model", "shapes", "--max-images-per-core", "1"], log, env) as (_, url):
+            page = urllib.request.urlopen(url + "config", timeout=30).read().decode()
+        startups.append(re.search(r"compile [\d.]+ s \((\d+) of (\d+) programs from the cache\)", log.read_text()))
+    (cold_cached, cold_all), (warm_cached, warm_all) = (map(int, startup.groups()) for startup in startups)
+    assert cold_cached == 0 and warm_cached == warm_all == cold_all > 0
+    assert any((storage / "sdxl-jax" / "xla").iterdir())
+    assert f"Persistent storage at {storage} keeps the models' files in {storage}/.huggingface/hub" in page

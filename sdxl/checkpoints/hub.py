@@ -33,6 +33,15 @@ CONFIG_PATTERNS = [
 ]
 # How long to wait for the Hub to say which commit a repo is at, before using the cache instead.
 HUB_TIMEOUT_S = 10.0
+# The Hugging Face cache folder downloads go to and are read from; None: huggingface_hub's own
+# (HF_HOME, HF_HUB_CACHE). `use_cache_folder` sets it, for a demo on a Space's persistent storage.
+_cache_folder: Path | None = None
+
+
+def use_cache_folder(path: Path | None) -> None:
+    """Downloads go to the Hugging Face cache folder `path`, and are looked for there (None: the default)."""
+    global _cache_folder
+    _cache_folder = path
 
 
 class HubUnavailableError(CheckpointError):
@@ -91,7 +100,8 @@ def download_file(repo_id: str, filename: str) -> Path:
 
     online = _hub_answers(repo_id)
     try:
-        return Path(huggingface_hub.hf_hub_download(repo_id, filename, local_files_only=not online))
+        return Path(huggingface_hub.hf_hub_download(repo_id, filename, local_files_only=not online,
+                                                   cache_dir=_cache_folder))
     except LocalEntryNotFoundError as e:
         raise _not_cached(f"{repo_id}/{filename}", "file is missing") from e
     except Exception as e:
@@ -141,7 +151,8 @@ def _snapshot(repo_id: str, patterns: list[str], online: bool, what: str) -> Pat
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=not online))
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=not online,
+                                                    cache_dir=_cache_folder))
     except LocalEntryNotFoundError as e:  # also IncompleteSnapshotError: some of the files are missing
         raise _not_cached(repo_id, what) from e
     except Exception as e:  # no access, a dropped connection, a full disk: all end here for the caller
@@ -162,5 +173,5 @@ def _repo_files(repo_id: str, online: bool, folder: Path) -> list[str]:
     import huggingface_hub
 
     if online:
-        return [f.path for f in huggingface_hub.get_cached_repo_tree(repo_id)]
+        return [f.path for f in huggingface_hub.get_cached_repo_tree(repo_id, cache_dir=_cache_folder)]
     return [str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()]

@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 # Recorded by JAX around every backend compilation, including ones answered from the persistent
 # cache: it counts "a new executable was needed", which is what a recompilation is.
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# Recorded when the persistent cache answers one of those.
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 # JAX's own write of a cache entry, made after a miss; `enable_compilation_cache` puts `_write_entry`
 # in its place. Private to JAX (no public API reaches it), so tests/test_compilation.py checks both
@@ -71,7 +73,7 @@ def _write_entry(cache_key: str, compile_time_secs: float, module_name: str, bac
 
 
 class CompileCounter:
-    """Counts XLA compilations (and their seconds) while active.
+    """Counts XLA compilations (and their seconds) while active, and those the persistent cache answered.
 
     with CompileCounter() as compiles:
         pipe.generate(...)
@@ -81,17 +83,25 @@ class CompileCounter:
     def __init__(self):
         self.count = 0
         self.seconds = 0.0
+        self.cached = 0  # of `count`, read from the persistent cache
         self._lock = threading.Lock()
 
-    def _on_event(self, event: str, duration: float, **_) -> None:
+    def _on_duration(self, event: str, duration: float, **_) -> None:
         if event == _BACKEND_COMPILE_EVENT:
             with self._lock:
                 self.count += 1
                 self.seconds += duration
 
+    def _on_event(self, event: str, **_) -> None:
+        if event == _CACHE_HIT_EVENT:
+            with self._lock:
+                self.cached += 1
+
     def __enter__(self) -> "CompileCounter":
-        monitoring.register_event_duration_secs_listener(self._on_event)
+        monitoring.register_event_duration_secs_listener(self._on_duration)
+        monitoring.register_event_listener(self._on_event)
         return self
 
     def __exit__(self, *exc) -> None:
-        monitoring.unregister_event_duration_listener(self._on_event)
+        monitoring.unregister_event_duration_listener(self._on_duration)
+        monitoring.unregister_event_listener(self._on_event)

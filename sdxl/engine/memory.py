@@ -27,7 +27,12 @@ GIB = 2**30
 
 
 class DoesNotFitError(CheckpointError):
-    """The model, at the batch asked for, needs more memory than a device has."""
+    """The model, at the batch asked for, needs more memory than a device has. `fitting`: the most
+    images per device that fit as asked otherwise, or None where not even 1 does."""
+
+    def __init__(self, message: str, fitting: int | None = None):
+        super().__init__(message)
+        self.fitting = fitting
 
 
 def bytes_beside_weights(compiled: jax.stages.Compiled) -> int:
@@ -85,7 +90,7 @@ def check_fits(pipe, batch_programs: Callable[[int], list[GenerateProgram]], per
         return
     device = pipe.mesh.devices.flat[0]
     size = "more than the compiler could place" if asked is None else f"{asked / GIB:.2f} GiB"
-    fitting = _largest_fitting(needed, limit)
+    fitting = first_fitting = _largest_fitting(needed, limit)
     # A hires fix's second pass: the one program of a request at another size than its first pass's.
     one = batch_programs(1)
     hires_sizes = sorted({_size(p) for p in one} - {_size(one[0])})
@@ -115,7 +120,7 @@ def check_fits(pipe, batch_programs: Callable[[int], list[GenerateProgram]], per
         advice = "not even 1 per device fits: choose a smaller size, bfloat16, or devices with more memory"
     raise DoesNotFitError(
         f"{setting(per_device)} needs {size} on each {getattr(device, 'device_kind', device.platform)}, "
-        f"which holds {limit / GIB:.2f} GiB; {advice}"
+        f"which holds {limit / GIB:.2f} GiB; {advice}", first_fitting
     )
 
 

@@ -224,6 +224,7 @@ class DemoService:
         self.emphasis = emphasis
         self.model_label = model_label
         self.notice = notice
+        self.launch_notes: list[str] = []  # what the page says of how this launch serves (fewer images, storage)
         self.recommended = recommended
         self.loras = dict(loras or {})
         self.lora_parameters = lora_parameters(list(self.loras))
@@ -241,6 +242,11 @@ class DemoService:
     @property
     def max_images(self) -> int:
         return self.pipe.num_devices * self.max_images_per_core
+
+    def serve_images_per_core(self, n: int) -> None:
+        """At most `n` images per core from now on (fewer than asked at construction: the most that fit)."""
+        self.max_images_per_core = n
+        self.queue.max_batch_images = self.max_images
 
     @property
     def limits(self) -> Limits:

@@ -16,9 +16,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..checkpoints import CheckpointError, HubUnavailableError, shapes
+from ..checkpoints import CheckpointError, HubUnavailableError, hub, shapes
 from ..engine import memory
-from ..engine.compilation import enable_compilation_cache
+from ..engine.compilation import CompileCounter, enable_compilation_cache
 from ..engine.image_prompts import ImagePrompt
 from ..engine.images import model_label
 from ..engine.pipeline import Pipeline
@@ -32,6 +32,9 @@ from .known import Recommended, recommended
 log = logging.getLogger(__name__)
 
 FALLBACK_MODEL = "shapes"  # trained here, shipped in assets/: it draws what it is told, offline
+IMAGES_PER_CORE = 4  # the default most images per core: fewer where they do not fit a device
+# Where a Hugging Face Space mounts its persistent storage, when it has some (`SYSTEM=spaces` there).
+SPACES_STORAGE = "/data"
 
 
 def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
@@ -251,11 +254,16 @@ def add_demo_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
     parser.add_argument("--share", action="store_true", default=variable.get("SDXL_SHARE") == "1",
                         help="also serve the demo at a temporary public gradio.live address"
                         + variable.named("SDXL_SHARE=1"))
+    parser.add_argument("--mcp", action="store_true", default=variable.get("SDXL_MCP") == "1",
+                        help="also serve the endpoints (generate, image_to_image, compare, grid, upscale) as MCP "
+                        "tools, at /gradio_api/mcp/ (Gradio's streamable HTTP transport; needs gradio[mcp])"
+                        + variable.named("SDXL_MCP=1"))
     parser.add_argument("--max-images-per-core", type=_integer_from(1),
-                        default=variable.get("SDXL_MAX_IMAGES_PER_CORE", "4"),
+                        default=variable.get("SDXL_MAX_IMAGES_PER_CORE"),
                         help="the most images a request may ask of each accelerator core, which is also the "
-                        "largest batch the queue merges requests into (default: %(default)s)"
-                        + variable.named("SDXL_MAX_IMAGES_PER_CORE"))
+                        f"largest batch the queue merges requests into (default: {IMAGES_PER_CORE}, or the most that "
+                        "fit a device's memory where fewer do; a count given here that does not fit stops the "
+                        "launch)" + variable.named("SDXL_MAX_IMAGES_PER_CORE"))
     parser.add_argument("--max-queue", type=_integer_from(1), default=variable.get("SDXL_MAX_QUEUE", "32"),
                         help="the most requests waiting, from all users together; more are refused with \"the queue "
                         "is full\" (default: %(default)s)" + variable.named("SDXL_MAX_QUEUE"))
@@ -307,6 +315,11 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
     logging.getLogger("sdxl").setLevel(logging.INFO)
     start = time.perf_counter()
     hosts = _join_hosts(options)
+    storage = persistent_storage(os.environ, options.cache_dir)
+    if storage is not None:
+        hub.use_cache_folder(storage.hub_cache)
+        options.cache_dir = options.cache_dir or storage.compilation_cache
+        print(storage.describe(), flush=True)
     try:
         model = load(options, fallback=True)
     except CheckpointError as e:
@@ -320,8 +333,9 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
         if not hosts.leader:
             hosts.follow(pipe)
             return None
+    per_core = options.max_images_per_core or IMAGES_PER_CORE
     service = DemoService(
-        pipe, model_label=model.label, max_images_per_core=options.max_images_per_core, max_queued=options.max_queue,
+        pipe, model_label=model.label, max_images_per_core=per_core, max_queued=options.max_queue,
         max_per_owner=options.max_per_user, notice=model.notice, loras=model.loras, recommended=model.settings,
         emphasis=options.emphasis, runner=None if hosts is None else hosts.runner(pipe),  # calls to every process
     )
@@ -331,22 +345,70 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
     # On an accelerator, the largest batch of each kind the demo renders must fit a device's memory.
     served = [warm_up, *_edits(pipe, warm_up).values()]
     batch = lambda n: pipe.padded_batch(n * pipe.num_devices)  # noqa: E731
-    memory.check_fits(pipe, lambda n: [p for r in served for p in r.programs_at(batch(n))],
-                      options.max_images_per_core, "--max-images-per-core {}".format)
+    try:
+        memory.check_fits(pipe, lambda n: [p for r in served for p in r.programs_at(batch(n))], per_core,
+                          "--max-images-per-core {}".format)
+    except memory.DoesNotFitError as e:
+        if options.max_images_per_core is not None or e.fitting is None:  # asked for, or not even 1 fits
+            raise
+        per_core = e.fitting
+        service.serve_images_per_core(per_core)
+        note = f"Serving {per_core} image(s) per core, the most that fit: the default {IMAGES_PER_CORE} do not ({e})."
+        log.warning(note)
+        service.launch_notes.append(note)
+    if storage is not None:
+        service.launch_notes.append(storage.describe())
     _report_hires_fit(service, warm_up_settings)
-    compile_seconds = service.queue.runner.compile(warm_up.programs)
+    with CompileCounter() as compiles:
+        compile_seconds = service.queue.runner.compile(warm_up.programs)
     warm_start = time.perf_counter()
     service.queue.wait(service.queue.submit(warm_up))
     ready = time.perf_counter()
     print(f"model {model.label} ({pipe.dtype.name}) on {pipe.device_description}; compilation cache "
           f"{jax.config.jax_compilation_cache_dir}")
-    print(f"startup: load {loaded - start:.1f} s, compile {compile_seconds:.1f} s, "
-          f"warm-up {ready - warm_start:.1f} s, total {ready - start:.1f} s", flush=True)
-    for label, programs in _compiled_in_background(pipe, warm_up, options.max_images_per_core).items():
+    print(f"startup: load {loaded - start:.1f} s, compile {compile_seconds:.1f} s ({compiles.cached} of "
+          f"{compiles.count} programs from the cache), warm-up {ready - warm_start:.1f} s, total {ready - start:.1f} s",
+          flush=True)
+    for label, programs in _compiled_in_background(pipe, warm_up, per_core).items():
         compiling = service.queue.compile_in_background(programs)
         if compiling is not None:
             compiling.add_done_callback(functools.partial(_report_background_compile, label))
     return service
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistentStorage:
+    """The caches a launch keeps on persistent storage, each None where the user placed it elsewhere."""
+
+    root: Path
+    hub_cache: Path | None  # the Hugging Face cache (the models' files)
+    compilation_cache: Path | None
+
+    def describe(self) -> str:
+        """Where they are, as the page and the log say it."""
+        kept = [f"{what} in {path}" for what, path in (("the models' files", self.hub_cache),
+                                                        ("the compiled programs", self.compilation_cache)) if path]
+        skipped = [what for what, path in (("the download", self.hub_cache),
+                                           ("the compilation", self.compilation_cache)) if path]
+        if not kept:
+            return f"Persistent storage at {self.root}: unused, as both caches are placed elsewhere."
+        return (f"Persistent storage at {self.root} keeps {' and '.join(kept)}: a restart skips "
+                f"{' and '.join(skipped)}.")
+
+
+def persistent_storage(env: Mapping[str, str], cache_dir: str | None) -> PersistentStorage | None:
+    """Where a demo on a Hugging Face Space keeps its caches across restarts: where the Space has
+    persistent storage (`/data`, mounted and writable; or the folder SDXL_PERSISTENT_STORAGE names,
+    anywhere), the Hugging Face cache goes to `.huggingface/hub` there (as HF_HOME=/data/.huggingface
+    would put it) unless HF_HOME or HF_HUB_CACHE is set, and the compilation cache to `sdxl-jax/xla`
+    unless `cache_dir` (--cache-dir, SDXL_CACHE_DIR) is given. None without such storage."""
+    root = env.get("SDXL_PERSISTENT_STORAGE") or (SPACES_STORAGE if env.get("SYSTEM") == "spaces" else "")
+    if not root or not os.path.isdir(root) or not os.access(root, os.W_OK):
+        return None
+    root = Path(root).resolve()
+    user_hub = any(env.get(name) for name in ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"))
+    return PersistentStorage(root, None if user_hub else root / ".huggingface" / "hub",
+                             None if cache_dir else root / "sdxl-jax" / "xla")
 
 
 def _report_hires_fit(service: DemoService, settings: Settings) -> None:
