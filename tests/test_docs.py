@@ -120,7 +120,8 @@ def test_each_sdxl_import_of_the_docs_runs(statement):
 def _subprocess_env() -> dict[str, str]:
     """This session's (4 forced CPU devices, offline, the shared compilation cache), the repository importable
     and this interpreter's folder first on PATH, so that `python` is this one."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PATH": path}
 
 
 # The library examples load SDXL from the Hub and render at 1024x1024; here they load the random `tiny`
