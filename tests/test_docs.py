@@ -156,8 +156,11 @@ def test_library_examples(tmp_path):
 
 @pytest.mark.cli
 def test_cli_examples(tmp_path):
-    """Each CLI block as written, in a fresh folder: it writes its PNGs into out/."""
+    """Each CLI block as written, in a fresh folder: it writes its PNGs into out/. The CLI reads no SDXL_*
+    variable, so the session's compilation cache is given as --cache-dir (not the user's ~/.cache)."""
     for i, body in enumerate(_run_by("test_cli_examples")):
+        assert body.startswith("python -m sdxl generate "), body
+        body = body.replace("python -m sdxl generate ", 'python -m sdxl generate --cache-dir "$SDXL_CACHE_DIR" ', 1)
         folder = tmp_path / str(i)
         folder.mkdir()
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=folder, env=_subprocess_env(),
