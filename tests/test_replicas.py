@@ -1,4 +1,4 @@
-"""Independent replicas behind HAProxy (README, "Replicas behind a load balancer"): the README's
+"""Independent replicas behind HAProxy (docs/deployment.md, "Replicas behind a load balancer"): its
 haproxy.cfg, as written but for its addresses, in front of two single-host demos. Which replica
 served each request is read from HAProxy's own log, one line per request."""
 
@@ -21,7 +21,7 @@ from sdxl.bench.soak import free_port, running_app
 
 pytestmark = pytest.mark.server
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+DEPLOYMENT = Path(__file__).resolve().parent.parent / "docs" / "deployment.md"
 HAPROXY = Path(shutil.which("haproxy") or "/usr/sbin/haproxy")  # /usr/sbin is not on every user's PATH
 STARTUP_TIMEOUT = 300
 CALL_TIMEOUT = 180
@@ -30,10 +30,10 @@ REQUEST = dict(prompt="a lighthouse at dusk", steps=2)
 LOG_LINE = re.compile(r' \S+ replicas/(?P<server>\S+) \S+ (?P<status>\d{3}) .*"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/')
 
 
-def _readme_config() -> str:
+def _documented_config() -> str:
     found = re.search(r"<!-- haproxy.cfg: tests/test_replicas.py reads the next block -->\n```haproxy\n(.*?)```",
-                      README.read_text(), re.DOTALL)
-    assert found, "README.md has lost its marked haproxy.cfg block"
+                      DEPLOYMENT.read_text(), re.DOTALL)
+    assert found, "docs/deployment.md has lost its marked haproxy.cfg block"
     return found[1]
 
 
@@ -104,9 +104,9 @@ class Balanced:
 
 @contextlib.contextmanager
 def _balanced(tmp: Path):
-    """The README's haproxy.cfg in front of one demo per `server` line, each with its own temp folder
+    """docs/deployment.md's haproxy.cfg in front of one demo per `server` line, each with its own temp folder
     (tmp/NAME/gradio) and all with one compilation cache; prints every log if the block fails."""
-    config = _readme_config()
+    config = _documented_config()
     names = re.findall(r"^\s*server\s+(\S+)", config, flags=re.MULTILINE)
     assert len(names) == 2, config
     port, log = free_port(), tmp / "haproxy.log"
@@ -130,7 +130,7 @@ def _balanced(tmp: Path):
             raise
 
 
-def test_two_replicas_behind_the_readme_haproxy(tmp_path):
+def test_two_replicas_behind_the_documented_haproxy(tmp_path):
     if not HAPROXY.exists():
         reason = f"{HAPROXY} is missing: install Debian's haproxy (apt-get install -y haproxy) for the replicas test"
         if os.environ.get("CI"):

@@ -6,8 +6,8 @@
   than a re-implementation that would differ at the thresholds' edges.
 - "none": the picture is the map already (a depth map, an OpenPose skeleton, lines drawn by hand).
 
-Maps that need a model of their own (depth estimators, pose detectors) are made elsewhere (README:
-"ControlNet"), then given with "none".
+Maps that need a model of their own (depth estimators, pose detectors) are made elsewhere (docs/controlnet.md,
+"Control maps"), then given with "none".
 """
 
 import dataclasses
