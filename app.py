@@ -1,6 +1,6 @@
 """Gradio demo: Stable Diffusion XL in JAX, one image per accelerator core.
 
-python app.py [--model M] [--lora FILE[:SCALE] ...] [--refiner R] [--host H] [--port P] [--cache-dir D] [--share]
+python app.py [--model M] [--lora FILE[:SCALE] ...] [--refiner R] [--host H] [--port P] [--mcp] [--share]
 
 Every option also reads an environment variable (SDXL_MODEL, SDXL_HOST, ...), for Spaces. This file
 builds the page and wires its events; what a click submits, and what the page says of it, is the
@@ -420,20 +420,22 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
     # Generated images are served from Gradio's cache: clear what is older than an hour, every 10 minutes.
     with gr.Blocks(title="SDXL on JAX", delete_cache=CACHE_EXPIRY) as blocks:
         _header(service)
-        # Controls on the left, the gallery on the right: on a laptop screen the prompt, the button and
-        # the pictures are all in view; on a phone the columns stack.
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=1, min_width=380):
-                page = {}
+        # The tabs and, under them, the panels on the left, the gallery on the right: on a laptop
+        # screen the prompt, the button and the pictures are all in view. On a phone the columns stack
+        # in this order, the gallery right under the tabs' buttons (style.css, #layout).
+        with gr.Row(equal_height=False, elem_id="layout"):
+            page = {}
+            with gr.Column(scale=1, min_width=380, elem_id="tabs-column"):
                 with gr.Tabs() as page["tabs"]:
                     for tab in (_generate_tab, _image_tab, _compare_tab, _grid_tab, _upscale_tab):
                         page |= tab(service)
+            with gr.Column(scale=1, min_width=380, elem_id="results-column"):
+                page |= _results(service)
+            with gr.Column(scale=1, min_width=380, elem_id="panels-column"):
                 page["control_panel"], controls = _control_panel(service) if service.pipe.controlnets else (None, [])
                 page |= _image_prompt_panel(service) if service.pipe.ip_adapters else {}
                 page |= _hires_panel(service)
                 page |= _advanced(service)
-            with gr.Column(scale=1, min_width=380):
-                page |= _results(service)
         # The API's image inputs, filled from the editor for the page's own requests.
         page["image_in"], page["mask_in"] = (gr.Image(type="filepath", format="png", visible=False) for _ in "12")
         page["selected"], page["history_selected"] = gr.State(None), gr.State(None)  # the image last selected
@@ -522,6 +524,9 @@ def _wire_submits(handlers: Handlers, p: dict, forms: dict[str, dict]) -> None:
         lambda: gr.update(visible=True), None, p["grid_image"], api_name=False, queue=False).then(**history)
     for button in (p["run"], p["image_run"], p["compare_run"]):
         button.click(lambda: gr.update(visible=False), None, p["grid_image"], api_name=False, queue=False)
+    for trigger in (p["run"].click, p["prompt"].submit, p["image_run"].click, p["compare_run"].click,
+                    p["grid_run"].click):
+        trigger(None, js=SHOW_RESULTS, api_name=False, queue=False)
     p["upscale_run"].click(handlers.upscale, [p["upscale_in"], p["upscaler"], p["upscale_by"]],
                            [p["upscaled"], p["upscale_status"]], api_name="upscale", concurrency_limit=1)
 
@@ -600,6 +605,14 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
     chosen(p["history_reuse"], p["history_selected"])(reuse, p["history_selected"], outputs, api_name=False)
     p["reuse_file"].upload(reuse, p["reuse_file"], outputs, api_name=False)
 
+
+# On a phone the results sit under the tabs (style.css, #layout): a click that fills them scrolls there,
+# so that what it starts is seen.
+SHOW_RESULTS = """() => {
+  if (window.matchMedia('(max-width: 799px)').matches) {
+    document.querySelector('#results-column')?.scrollIntoView({behavior: 'smooth', block: 'start'});
+  }
+}"""
 
 # Gradio 6.31's image editor, once it holds an upload, never shows a picture a handler sets (it spins
 # until reloaded); its own "Clear canvas" button first puts it back where a new picture shows.

@@ -995,7 +995,16 @@ def test_browser_first_five_minutes(shapes_server, tmp_path):
         expect(page.locator(".toast-body").filter(has_text="Filled in: the prompts, seed 1")).to_have_count(1)
         expect(page.get_by_label("Seed", exact=True)).to_be_visible()  # Advanced opened
         expect(page.get_by_label("Seed", exact=True)).to_have_value("1")
+        # On a phone the results come right under the tabs, and Generate scrolls them into view (issue 44).
         page.set_viewport_size({"width": 390, "height": 844})
+        page.get_by_role("tab", name="Generate").click()
+        page.locator("#prompt textarea").fill("a green square on a white background")
+        page.locator("#generate").click()
+        expect(page.locator("#status")).not_to_contain_text("device call", timeout=30_000)  # the grid's is gone
+        expect(page.locator("#status")).to_contain_text("4 images in", timeout=CALL_TIMEOUT * 1000)
+        page.wait_for_timeout(1000)  # the smooth scroll's end
+        gallery = box("#gallery")
+        assert 0 <= gallery["y"] and gallery["y"] + 100 <= 844, gallery
         page.screenshot(path=str(_artifacts() / "app-phone.png"), full_page=True)
 
 
