@@ -33,8 +33,10 @@ def xla_cache(tmp_path_factory) -> Path:
     """One persistent compilation cache for the processes the tests start (demos read SDXL_CACHE_DIR; the
     CLI's tests pass it as --cache-dir), so a program compiles once whichever of them needs it first. A
     fresh folder each session, unless SDXL_TEST_CACHE_DIR names one to keep between runs. This process
-    keeps JAX's default (no persistent cache): its tests count compilations, and a hit is no compile."""
-    path = Path(os.environ.get("SDXL_TEST_CACHE_DIR") or tmp_path_factory.mktemp("xla-cache"))
+    keeps JAX's default (no persistent cache): its tests count compilations, and a hit is no compile.
+    Under pytest-xdist the workers share one folder (beside their own temporary ones)."""
+    shared = os.environ.get("PYTEST_XDIST_WORKER") and tmp_path_factory.getbasetemp().parent / "xla-cache"
+    path = Path(os.environ.get("SDXL_TEST_CACHE_DIR") or shared or tmp_path_factory.mktemp("xla-cache"))
     path.mkdir(parents=True, exist_ok=True)
     os.environ["SDXL_CACHE_DIR"] = str(path)
     return path

@@ -251,15 +251,16 @@ def test_image_to_image_and_inpainting_over_http(client, tmp_path):
     PNGs record the strength."""
     from gradio_client import handle_file
 
-    picture = handle_file(_picture(tmp_path / "in.png"))
-    mask = np.zeros((120, 160), np.uint8)
+    # 160x150 is nearest the square preset: its programs compile in the background from the launch.
+    picture = handle_file(_picture(tmp_path / "in.png", 160, 150))
+    mask = np.zeros((150, 160), np.uint8)
     mask[20:100, 40:140] = 255
     Image.fromarray(mask).save(tmp_path / "mask.png")
     common = dict(prompt="a lighthouse", steps=4, seed=2, image=picture, api_name="/image_to_image")
     edited, status = client.submit(**common, mask=None, strength=0.5).result(timeout=CALL_TIMEOUT)
-    assert len(edited) == 4 and "cropped and resized to 144x112" in status, status
+    assert len(edited) == 4 and "cropped and resized to 128x128" in status, status
     first = Image.open(edited[0]["image"])
-    assert first.size == (144, 112) and "Denoising strength: 0.5" in first.info["parameters"]
+    assert first.size == (128, 128) and "Denoising strength: 0.5" in first.info["parameters"]
     inpainted, _ = client.submit(**common, mask=handle_file(str(tmp_path / "mask.png")), strength=0.5).result(
         timeout=CALL_TIMEOUT)
     assert np.abs(_pixels(inpainted)[0].astype(int) - _pixels(edited)[0]).max() > 10, "the mask must matter"
@@ -383,11 +384,12 @@ def test_the_refiner_finishes_images_when_switched_on(client):
 
 @pytest.mark.server
 def test_a_hires_fix_renders_bigger_images_and_names_itself(client):
-    gallery, status = _generate(client, seed=7, hires=True, hires_scale=1.5, hires_steps=1, hires_strength=0.5)
+    # Both at 2x: one second pass's programs (256x256) serve the latents' upscale and the picture's.
+    gallery, status = _generate(client, seed=7, hires=True, hires_scale=2, hires_steps=1, hires_strength=0.5)
     assert "4 images" in status
     image = Image.open(gallery[0]["image"])
-    assert image.size == (192, 192)
-    assert "Denoising strength: 0.5, Hires upscale: 1.5, Hires steps: 1, Hires upscaler: Latent" in image.info[
+    assert image.size == (256, 256)
+    assert "Denoising strength: 0.5, Hires upscale: 2, Hires steps: 1, Hires upscaler: Latent" in image.info[
         "parameters"]
     gallery, _ = _generate(client, seed=7, hires=True, hires_upscaler="tiny-x2", hires_scale=2, hires_steps=1)
     assert Image.open(gallery[0]["image"]).size == (256, 256), "the launched model upscaler"
