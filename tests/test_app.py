@@ -152,7 +152,8 @@ def _assert_serving(client: Client) -> None:
 @pytest.mark.server
 def test_startup_line_and_fallback_notice(shapes_server):
     output = shapes_server.output()
-    startup = r"^startup: load [\d.]+ s, compile [\d.]+ s, warm-up [\d.]+ s, total [\d.]+ s$"
+    startup = (r"^startup: load [\d.]+ s, compile [\d.]+ s \(\d+ of \d+ programs from the cache\), warm-up [\d.]+ s, "
+               r"total [\d.]+ s$")
     assert re.search(startup, output, re.M), output
     assert "Running on local URL" in output
     with urllib.request.urlopen(shapes_server.url + "config", timeout=10) as response:
