@@ -995,7 +995,8 @@ def test_browser_first_five_minutes(shapes_server, tmp_path):
         expect(page.locator("#history .thumbnail-item")).to_have_count(8, timeout=30_000)
         page.locator("#history .thumbnail-item").first.click()
         page.get_by_role("button", name="Reuse the selected result's settings").click()
-        expect(page.locator(".toast-body").filter(has_text="Filled in: the prompts, seed 1")).to_have_count(1)
+        expect(page.locator(".toast-body").filter(has_text="Filled in: the prompts, seed 1")).to_have_count(1,
+                                                                                                    timeout=30_000)
         expect(page.get_by_label("Seed", exact=True)).to_be_visible()  # Advanced opened
         expect(page.get_by_label("Seed", exact=True)).to_have_value("1")
         # On a phone the results come right under the tabs, and Generate scrolls them into view (issue 44).
