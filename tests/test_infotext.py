@@ -155,7 +155,9 @@ def test_our_texts_draw_their_picture_again(tiny, noise):
     text = infotext.png_parameters(tiny, prepared.request, i, "tiny")
     with pytest.warns(UserWarning, match="^parameters not applied: Model$"):  # the pipeline's own
         again = tiny.generate(**infotext.read_parameters(text), num_images=1, output_type="np")
-    np.testing.assert_array_equal(again[0], rendered[i])
+    # One image a call against two: XLA's CPU kernels may block a batch of one otherwise (2.6e-6 apart on
+    # some hosts); other noise would be whole units apart.
+    np.testing.assert_allclose(again[0], rendered[i], atol=1e-5)
 
 
 def test_a_hires_fix_is_written_as_webui_writes_it_and_read_back(tiny):
