@@ -55,7 +55,8 @@ def generate_command(args: argparse.Namespace) -> None:
     )
     request = dataclasses.replace(
         request, loras=tuple(model.loras.items()), refine_from=args.refine_from if pipe.refiner else None,
-        emphasis=args.emphasis, schedule_type=args.schedule_type, **_noise_arguments(args),
+        emphasis=args.emphasis, schedule_type=args.schedule_type, clip_skip=args.clip_skip,
+        sdxl_clip_l_skip=args.sdxl_clip_l_skip, **_noise_arguments(args),
     )
     if picture is not None:
         strength = default_strength(pipe.spec, inpainting=mask is not None) if args.strength is None else args.strength
@@ -239,6 +240,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="A1111's variation seed strength, 0 to 1 (default: %(default)s)")
     parser.add_argument("--ensd", type=int, default=0,
                         help="A1111's eta noise seed delta: re-seeds the noise after the starting noise (e.g. 31337)")
+    parser.add_argument("--clip-skip", type=int, default=1,
+                        help="A1111's clip skip, 1 to 12: SD 1.x reads its text encoder this many layers from the "
+                        "last; SD 2.x and SDXL ignore it, as A1111 (default: %(default)s)")
+    parser.add_argument("--sdxl-clip-l-skip", action="store_true",
+                        help="as A1111's setting 'Clip skip SDXL': SDXL's CLIP-L encoder skips as --clip-skip says")
     parser.add_argument(
         "--image", help="an image to start from (image-to-image; a PNG or JPEG whose size the model renders)"
     )
