@@ -20,8 +20,8 @@ from .engine.images import contact_sheet, image_count, save_png, to_pil
 from .engine.latent_upscale import LATENT_UPSCALERS
 from .engine.pipeline import NonFiniteImageError
 from .engine.request import (
-    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, default_strength,
-    guidance_scale, required_prompt,
+    CLIP_SKIP_RANGE, DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request,
+    default_strength, guidance_scale, required_prompt,
 )
 from .models.controlnet_union import control_mode, describe_modes
 from .sampling.noise import NOISE_SOURCES
@@ -109,6 +109,7 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     if args.steps is not None:
         integer(args.steps, "steps", 1, _max_steps(args))
     integer(args.seed, "seed", 0, MAX_SEED)
+    integer(args.clip_skip, "clip skip", *CLIP_SKIP_RANGE)
     if args.guidance_scale is not None:
         guidance_scale(args.guidance_scale)
     for label in ("height", "width"):
