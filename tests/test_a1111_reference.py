@@ -1,4 +1,5 @@
-"""The webui oracle (tests/a1111_reference.py) checked on its own, then held against sdxl.prompts.syntax.
+"""The webui oracle (tests/a1111_reference.py) checked on its own, then held against sdxl.prompts.syntax, and
+against the program's text encoding under clip skip (on tiny random SD 1.x and SDXL pipelines).
 
 Tiny random CLIP encoders stand in for the real ones; the tokenizers are the real SDXL ones.
 """
