@@ -189,9 +189,9 @@ def chosen_state(
     Args: hidden_states: the encoder's embeddings and layer outputs, [C, 77, D] each; layer [C] int32;
       norm [C] bool.
     """
-    state = hidden_states[-1]
+    layer, state = jnp.minimum(layer, len(hidden_states)), hidden_states[-1]
     for back in range(2, len(hidden_states) + 1):
-        state = jnp.where((jnp.minimum(layer, len(hidden_states)) == back)[:, None, None], hidden_states[-back], state)
+        state = jnp.where((layer == back)[:, None, None], hidden_states[-back], state)
     return jnp.where(norm[:, None, None], clip.final_layer_norm(config, params, state, dtype), state)
 
 
