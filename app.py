@@ -22,6 +22,7 @@ from starlette.middleware import Middleware
 from sdxl import CheckpointError, NonFiniteImageError
 from sdxl.engine import images
 from sdxl.engine.image_prompts import IP_ADAPTER_SCALE_RANGE
+from sdxl.engine.request import CLIP_SKIP_RANGE
 from sdxl.serving import endpoints, launch, results
 from sdxl.serving.demo import (
     COMPARE_PROMPTS, COMPARE_SEEDS, IP_ADAPTER_FIELDS, UPSCALE_RANGE, ControlForm, DemoService, Settings, Submission,
@@ -366,6 +367,12 @@ def _advanced(service: DemoService) -> dict:
         c["emphasis"] = gr.Dropdown(choices.emphasis, value=service.emphasis, label="Emphasis",
                                     info="how (word:1.2) weights apply, as in AUTOMATIC1111: Original keeps each "
                                     "chunk's mean, No norm does not, None reads brackets as text")
+        with gr.Row():
+            c["clip_skip"] = gr.Slider(*CLIP_SKIP_RANGE, value=1, step=1, label="Clip skip",
+                                       info="as AUTOMATIC1111: SD 1.x reads its text encoder this many layers from "
+                                       "the last; SD 2.x and SDXL ignore it")
+            c["sdxl_clip_l_skip"] = gr.Checkbox(label="Clip skip SDXL", value=False, visible=pipe.spec.is_sdxl,
+                                                info="as AUTOMATIC1111's setting: SDXL's CLIP-L encoder skips too")
         with gr.Row(visible=pipe.refiner is not None):
             c["refine"] = gr.Checkbox(label="Refine", value=False,
                                       info=f"finish with {pipe.refiner is not None and pipe.refiner.name}")
@@ -454,7 +461,8 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
 
 # The settings under Advanced that draw A1111's pictures, by their names in every form (`Settings`'
 # fields): last in every form, in the order they joined, so that the API's other values keep their places.
-A1111_FIELDS = ("noise_source", "ensd", "variation_seed", "variation_strength", "schedule_type")
+A1111_FIELDS = ("noise_source", "ensd", "variation_seed", "variation_strength", "schedule_type", "clip_skip",
+                "sdxl_clip_l_skip")
 # The hires fix's, after those, in the text-to-image tabs' forms.
 HIRES_FIELDS = ("hires", "hires_upscaler", "hires_scale", "hires_steps", "hires_strength")
 

@@ -20,8 +20,8 @@ from .engine.images import contact_sheet, image_count, save_png, to_pil
 from .engine.latent_upscale import LATENT_UPSCALERS
 from .engine.pipeline import NonFiniteImageError
 from .engine.request import (
-    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request, default_strength,
-    guidance_scale, required_prompt,
+    CLIP_SKIP_RANGE, DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request,
+    default_strength, guidance_scale, required_prompt,
 )
 from .models.controlnet_union import control_mode, describe_modes
 from .sampling.noise import NOISE_SOURCES
@@ -55,7 +55,8 @@ def generate_command(args: argparse.Namespace) -> None:
     )
     request = dataclasses.replace(
         request, loras=tuple(model.loras.items()), refine_from=args.refine_from if pipe.refiner else None,
-        emphasis=args.emphasis, schedule_type=args.schedule_type, **_noise_arguments(args),
+        emphasis=args.emphasis, schedule_type=args.schedule_type, clip_skip=args.clip_skip,
+        sdxl_clip_l_skip=args.sdxl_clip_l_skip, **_noise_arguments(args),
     )
     if picture is not None:
         strength = default_strength(pipe.spec, inpainting=mask is not None) if args.strength is None else args.strength
@@ -108,6 +109,7 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     if args.steps is not None:
         integer(args.steps, "steps", 1, _max_steps(args))
     integer(args.seed, "seed", 0, MAX_SEED)
+    integer(args.clip_skip, "clip skip", *CLIP_SKIP_RANGE)
     if args.guidance_scale is not None:
         guidance_scale(args.guidance_scale)
     for label in ("height", "width"):
@@ -239,6 +241,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="A1111's variation seed strength, 0 to 1 (default: %(default)s)")
     parser.add_argument("--ensd", type=int, default=0,
                         help="A1111's eta noise seed delta: re-seeds the noise after the starting noise (e.g. 31337)")
+    parser.add_argument("--clip-skip", type=int, default=1,
+                        help="A1111's clip skip, 1 to 12: SD 1.x reads its text encoder this many layers from the "
+                        "last; SD 2.x and SDXL ignore it, as A1111 (default: %(default)s)")
+    parser.add_argument("--sdxl-clip-l-skip", action="store_true",
+                        help="as A1111's setting 'Clip skip SDXL': SDXL's CLIP-L encoder skips as --clip-skip says")
     parser.add_argument(
         "--image", help="an image to start from (image-to-image; a PNG or JPEG whose size the model renders)"
     )

@@ -120,16 +120,29 @@ def tokenize_line(line, tokenizer, emphasis="Original", backtrack=COMMA_PADDING_
     return result, state["count"]
 
 
-def process_tokens(tokens, multipliers, tokenizer, model, layer, emphasis="Original"):
+def encode_with_transformers(model, ids, layer, clip_skip=None):
+    """webui's `encode_with_transformers`: ([1, 77, D], the transformers output). "last": SD 1.x's
+    encoder, whose "Clip skip" N > 1 reads `hidden_states[-N]` through the final layer norm;
+    "penultimate": SDXL's, unnormed, CLIP-L's at `hidden_states[-N]` instead where its setting
+    `sdxl_clip_l_skip` is on. `clip_skip` None: an encoder webui never skips in (OpenCLIP's)."""
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        if layer == "penultimate":
+            return out.hidden_states[-2 if clip_skip is None else -clip_skip], out
+        if clip_skip is not None and clip_skip > 1:
+            text_model = getattr(model, "text_model", model)  # transformers 5's CLIPTextModel is its text model
+            return text_model.final_layer_norm(out.hidden_states[-clip_skip]), out
+        return out.last_hidden_state, out
+
+
+def process_tokens(tokens, multipliers, tokenizer, model, layer, emphasis="Original", clip_skip=None):
     """One chunk through one encoder: ([1, 77, D] after emphasis, pooled [1, P] or None)."""
     ids = torch.tensor([tokens])
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     if eos != pad:
         first_end = tokens.index(eos)
         ids[0, first_end + 1:] = pad
-    with torch.no_grad():
-        out = model(input_ids=ids, output_hidden_states=True)
-    z = out.hidden_states[-2] if layer == "penultimate" else out.last_hidden_state
+    z, out = encode_with_transformers(model, ids, layer, clip_skip)
     pooled = getattr(out, "text_embeds", None)
 
     mults = torch.tensor([multipliers])
@@ -143,18 +156,21 @@ def process_tokens(tokens, multipliers, tokenizer, model, layer, emphasis="Origi
     return z, pooled
 
 
-def encode(prompt, tokenizer, model, layer, emphasis="Original"):
+def encode(prompt, tokenizer, model, layer, emphasis="Original", clip_skip=None):
     """A prompt through one encoder: ([1, 77 * chunks, D], the first chunk's pooled output or None)."""
     chunks, _ = tokenize_line(prompt, tokenizer, emphasis)
-    outputs = [process_tokens(tokens, mults, tokenizer, model, layer, emphasis) for tokens, mults in chunks]
+    outputs = [process_tokens(tokens, mults, tokenizer, model, layer, emphasis, clip_skip)
+               for tokens, mults in chunks]
     return torch.hstack([z for z, _ in outputs]), outputs[0][1]
 
 
-def sdxl_conditioning(prompt, tokenizers, models, emphasis="Original", negative=False):
+def sdxl_conditioning(prompt, tokenizers, models, emphasis="Original", negative=False, clip_skip=1,
+                      sdxl_clip_l_skip=False):
     """SDXL: ([1, 77k, D1 + D2], pooled [1, P]) from CLIP-L (`CLIPTextModel`) and OpenCLIP-G
-    (`CLIPTextModelWithProjection`), both at their penultimate layer; an empty negative prompt is zeros."""
+    (`CLIPTextModelWithProjection`), both at their penultimate layer (CLIP-L's `clip_skip` back where
+    `sdxl_clip_l_skip`); an empty negative prompt is zeros."""
     (tokenizer_1, tokenizer_2), (model_1, model_2) = tokenizers, models
-    z1, _ = encode(prompt, tokenizer_1, model_1, "penultimate", emphasis)
+    z1, _ = encode(prompt, tokenizer_1, model_1, "penultimate", emphasis, clip_skip if sdxl_clip_l_skip else None)
     z2, pooled = encode(prompt, tokenizer_2, model_2, "penultimate", emphasis)
     z = torch.cat([z1, z2], dim=-1)
     if negative and prompt == "":
@@ -162,8 +178,9 @@ def sdxl_conditioning(prompt, tokenizers, models, emphasis="Original", negative=
     return z, pooled
 
 
-def sd1_conditioning(prompt, tokenizer, model, emphasis="Original"):
-    """SD 1.x (and 2.x with its truncated encoder): [1, 77k, D] from the encoder's last hidden state, which
-    transformers gives after the final layer norm (webui's default "Clip skip" 1)."""
-    z, _ = encode(prompt, tokenizer, model, "last", emphasis)
+def sd1_conditioning(prompt, tokenizer, model, emphasis="Original", clip_skip=1):
+    """SD 1.x (and 2.x with its truncated encoder, where webui's clip skip is always 1): [1, 77k, D] from
+    the encoder's last hidden state, which transformers gives after the final layer norm (webui's default
+    "Clip skip" 1), or with `clip_skip` N the state N back, normed the same way."""
+    z, _ = encode(prompt, tokenizer, model, "last", emphasis, clip_skip)
     return z

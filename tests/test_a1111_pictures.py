@@ -3,8 +3,8 @@
 
 A1111 here is its txt2img re-implemented in torch over k-diffusion's own samplers and its own noise
 (`kdiffusion_reference.txt2img`, and for the hires fix `hires_pass` after torch's interpolate or
-PIL's Lanczos), with the conditioning webui computes (`a1111_reference`), on a tiny random SDXL in
-float32 whose UNet and VAE are diffusers' modules.
+PIL's Lanczos), with the conditioning webui computes (`a1111_reference`), on a tiny random SDXL (and
+for clip skip a tiny random SD 1.x) in float32 whose UNet and VAE are diffusers' modules.
 """
 
 import numpy as np
@@ -14,7 +14,7 @@ from PIL import Image
 
 import a1111_reference
 import kdiffusion_reference as webui
-from reference import sdxl_pipeline
+from reference import sd_pipeline, sdxl_pipeline
 from sdxl import Pipeline, read_parameters
 from sdxl.engine.infotext import infotext_quote
 
@@ -60,6 +60,14 @@ CASES = {
     "DPM++ SDE, Karras, CPU": {"Sampler": "DPM++ SDE", "Schedule type": "Karras", "RNG": "CPU"},
     "DPM++ 3M SDE, Exponential, NV": {"Sampler": "DPM++ 3M SDE", "Schedule type": "Exponential", "RNG": "NV"},
     "DPM++ 2M SDE Heun, Karras, CPU": {"Sampler": "DPM++ 2M SDE Heun", "Schedule type": "Karras", "RNG": "CPU"},
+    # webui writes an SDXL picture's clip skip but ignores it (its setting sdxl_clip_l_skip is off by default).
+    "Euler, Karras, Clip skip 2 ignored, NV": {"Sampler": "Euler", "Schedule type": "Karras", "Clip skip": 2},
+}
+# SD 1.x, where clip skip reads an earlier layer of the text encoder.
+SD1_CASES = {
+    "Euler a, Karras, Clip skip 2, NV": {"Sampler": "Euler a", "Schedule type": "Karras", "Clip skip": 2, "RNG": "NV"},
+    "DPM++ 2M, Automatic, Clip skip 3, CPU": {"Sampler": "DPM++ 2M", "Schedule type": "Automatic", "Clip skip": 3,
+                                              "RNG": "CPU"},
 }
 # The SDE samplers' Brownian trees round their times to 6 decimals, so a sigma one float32 ulp away (numpy's
 # exp against torch's, in the Exponential schedule or DPM++ SDE's midpoints) can move a split of the tree:
@@ -90,8 +98,8 @@ HIRES_CASES = {
 }
 # processing.py's create_infotext order, for the fields above.
 ORDER = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model hash", "Model", "Variation seed",
-         "Variation seed strength", "Denoising strength", "ENSD", "RNG", "Hires upscale", "Hires resize", "Hires steps",
-         "Hires upscaler", "Hires sampler", "Hires CFG Scale", "Hires prompt", "Version")
+         "Variation seed strength", "Denoising strength", "Clip skip", "ENSD", "RNG", "Hires upscale", "Hires resize",
+         "Hires steps", "Hires upscaler", "Hires sampler", "Hires CFG Scale", "Hires prompt", "Version")
 
 
 def infotext(case: dict) -> str:
@@ -111,20 +119,34 @@ def reference(tmp_path_factory):
     return Pipeline.from_pretrained(folder, dtype="float32", max_steps=16), ref
 
 
+@pytest.fixture(scope="module")
+def sd1_reference(tmp_path_factory):
+    """As `reference`, for one tiny random SD 1.x."""
+    folder = tmp_path_factory.mktemp("sd1-a1111")
+    ref = sd_pipeline(folder)
+    return Pipeline.from_pretrained(folder, dtype="float32", max_steps=16), ref
+
+
 def a1111_images(ref, case: dict, shape: tuple[int, int, int]) -> np.ndarray:
     """[2, H, W, 3] float32 in [0, 1]: A1111's txt2img of batch size 2 for the case's settings, on
-    latents of `shape` [C, h, w]; with a hires fix, its second pass's images."""
+    latents of `shape` [C, h, w]; with a hires fix, its second pass's images. `ref` is an SDXL or an
+    SD 1.x pipeline."""
     config = ref.scheduler.config
+    sdxl = hasattr(ref, "text_encoder_2")
 
     def unet(x, t, cond):
-        return ref.unet(x, t.flatten(), encoder_hidden_states=cond["crossattn"],
-                        added_cond_kwargs={"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]}).sample
+        added = {"added_cond_kwargs": {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]}} if sdxl else {}
+        return ref.unet(x, t.flatten(), encoder_hidden_states=cond["crossattn"], **added).sample
 
     model = webui.model_wrap(webui.CompVisModel(unet, config.beta_start, config.beta_end, config.num_train_timesteps))
-    encoders = (ref.tokenizer, ref.tokenizer_2), (ref.text_encoder, ref.text_encoder_2)
+    clip_skip = case.get("Clip skip", 1)
 
     def conditioning(prompt, negative, height=HEIGHT, width=WIDTH):
-        z, pooled = a1111_reference.sdxl_conditioning(prompt, *encoders, negative=negative)
+        if not sdxl:
+            z = a1111_reference.sd1_conditioning(prompt, ref.tokenizer, ref.text_encoder, clip_skip=clip_skip)
+            return {"crossattn": z.repeat(2, 1, 1)}
+        encoders = (ref.tokenizer, ref.tokenizer_2), (ref.text_encoder, ref.text_encoder_2)
+        z, pooled = a1111_reference.sdxl_conditioning(prompt, *encoders, negative=negative, clip_skip=clip_skip)
         time_ids = torch.tensor([[height, width, 0, 0, height, width]] * 2, dtype=torch.float32)
         return {"crossattn": z.repeat(2, 1, 1), "pooled": pooled.repeat(2, 1), "time_ids": time_ids}
 
@@ -187,6 +209,23 @@ def test_a_pasted_a1111_infotext_draws_a1111s_images(reference, case):
     print(f"{case}: max abs diff {diff:.2e}")
     assert diff <= (SDE_TOLERANCE if "SDE" in CASES[case]["Sampler"] else 1e-4)
     assert np.abs(theirs[0] - theirs[1]).max() > 1e-2, "the batch's two images differ"
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("case", SD1_CASES)
+def test_a_pasted_sd1_infotext_with_clip_skip_draws_a1111s_images(sd1_reference, case):
+    pipe, ref = sd1_reference
+    with pytest.warns(UserWarning, match=r"parameters not applied: Model$"):
+        parameters = read_parameters(infotext(SD1_CASES[case]))
+    assert parameters["clip_skip"] == SD1_CASES[case]["Clip skip"]
+    ours = pipe.generate(**parameters, num_images=2, output_type="np")
+    h, w, c = pipe.spec.latent_shape(HEIGHT, WIDTH)
+    theirs = a1111_images(ref, SD1_CASES[case], (c, h, w))
+    diff = np.abs(ours - theirs).max()
+    print(f"{case}: max abs diff {diff:.2e}")
+    assert diff <= 1e-4
+    unskipped = a1111_images(ref, {**SD1_CASES[case], "Clip skip": 1}, (c, h, w))
+    assert np.abs(unskipped - theirs).max() > 1e-2, "the clip skip changes the pictures"
 
 
 @pytest.mark.oracle

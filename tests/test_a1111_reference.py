@@ -1,11 +1,14 @@
-"""The webui oracle (tests/a1111_reference.py) checked on its own, then held against sdxl.prompts.syntax.
+"""The webui oracle (tests/a1111_reference.py) checked on its own, then held against sdxl.prompts.syntax, and
+against the program's text encoding under clip skip (on tiny random SD 1.x and SDXL pipelines).
 
 Tiny random CLIP encoders stand in for the real ones; the tokenizers are the real SDXL ones.
 """
 
+import dataclasses
 import random
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +16,12 @@ import torch
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 import a1111_reference as ref
-from sdxl.engine.program import emphasized
+from reference import sd_pipeline, sdxl_pipeline
+from sdxl import Pipeline
+from sdxl.engine.inputs import clip_layers
+from sdxl.engine.program import emphasized, encode_text
+from sdxl.engine.request import Request
+from sdxl.models import clip
 from sdxl.prompts import syntax as ps
 
 CONFIGS = Path(__file__).parents[1] / "sdxl" / "configs" / "sdxl-base-1.0"
@@ -224,3 +232,89 @@ def test_parsing_and_chunking_match_the_oracle_on_random_prompts(sdxl):
                 expected_weights = [np.asarray(m, np.float32).tolist() for _, m in expected]
                 assert [w.tolist() for _, w in framed] == expected_weights, prompt
                 assert ps.token_count(chunk_list) == expected_count, prompt
+
+
+# --- clip skip: the program's text encoding (`encode_text` on `clip_layers`) against the oracle ---
+
+CLIP_SKIP_PROMPT = "a (red:1.3) fox in the snow BREAK [blurry] background"
+
+
+@pytest.fixture(scope="module")
+def tiny_pipelines(tmp_path_factory):
+    """{"sd1": ..., "sdxl": ...}: (our pipeline, the diffusers pipeline it was saved from), tiny and random."""
+    made = {}
+    for family, write in (("sd1", sd_pipeline), ("sdxl", sdxl_pipeline)):
+        folder = tmp_path_factory.mktemp(family)
+        theirs = write(folder)
+        made[family] = Pipeline.from_pretrained(folder, dtype="float32", max_steps=4), theirs
+    return made
+
+
+def program_context(pipe, prompt: str, **settings) -> np.ndarray:
+    """[1, 77k, D] the program's conditioning of `prompt` under a request's clip skip settings, compiled."""
+    request = dataclasses.replace(Request.from_prompt(prompt, num_images=1, height=64, width=64), **settings)
+    tokens = pipe.prompts.tokens([prompt], [""])
+    layers = clip_layers(pipe.spec, request)
+    layer = np.array([[skip for skip, _ in layers]], np.int32)
+    norm = np.array([[normed for _, normed in layers]])
+    encode = jax.jit(encode_text, static_argnums=(0, 7))
+    context, _ = encode(pipe.spec, pipe.params, tokens.ids[:, 1], tokens.weights[:, 1], tokens.rescale, layer, norm,
+                        jnp.float32)
+    return np.asarray(context)
+
+
+@pytest.mark.parametrize("clip_skip", [1, 2, 3])  # 3: the tiny encoder's 2 layers back to its embeddings
+def test_sd1_clip_skip_matches_the_oracle(tiny_pipelines, clip_skip):
+    pipe, theirs = tiny_pipelines["sd1"]
+    expected = ref.sd1_conditioning(CLIP_SKIP_PROMPT, theirs.tokenizer, theirs.text_encoder, clip_skip=clip_skip)
+    np.testing.assert_allclose(program_context(pipe, CLIP_SKIP_PROMPT, clip_skip=clip_skip), expected.numpy(),
+                               rtol=1e-5, atol=1e-5)
+    if clip_skip > 1:  # and the skip changed something
+        default = ref.sd1_conditioning(CLIP_SKIP_PROMPT, theirs.tokenizer, theirs.text_encoder)
+        assert np.abs(expected.numpy() - default.numpy()).max() > 0.1
+
+
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+def test_the_default_reads_the_familys_state_to_the_bit(tiny_pipelines, family):
+    """Clip skip 1 is SD 1.x's last hidden state and SDXL's penultimate ones, weighted, computed as before it."""
+    pipe, _ = tiny_pipelines[family]
+    tokens = pipe.prompts.tokens([CLIP_SKIP_PROMPT], [""])
+    ids, weights, rescale = tokens.ids[:, 1], tokens.weights[:, 1], tokens.rescale
+    chunks = ids.shape[-1] // 77
+
+    def family_state(params):
+        states = []
+        for e, (name, config) in enumerate(zip(pipe.spec.text_encoder_names, pipe.spec.text_encoders)):
+            out = clip.CLIPTextModel(config).apply({"params": params[name]}, ids[:, e].reshape(chunks, 77))
+            state = out.hidden_states[-2] if family == "sdxl" else out.last_hidden_state
+            states.append(emphasized(state, weights[:, e].reshape(chunks, 77), np.repeat(rescale, chunks)))
+        return jnp.concatenate(states, axis=-1).reshape(1, chunks * 77, -1)
+
+    np.testing.assert_array_equal(program_context(pipe, CLIP_SKIP_PROMPT), jax.jit(family_state)(pipe.params))
+
+
+@pytest.mark.parametrize("clip_skip", [1, 2, 3])
+@pytest.mark.parametrize("sdxl_clip_l_skip", [False, True])
+def test_sdxl_clip_skip_applies_to_clip_l_only_with_its_setting(tiny_pipelines, clip_skip, sdxl_clip_l_skip):
+    pipe, theirs = tiny_pipelines["sdxl"]
+    encoders = (theirs.tokenizer, theirs.tokenizer_2), (theirs.text_encoder, theirs.text_encoder_2)
+    expected, _ = ref.sdxl_conditioning(CLIP_SKIP_PROMPT, *encoders, clip_skip=clip_skip,
+                                        sdxl_clip_l_skip=sdxl_clip_l_skip)
+    ours = program_context(pipe, CLIP_SKIP_PROMPT, clip_skip=clip_skip, sdxl_clip_l_skip=sdxl_clip_l_skip)
+    np.testing.assert_allclose(ours, expected.numpy(), rtol=1e-5, atol=1e-5)
+    default, _ = ref.sdxl_conditioning(CLIP_SKIP_PROMPT, *encoders)
+    width = theirs.text_encoder.config.hidden_size
+    changed = np.abs(expected.numpy() - default.numpy()).max(axis=(0, 1)) > 1e-3  # per feature
+    # Without the setting, or at skip 2 (SDXL's own penultimate layer), nothing changes; else CLIP-L's
+    # features alone, and OpenCLIP-G's never.
+    assert changed[:width].any() == (sdxl_clip_l_skip and clip_skip != 2)
+    assert not changed[width:].any()
+
+
+def test_sd2_ignores_clip_skip_as_webui(tiny_pipelines):
+    pipe, _ = tiny_pipelines["sd1"]
+    openclip = dataclasses.replace(pipe.spec.text_encoders[0], hidden_act="gelu")  # SD 2.x's OpenCLIP ViT-H
+    sd2 = dataclasses.replace(pipe.spec, text_encoders=(openclip,))
+    request = dataclasses.replace(Request.from_prompt("a fox", num_images=1, height=64, width=64), clip_skip=2)
+    assert clip_layers(sd2, request) == ((1, True),)
+    assert clip_layers(pipe.spec, request) == ((2, True),)

@@ -507,14 +507,15 @@ def _post(server: Server, route: str, payload: dict) -> tuple[int, dict, dict]:
 
 
 def _generate_values(**kwargs) -> list:
-    """/generate's 35 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
+    """/generate's 37 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
     settings come before A1111's and the hires fix's; then its IP-Adapters' image prompt's)."""
     values = dict(prompt="a lighthouse", negative_prompt="", style="No style", seed=0, guidance_scale=5, steps=3,
                   width=128, height=128, images_per_core=1, sampler="euler", emphasis="original", refine=False,
                   refine_from=0.8, lora_style=0, control_image=None, control_preprocessor="canny", canny_low=100,
                   canny_high=200, control_scale=1, control_start=0, control_end=1, noise_source="jax", ensd=0,
-                  variation_seed=0, variation_strength=0, schedule_type="", hires=False, hires_upscaler="Latent",
-                  hires_scale=1.5, hires_steps=0, hires_strength=0.7, ip_adapter_image=None, ip_adapter="ip-adapter",
+                  variation_seed=0, variation_strength=0, schedule_type="", clip_skip=1, sdxl_clip_l_skip=False,
+                  hires=False, hires_upscaler="Latent", hires_scale=1.5, hires_steps=0, hires_strength=0.7,
+                  ip_adapter_image=None, ip_adapter="ip-adapter",
                   ip_adapter_scale=0.6, ip_adapter_layers="all")
     return list((values | kwargs).values())
 
@@ -528,12 +529,12 @@ def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
     """Issue 21, hole 5: too few values, an unknown endpoint and a bad value on /run/ each get a
     sentence and a 4xx status, and one log line, not a traceback; /run/ answers with the final images."""
     logged = len(server.output())
-    takes = ("/generate takes 35 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
+    takes = ("/generate takes 37 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
              "steps, width, height, images_per_core, sampler, emphasis, refine, refine_from, lora_style, "
              "control_image, control_preprocessor, canny_low, canny_high, control_scale, control_start, control_end, "
-             "noise_source, ensd, variation_seed, variation_strength, schedule_type, hires, hires_upscaler, "
-             "hires_scale, hires_steps, hires_strength, ip_adapter_image, ip_adapter, ip_adapter_scale, "
-             "ip_adapter_layers; got 1")
+             "noise_source, ensd, variation_seed, variation_strength, schedule_type, clip_skip, sdxl_clip_l_skip, "
+             "hires, hires_upscaler, hires_scale, hires_steps, hires_strength, ip_adapter_image, ip_adapter, "
+             "ip_adapter_scale, ip_adapter_layers; got 1")
     assert _post(server, "run/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "call/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "run/nope", {"data": []})[:2] == (404, {

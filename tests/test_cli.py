@@ -95,6 +95,8 @@ def test_bad_input_is_refused_in_this_process_too(capsys):
     assert main(["generate", "--model", "tiny", "--prompt", "a fox", "--sampler", "heun", "--schedule-type",
                  "diffusers"]) == 2
     assert capsys.readouterr().err.startswith("error: Heun is one of A1111's samplers, not diffusers'")
+    assert main(["generate", "--model", "tiny", "--prompt", "a fox", "--clip-skip", "13"]) == 2
+    assert capsys.readouterr().err == "error: clip skip must be an integer from 1 to 12, got 13\n"
 
 
 @pytest.mark.cli

@@ -189,6 +189,20 @@ def test_an_a1111_text_fills_in_the_noise_and_says_what_it_leaves_out(service):
     assert unknown["hires"] is False and said.endswith("Not used: the hires fix (4x-UltraSharp)"), said
 
 
+def test_clip_skip_reaches_the_request_and_reuse_fills_it_in(service):
+    """The form's clip skip and SDXL setting reach the request; Reuse fills them from a text, and a
+    text without "Clip skip" (webui writes none for its default) sets it back to 1."""
+    request = service.images(Settings(prompt="a fox", clip_skip=2, sdxl_clip_l_skip=True)).request
+    assert (request.clip_skip, request.sdxl_clip_l_skip) == (2, True)
+    with pytest.raises(ValueError, match="clip skip must be an integer from 1 to 12, got 13"):
+        service.images(Settings(prompt="a fox", clip_skip=13))
+    fields, said = service.reused("a fox\nSteps: 20, Seed: 3, Clip skip: 2, Clip skip SDXL: True")
+    assert (fields["clip_skip"], fields["sdxl_clip_l_skip"]) == (2, True)
+    assert said.endswith("clip skip 2, SDXL's CLIP-L clip skip on"), said
+    plain, _ = service.reused("a fox\nSteps: 20, Seed: 3")
+    assert (plain["clip_skip"], plain["sdxl_clip_l_skip"]) == (1, False)
+
+
 def test_a_hires_fix_reaches_the_request_and_its_grid_axes_turn_it_on(service):
     settings = Settings(prompt="a fox", steps=4, hires=True, hires_upscaler="Lanczos", hires_scale=2, hires_steps=2,
                         hires_strength=0.5)

@@ -82,12 +82,13 @@ ENSD: 31337, RNG: CPU, Hires upscale: 1.5, Version: v1.10.1"""
 
 
 def test_an_a1111_text_gives_generates_arguments_and_names_what_it_cannot_apply():
-    with pytest.warns(UserWarning, match=r"^parameters not applied: Model, Clip skip$"):
+    with pytest.warns(UserWarning, match=r"^parameters not applied: Model$"):
         found = infotext.read_parameters(A1111_TEXT)
     assert found == dict(
         prompt="a lighthouse at dusk, (storm:1.2)", negative_prompt="blurry", steps=30, guidance_scale=6.5, seed=1234,
         width=1152, height=896, sampler="dpmpp_2m", schedule_type="Karras", emphasis="original", noise_source="cpu",
-        variation_seed=99, variation_strength=0.25, ensd=31337, hires=Hires(scale=1.5),  # webui's defaults otherwise
+        variation_seed=99, variation_strength=0.25, ensd=31337, clip_skip=2,  # which SDXL ignores, as webui
+        hires=Hires(scale=1.5),  # webui's defaults otherwise
     )
     for rng, source in (("NV", "nv"), ("GPU", "nv"), ("JAX", "jax")):
         assert infotext.read_infotext(f"a fox\nSteps: 20, RNG: {rng}")[0]["noise_source"] == source
@@ -174,3 +175,19 @@ def test_a_hires_fix_is_written_as_webui_writes_it_and_read_back(tiny):
     with pytest.warns(UserWarning, match="^parameters not applied: Model$"):
         found = infotext.read_parameters(text)
     assert found["hires"] == validated.hires
+
+
+@pytest.mark.parametrize("settings, written", [
+    (dict(), None),  # webui's default, 1, is not written
+    (dict(clip_skip=2), "Clip skip: 2"),
+    (dict(clip_skip=3, sdxl_clip_l_skip=True), "Clip skip: 3, Clip skip SDXL: True"),
+])
+def test_clip_skip_is_written_as_webui_writes_it_and_read_back(tiny, settings, written):
+    request = Request.from_prompt("a fox", num_images=1, seed=5, steps=2, height=128, width=128, sampler="euler")
+    validated = tiny.prepare(dataclasses.replace(request, **settings)).request
+    text = infotext.png_parameters(tiny, validated, 0, "tiny")
+    settings_line = text.splitlines()[-1]
+    assert settings_line.endswith(f"RNG: JAX, {written}") if written else "Clip skip" not in settings_line
+    with pytest.warns(UserWarning, match="^parameters not applied: Model$"):
+        found = infotext.read_parameters(text)
+    assert {name: found[name] for name in settings} == settings

@@ -398,7 +398,7 @@ def test_two_processes_render_the_images_of_one(reference, pipe, tmp_path):
 
 
 @pytest.mark.compiles
-def test_prompt_seed_guidance_and_steps_do_not_recompile(pipe):
+def test_prompt_seed_guidance_steps_and_clip_skip_do_not_recompile(pipe):
     kwargs = dict(height=HEIGHT, width=WIDTH)
     pipe.generate("first", seed=0, steps=2, guidance_scale=5.0, **kwargs)
     with CompileCounter() as compiles:
@@ -406,8 +406,10 @@ def test_prompt_seed_guidance_and_steps_do_not_recompile(pipe):
         b = pipe.generate("second prompt", "a negative", seed=2, steps=2, guidance_scale=5.0, **kwargs)
         c = pipe.generate("second prompt", "a negative", seed=1, steps=2, guidance_scale=9.0, **kwargs)
         d = pipe.generate("second prompt", "a negative", seed=1, steps=5, guidance_scale=5.0, **kwargs)
+        e = pipe.generate("second prompt", "a negative", seed=1, steps=2, guidance_scale=5.0, clip_skip=1,
+                          sdxl_clip_l_skip=True, **kwargs)  # CLIP-L's last layer in place of its penultimate
     assert compiles.count == 0
-    for other in (b, c, d):
+    for other in (b, c, d, e):
         assert not np.array_equal(np.asarray(a[0]), np.asarray(other[0]))
     with CompileCounter() as compiles:
         pipe.generate("first", seed=0, steps=2, height=HEIGHT, width=HEIGHT)

@@ -69,6 +69,27 @@ def test_noise_settings_are_checked_against_each_other(changes, message):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(clip_skip=0), "clip skip must be an integer from 1 to 12, got 0"),
+        (dict(clip_skip=13), "clip skip must be an integer from 1 to 12, got 13"),
+        (dict(clip_skip=1.5), "clip skip must be an integer from 1 to 12, got 1.5"),
+        (dict(sdxl_clip_l_skip="false"), "sdxl_clip_l_skip must be true or false, got 'false'"),
+    ],
+)
+def test_clip_skip_settings_are_checked(changes, message):
+    with pytest.raises(ValueError) as error:
+        dataclasses.replace(_request(), **changes).validated(LIMITS)
+    assert str(error.value) == message
+
+
+def test_clip_skip_from_json_is_an_int_and_part_of_the_batch_key():
+    checked = dataclasses.replace(_request(), clip_skip="2", sdxl_clip_l_skip=True).validated(LIMITS)
+    assert (checked.clip_skip, checked.sdxl_clip_l_skip) == (2, True) and type(checked.clip_skip) is int
+    assert checked.call_settings != _request().validated(LIMITS).call_settings
+
+
 def test_per_image_lists_must_agree():
     with pytest.raises(ValueError, match="got 2 prompts and 1 negative prompts for 2 images"):
         _request(prompt=["a", "b"], negative_prompt=["c"])

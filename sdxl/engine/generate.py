@@ -45,6 +45,8 @@ def generate(
     negative_aesthetic_score: float = DEFAULT_AESTHETIC_SCORES[1],
     refine_from: float | None = None,
     emphasis: str = "original",
+    clip_skip: int = 1,
+    sdxl_clip_l_skip: bool = False,
     padding_mask_crop: int | None = None,
     control_image=None,
     controlnet_conditioning_scale: float | Sequence[float] | None = None,
@@ -92,6 +94,9 @@ def generate(
         diffusers' two handoff calls as one.
       emphasis: how weights apply: "original" (webui's default, each chunk keeps its mean), "no-norm",
         or "none" (brackets read as text).
+      clip_skip: webui's "Clip skip", 1 to 12: SD 1.x's text encoder gives the hidden state this many
+        layers back from its last, through the final layer norm. SD 2.x and SDXL ignore it, as webui
+        does, unless `sdxl_clip_l_skip` (webui's setting): SDXL's CLIP-L then gives that state, unnormed.
       control_image: with ControlNets loaded (`Pipeline.from_pretrained(controlnet=...)`), the image that
         steers them (as the `control_image` of diffusers' ControlNet img2img and inpainting pipelines,
         the `image` of its text-to-image one): for one ControlNet an image or one per image, for
@@ -152,7 +157,8 @@ def generate(
         variation_seed=variation_seed, variation_strength=variation_strength, ensd=ensd, images=image,
         masks=mask_image, strength=strength, denoising_start=denoising_start, denoising_end=denoising_end,
         start_latents=start_latents, aesthetic_scores=(aesthetic_score, negative_aesthetic_score),
-        refine_from=refine_from, emphasis=emphasis, hires=hires,
+        refine_from=refine_from, emphasis=emphasis, clip_skip=clip_skip, sdxl_clip_l_skip=sdxl_clip_l_skip,
+        hires=hires,
         controls=_controls(pictures, num_images, width, height, controlnet_conditioning_scale, control_guidance_start,
                            control_guidance_end, control_mode),
         image_prompts=_image_prompts(ip_adapter_image, num_images, pipe.ip_adapter_scales(ip_adapter_scale)),

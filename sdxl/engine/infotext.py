@@ -56,6 +56,7 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
         "Size": f"{request.width}x{request.height}", "Model": model, "VAE": pipe.vae_name,
         **_noise_fields(request, i),
         "Denoising strength": None if request.images is None else float(request.strength),
+        **clip_skip_infotext(request, pipe.spec),
         **hires_infotext(request),
         "Refiner": None if request.refine_from is None else pipe.refiner.name,
         "Refiner switch at": None if request.refine_from is None else float(request.refine_from),
@@ -70,6 +71,14 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
 
 # The image encoder's width of ViT-bigG, which h94's SDXL adapters read; the others read ViT-H's.
 VIT_BIG_G_WIDTH = 1664
+
+
+def clip_skip_infotext(request, spec) -> dict:
+    """A request's clip skip as webui writes it, "Clip skip" when above 1 (on SDXL too, which ignores it
+    unless its setting is on); and that setting, which webui does not write, as "Clip skip SDXL"
+    (its label) where it applies."""
+    return {"Clip skip": request.clip_skip if request.clip_skip > 1 else None,
+            "Clip skip SDXL": "True" if request.sdxl_clip_l_skip and spec.is_sdxl else None}
 
 
 def hires_infotext(request) -> dict:
@@ -190,14 +199,15 @@ def read_parameters(text: str, pipe=None) -> dict:
     webui's and Forge's) gives, so that `pipe.generate(**read_parameters(text))` draws its picture:
     prompt and negative_prompt; and of steps, sampler and schedule_type (A1111's k-diffusion sampler
     and schedule type, or for our own texts and A1111's DDIM, PLMS and the like, diffusers'),
-    guidance_scale, seed, width, height, emphasis, noise_source, variation_seed, variation_strength,
-    ensd and batch_noise, those it gives; and its hires fix as `hires` (`sdxl.engine.hires.Hires`);
+    guidance_scale, seed, width, height, emphasis, clip_skip (and our "Clip skip SDXL" as
+    sdxl_clip_l_skip), noise_source, variation_seed, variation_strength, ensd and batch_noise, those it
+    gives; and its hires fix as `hires` (`sdxl.engine.hires.Hires`);
     with `pipe`, its IP-Adapter units (A1111's ControlNet extension's) as `ip_adapter_scale`, one per
     adapter loaded, 0 for those it names not (the pictures are not in it: give them as
     `ip_adapter_image`); a unit naming an adapter not loaded is named in the warning. The noise source
     is webui's RNG (a text without one is webui's default GPU source, on NVIDIA cards its NV; this
-    project's own texts say JAX). Settings it gives that `generate` cannot apply (clip skip,
-    ...) are named in one warning; so are its "Model" and "VAE", unless `pipe` (a `Pipeline`) has
+    project's own texts say JAX). Settings it gives that `generate` cannot apply (a sampler not
+    here, ...) are named in one warning; so are its "Model" and "VAE", unless `pipe` (a `Pipeline`) has
     loaded them.
 
     Raises:
@@ -351,6 +361,7 @@ _SETTINGS = {
     "Steps": ("steps", int), "CFG scale": ("guidance_scale", float), "Seed": ("seed", int),
     "Variation seed": ("variation_seed", int), "Variation seed strength": ("variation_strength", float),
     "ENSD": ("ensd", int), "Batch noise": ("batch_noise", lambda value: value == "True"),
+    "Clip skip": ("clip_skip", int), "Clip skip SDXL": ("sdxl_clip_l_skip", lambda value: value == "True"),
 }
 # What names files or programs rather than settings: nothing to apply, so never reported as unused.
 _METADATA = ("Version", "Model hash", "VAE hash", "Lora hashes", "TI hashes", "LoRAs")

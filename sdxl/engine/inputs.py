@@ -74,6 +74,20 @@ def steps_run(program: GenerateProgram, request: Request) -> tuple[int, int]:
     return first, stop
 
 
+def clip_layers(spec, request: Request) -> tuple[tuple[int, bool], ...]:
+    """Per text encoder, the hidden state its context is, counted back from its last layer's output
+    (1), and whether the final layer norm follows (`program.chosen_state`), as webui reads them:
+    - SD 1.x: clip skip N gives (N, True); the default 1 the last hidden state.
+    - SD 2.x: always (1, True): webui reads its OpenCLIP encoder through a class that ignores clip skip.
+    - SDXL: both encoders' penultimate states, (2, False); with `sdxl_clip_l_skip`, CLIP-L's is
+      (N, False) instead (so clip skip 1 reads its last layer's output, unnormed), and OpenCLIP-G's stays.
+    """
+    if not spec.is_sdxl:
+        return tuple((request.clip_skip if c.openai else 1, True) for c in spec.text_encoders)
+    skip = request.clip_skip if request.sdxl_clip_l_skip else 2
+    return tuple((skip if c.openai else 2, False) for c in spec.text_encoders)
+
+
 def host_inputs(prepared: PreparedRequest) -> Inputs:
     """The arrays of a prepared request's program, each image's padded to the program's batch by
     repeating the last image's."""
@@ -121,10 +135,13 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
             "image_prompt_scales": per_image([[p.scales for p in per] for per in request.image_prompts], np.float32),
         }
     first, stop = prepared.steps
+    layers = clip_layers(spec, request)
     return Inputs(
         ids=per_image(tokens.ids, np.int32),
         weights=per_image(tokens.weights, np.float32),
         rescale=per_image(tokens.rescale, np.bool_),
+        clip_layer=per_image([[layer for layer, _ in layers]] * n, np.int32),
+        clip_norm=per_image([[norm for _, norm in layers]] * n, np.bool_),
         chunks=per_image(tokens.chunks, np.int32) if program.chunks > 1 else None,
         zero_negative=per_image(zero_negative, np.bool_),
         time_ids=time_ids,

@@ -68,6 +68,11 @@ class Inputs:
     ids: jax.Array
     weights: jax.Array
     rescale: jax.Array  # [B] bool: weighted chunks keep their mean (webui's "original" emphasis)
+    # [B, E] int32 per text encoder, the hidden state its context is, counted back from its last layer's
+    # output (1; 2 the penultimate); and [B, E] bool, whether the final layer norm follows (webui's clip
+    # skip: `sdxl.engine.inputs.clip_layers`).
+    clip_layer: jax.Array
+    clip_norm: jax.Array
     # [B, 2] int32: each prompt's chunks, those after them unread; None when every prompt has the one chunk.
     chunks: jax.Array | None
     zero_negative: jax.Array  # [B] bool: all-zero negative conditioning (SDXL's empty negative prompt)
@@ -138,7 +143,8 @@ class Known:
 
 
 def encode_text(
-    spec: ModelSpec, params: dict, ids: jax.Array, weights: jax.Array, rescale: jax.Array, dtype
+    spec: ModelSpec, params: dict, ids: jax.Array, weights: jax.Array, rescale: jax.Array, clip_layer: jax.Array,
+    clip_norm: jax.Array, dtype,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Text conditioning as webui computes it chunk by chunk; for an unweighted prompt of one chunk,
     as the diffusers pipelines do.
@@ -146,10 +152,13 @@ def encode_text(
     Args:
       ids, weights: [B, E, K * 77] token ids and their weights, one row per text encoder, K chunks.
       rescale: [B] bool, whether weighted chunks keep their mean (`emphasized`).
+      clip_layer, clip_norm: [B, E] which hidden state of each encoder is read, and whether normed
+        (`chosen_state`; `Inputs.clip_layer`).
 
     Returns:
-      context: [B, K * 77, D] cross-attention states, the chunks' side by side. SDXL: both encoders'
-        penultimate hidden states, concatenated; SD 1.x/2.x: the single encoder's last (final-normed) one.
+      context: [B, K * 77, D] cross-attention states, the chunks' side by side, of every encoder,
+        concatenated. By default SDXL's encoders give their penultimate hidden states; SD 1.x/2.x's
+        its last (final-normed) one.
       pooled: [B, P] the last encoder's projected pooled output of the first chunk, unweighted (SDXL), else None.
     """
     batch, _, length = ids.shape
@@ -159,12 +168,31 @@ def encode_text(
     for e, (name, config) in enumerate(zip(spec.text_encoder_names, spec.text_encoders)):
         encoder = clip.CLIPTextModel(config, dtype=dtype)
         out = encoder.apply({"params": params[name]}, ids[:, e].reshape(batch * chunks, -1))
-        hidden = out.hidden_states[-2] if spec.is_sdxl else out.last_hidden_state  # [B * K, 77, D_e]
+        hidden = chosen_state(config, params[name], out.hidden_states, jnp.repeat(clip_layer[:, e], chunks),
+                              jnp.repeat(clip_norm[:, e], chunks), dtype)  # [B * K, 77, D_e]
         weighted = emphasized(hidden, weights[:, e].reshape(batch * chunks, -1), per_chunk)
         states.append(weighted.reshape(batch, length, -1))
         if out.text_embeds is not None:
             pooled = out.text_embeds.reshape(batch, chunks, -1)[:, 0]
     return jnp.concatenate(states, axis=-1), (pooled if spec.is_sdxl else None)
+
+
+def chosen_state(
+    config: clip.CLIPTextConfig, params: dict, hidden_states: tuple[jax.Array, ...], layer: jax.Array,
+    norm: jax.Array, dtype,
+) -> jax.Array:
+    """Each row's hidden state `layer` back from the last layer's output (1), through the encoder's
+    final layer norm where `norm`: with (1, True) its last hidden state, and webui's clip skip N
+    (N, True) on SD 1.x. A layer beyond the encoder's depth reads its embeddings (webui's deepest
+    skip, 12, is within every real encoder; the tiny random ones are shallower).
+
+    Args: hidden_states: the encoder's embeddings and layer outputs, [C, 77, D] each; layer [C] int32;
+      norm [C] bool.
+    """
+    layer, state = jnp.minimum(layer, len(hidden_states)), hidden_states[-1]
+    for back in range(2, len(hidden_states) + 1):
+        state = jnp.where((layer == back)[:, None, None], hidden_states[-back], state)
+    return jnp.where(norm[:, None, None], clip.final_layer_norm(config, params, state, dtype), state)
 
 
 def emphasized(hidden: jax.Array, weights: jax.Array, rescale: jax.Array) -> jax.Array:
@@ -312,12 +340,13 @@ class GenerateProgram:
         if self.guided:  # [2B]: (negative, positive) pairs, a zeroed negative where asked
             rows = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])  # noqa: E731
             keep = _interleave(~inputs.zero_negative, jnp.ones_like(inputs.zero_negative))
-            rescale = _interleave(inputs.rescale, inputs.rescale)
+            both = lambda x: _interleave(x, x)  # noqa: E731
         else:  # [B]: the prompts alone
             rows = lambda x: None if x is None else x[:, 1]  # noqa: E731
-            keep, rescale = jnp.ones(inputs.ids.shape[0], bool), inputs.rescale
+            keep, both = jnp.ones(inputs.ids.shape[0], bool), lambda x: x  # noqa: E731
         time_ids = rows(inputs.time_ids)
-        context, pooled = encode_text(spec, params, rows(inputs.ids), rows(inputs.weights), rescale, self.dtype)
+        context, pooled = encode_text(spec, params, rows(inputs.ids), rows(inputs.weights), both(inputs.rescale),
+                                      both(inputs.clip_layer), both(inputs.clip_norm), self.dtype)
         cond = {"encoder_hidden_states": context * keep[:, None, None].astype(context.dtype)}
         if inputs.chunks is not None:  # shorter prompts attend to their own chunks only
             cond["encoder_lengths"] = rows(inputs.chunks) * spec.max_tokens

@@ -42,6 +42,7 @@ LORA_SCALE_RANGE = (-4.0, 4.0)
 # defaults ask for a 6 and steer away from a 2.5.
 AESTHETIC_SCORE_RANGE = (0.0, 10.0)
 DEFAULT_AESTHETIC_SCORES = (6.0, 2.5)
+CLIP_SKIP_RANGE = (1, 12)  # webui's slider: every layer of CLIP ViT-L's 12 (the embeddings never)
 DEFAULT_REFINE_FROM = 0.8  # the base's share of the noise before a refiner takes over, as diffusers' docs use
 
 
@@ -149,6 +150,13 @@ class Request:
     # The refiner's conditioning (`ModelSpec.requires_aesthetics_score`); other models ignore them.
     aesthetic_scores: tuple[float, float] = DEFAULT_AESTHETIC_SCORES  # (positive, negative)
     emphasis: str = "original"  # one of `EMPHASIS_MODES`
+    # webui's "Clip skip" (its setting `CLIP_stop_at_last_layers`, `CLIP_SKIP_RANGE`): SD 1.x's text
+    # encoder gives the hidden state this many layers back from its last layer's output (1: the last),
+    # through the final layer norm. SD 2.x ignores it, as webui does; so does SDXL, unless
+    # `sdxl_clip_l_skip` (webui's setting of that name), when its CLIP-L gives that state, unnormed
+    # (`sdxl.engine.inputs.clip_layers`).
+    clip_skip: int = 1
+    sdxl_clip_l_skip: bool = False
     # Per image, one `Control` for each of the pipeline's ControlNets (`Pipeline.controlnets`: all of
     # them, or none); None: no ControlNet steers.
     controls: tuple[tuple[Control, ...], ...] | None = dataclasses.field(default=None, compare=False)
@@ -222,8 +230,8 @@ class Request:
         return (
             self.height, self.width, self.steps, self.sampler, self.schedule_type, self.loras, self.start_from,
             self.masks is not None, self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores,
-            self.refine_from, self.emphasis, self.control_count, self.noise_source, self.noise is not None, self.hires,
-            self.image_prompt_count,
+            self.refine_from, self.emphasis, self.clip_skip, self.sdxl_clip_l_skip, self.control_count,
+            self.noise_source, self.noise is not None, self.hires, self.image_prompt_count,
         )
 
     @classmethod
@@ -306,6 +314,8 @@ class Request:
             sampler=sampler,
             schedule_type=schedule_type,
             emphasis=choice(self.emphasis, "emphasis", EMPHASIS_MODES),
+            clip_skip=integer(self.clip_skip, "clip skip", *CLIP_SKIP_RANGE),
+            sdxl_clip_l_skip=_flag(self.sdxl_clip_l_skip, "sdxl_clip_l_skip"),
             loras=_loras(self.loras, prompts, limits),
             images=None if self.images is None else checked_pixels(self.images),
             masks=None if self.masks is None else np.asarray(self.masks, np.float32) > 0.5,
@@ -396,6 +406,13 @@ class Request:
 
 
 _PER_IMAGE = ("prompts", "negative_prompts", "seeds", "image_index", "guidance_scales")
+
+
+def _flag(value, label: str) -> bool:
+    """`value`, which must be True or False (not text such as "false", which is truthy). Raises ValueError."""
+    if not isinstance(value, bool | np.bool_):
+        raise ValueError(f"{label} must be true or false, got {value!r}")
+    return bool(value)
 
 
 def _size(value, label: str, factor: int) -> int:

@@ -64,6 +64,12 @@ class CLIPTextConfig:
             raise ValueError(f"architectures {self.architectures!r} is not one of {ARCHITECTURES}")
 
     @property
+    def openai(self) -> bool:
+        """OpenAI's CLIP (quick_gelu: SD 1.x's encoder, SDXL's first) rather than OpenCLIP (gelu: SD 2.x's
+        encoder, SDXL's second), which webui reads through another class that ignores its "Clip skip"."""
+        return self.hidden_act == "quick_gelu"
+
+    @property
     def with_projection(self) -> bool:
         """Whether the checkpoint has a `text_projection` (SDXL's `text_encoder_2`)."""
         return self.architectures[0] == "CLIPTextModelWithProjection"
@@ -218,6 +224,12 @@ class CLIPTextModel(nn.Module):
         if cfg.with_projection:
             text_embeds = Linear(cfg.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")(pooled)
         return CLIPTextOutput(hidden_states, last_hidden_state, pooled, text_embeds)
+
+
+def final_layer_norm(config: CLIPTextConfig, params: dict, hidden: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """The encoder's `final_layer_norm` (of its `params`) applied to one of its hidden states, [..., hidden_size]."""
+    norm = layer_norm(config, dtype, "final_layer_norm")
+    return norm.apply({"params": params["text_model"]["final_layer_norm"]}, hidden)
 
 
 def abstract_params(config: CLIPTextConfig) -> dict:

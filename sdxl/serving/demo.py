@@ -93,6 +93,8 @@ class Settings:
     sampler: str | None = None  # None: the model's own
     schedule_type: str = ""  # "": the sampler's own (`Request.schedule_type` None)
     emphasis: str = "original"  # how prompts' weights apply (`sdxl.prompts.syntax.EMPHASIS_MODES`)
+    clip_skip: int = 1  # webui's "Clip skip" (`Request.clip_skip`), and its SDXL setting
+    sdxl_clip_l_skip: bool = False
     refine: bool = False  # finish with the refiner, from `refine_from` of the noise
     refine_from: float = DEFAULT_REFINE_FROM
     lora_scales: tuple[float, ...] | None = None  # one per launched LoRA (`DemoService.loras`); None: their own
@@ -126,7 +128,7 @@ CONTROL_PARAMETERS = {"picture": "control_image", "preprocessor": "control_prepr
 REUSED = {"seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
           "schedule_type": "schedule type", "emphasis": "emphasis", "size": "size", "noise_source": "noise",
           "ensd": "ENSD", "variation_seed": "variation seed", "variation_strength": "variation strength",
-          "hires": "hires fix"}
+          "clip_skip": "clip skip", "sdxl_clip_l_skip": "SDXL's CLIP-L clip skip", "hires": "hires fix"}
 # A hires fix's settings the form has, by its `Settings` field: its `Hires` field.
 HIRES_FIELDS = {"hires_upscaler": "upscaler", "hires_scale": "scale", "hires_steps": "steps",
                 "hires_strength": "strength"}
@@ -458,8 +460,8 @@ class DemoService:
     def reused(self, text: str) -> tuple[dict, str]:
         """The form's fields, by name, that a PNG's "parameters" text (this demo's, A1111's or Forge's)
         fills in: the prompts, and of seed, guidance, steps, sampler, schedule type, emphasis, size (one
-        of this model's), noise source, ENSD, variation seed and hires fix (by a scale, with an upscaler
-        the page has) those it names; and a sentence that says what was filled in, and what was not.
+        of this model's), noise source, ENSD, variation seed, clip skip and hires fix (by a scale, with an
+        upscaler the page has) those it names; and a sentence that says what was filled in, and what was not.
         Raises ValueError."""
         found, unused = infotext.read_infotext(text, self.pipe)
         hires = found.pop("hires", None)
@@ -475,7 +477,7 @@ class DemoService:
                   **({"size": label} if label in self.choices.sizes else {}),
                   **self._reused_image_prompt(found.get("ip_adapter_scale"))}
         labels = {name: dict(map(reversed, getattr(self.choices, f"{name}s")))
-                  for name in ("sampler", "schedule_type", "noise_source")}
+                  for name in ("sampler", "schedule_type", "noise_source")} | {"sdxl_clip_l_skip": {True: "on"}}
         filled = "".join(f", {word} {labels.get(name, {}).get(fields[name], fields[name])}"
                          for name, word in REUSED.items() if name in fields and name != "hires")
         if fields.get("hires"):
@@ -486,7 +488,9 @@ class DemoService:
             unused = (f"Size {found['width']}x{found['height']}", *unused)
         said = f"Filled in: the prompts{filled}" + (f". Not used: {', '.join(unused)}" if unused else "")
         # A1111's settings a text leaves out are off in it: one reused before must not stay.
-        return {"ensd": 0, "variation_seed": 0, "variation_strength": 0.0, "hires": False} | fields, said
+        left_out = {"ensd": 0, "variation_seed": 0, "variation_strength": 0.0, "clip_skip": 1,
+                    "sdxl_clip_l_skip": False, "hires": False}
+        return left_out | fields, said
 
     def _reused_image_prompt(self, scales) -> dict:
         """The image prompt's fields that a text's IP-Adapter scales (`infotext.read_infotext`'s, one per
@@ -515,6 +519,7 @@ class DemoService:
             height, width, settings.sampler, schedule_type=settings.schedule_type or None,
             loras=tuple(zip(self.loras, self._lora_scales(settings))),
             refine_from=float(settings.refine_from) if settings.refine else None, emphasis=settings.emphasis,
+            clip_skip=settings.clip_skip, sdxl_clip_l_skip=settings.sdxl_clip_l_skip,
             controls=None if controls is None else (controls,) * n, noise_source=settings.noise_source,
             ensd=settings.ensd, variation_seed=settings.variation_seed, variation_strength=settings.variation_strength,
             hires=Hires(**{field: getattr(settings, name) for name, field in HIRES_FIELDS.items()})

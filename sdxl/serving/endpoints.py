@@ -44,6 +44,9 @@ PARAMETERS = {
     "variation_seed": "a second seed whose noise is mixed in (noise nv or cpu)",
     "variation_strength": "how much of the variation seed's noise, 0 to 1",
     "schedule_type": "an AUTOMATIC1111 schedule type (Karras, Exponential, ...; empty: the sampler's own)",
+    "clip_skip": "AUTOMATIC1111's clip skip, 1 to 12: SD 1.x reads its text encoder this many layers from the last "
+                 "(SD 2.x and SDXL ignore it)",
+    "sdxl_clip_l_skip": "AUTOMATIC1111's 'Clip skip SDXL': SDXL's CLIP-L encoder skips as clip_skip says",
     "hires": "hires fix: draw, upscale, then draw again at the bigger size (as AUTOMATIC1111)",
     "hires_upscaler": "the hires fix's upscaler: Latent (resizes the latents) or a picture upscaler",
     "hires_scale": "the hires fix's upscale factor, 1 to 4",
