@@ -9,8 +9,11 @@ import safetensors.numpy
 import torch
 
 import a1111_reference as webui
+import kdiffusion_reference as kdiffusion
 from reference import sd_pipeline, sdxl_pipeline
+from sdxl import read_parameters
 from sdxl.checkpoints import CheckpointError, embeddings
+from sdxl.engine.infotext import infotext_quote
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.program import encode_text
 from sdxl.engine.request import Request
@@ -211,3 +214,83 @@ def test_the_tables_hold_the_vectors_in_blocks(specs, tmp_path):
     np.testing.assert_array_equal(tables[1][:5], np.concatenate([e.vectors[1] for e in read]))
     assert not tables[1][5:].any()
     assert [t.shape for t in embeddings.table([], sdxl_spec)] == [(0, w) for w in widths]
+
+
+# --- pictures: an infotext pasted as `pipe.generate(**read_parameters(text), num_images=2)`, as A1111 draws it ---
+
+PICTURE = dict(height=64, width=96, seed=11, steps=6, cfg=5.0)
+
+
+def a1111_infotext(prompt: str, negative: str, sampler: str, schedule_type: str, rng: str, ti_hashes: str) -> str:
+    p = PICTURE
+    return (f"{prompt}\nNegative prompt: {negative}\nSteps: {p['steps']}, Sampler: {sampler}, Schedule type: "
+            f"{schedule_type}, CFG scale: {p['cfg']:g}, Seed: {p['seed']}, Size: {p['width']}x{p['height']}, "
+            f"Model hash: 0123456789, RNG: {rng}, TI hashes: {infotext_quote(ti_hashes)}, Version: v1.10.1")
+
+
+def a1111_pictures(ref, pipe, conditioning, prompt, negative, sampler, schedule_type, rng) -> np.ndarray:
+    """[2, H, W, 3] A1111's txt2img of two images over k-diffusion, given a conditioning function
+    (text, negative) -> the model's cond dict for one image."""
+    config = ref.scheduler.config
+    is_sdxl = hasattr(ref, "text_encoder_2")
+
+    def unet(x, t, cond):
+        extra = {"added_cond_kwargs": {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]}} if is_sdxl else {}
+        return ref.unet(x, t.flatten(), encoder_hidden_states=cond["crossattn"], **extra).sample
+
+    model = kdiffusion.model_wrap(kdiffusion.CompVisModel(unet, config.beta_start, config.beta_end,
+                                                          config.num_train_timesteps))
+    h, w, c = pipe.spec.latent_shape(PICTURE["height"], PICTURE["width"])
+    batch = lambda cond: {key: value.repeat(2, *[1] * (value.ndim - 1)) for key, value in cond.items()}  # noqa: E731
+    with torch.no_grad():
+        latents = kdiffusion.txt2img(
+            model, batch(conditioning(prompt, False)), batch(conditioning(negative, True)), sampler=sampler,
+            scheduler=schedule_type, steps=PICTURE["steps"], cfg_scale=PICTURE["cfg"], seed=PICTURE["seed"],
+            subseed=0, subseed_strength=0.0, ensd=0, source=rng, shape=(c, h, w))
+        images = ref.vae.decode(latents / ref.vae.config.scaling_factor).sample
+    return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+
+SDXL_PICTURES = {
+    "in the negative prompt": ("a red cube on a table", "blurry, neg"),
+    "weighted in the prompt": ("a red cube, (myemb:1.2)", "blurry"),
+}
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("case", SDXL_PICTURES)
+def test_sdxl_embeddings_draw_a1111s_images(sdxl, case):
+    ref, pipe, vectors = sdxl
+    prompt, negative = SDXL_PICTURES[case]
+    hashes = ", ".join(f"{e.name}: {e.short_hash}" for e in pipe.prompts.embeddings)
+    ours = pipe.generate(**read_parameters(a1111_infotext(prompt, negative, "Euler a", "Karras", "CPU", hashes),
+                                           pipe), num_images=2, output_type="np")
+    encoders = (ref.tokenizer, ref.tokenizer_2), (ref.text_encoder, ref.text_encoder_2)
+
+    def conditioning(text, negative):
+        z, pooled = webui.sdxl_conditioning(text, *encoders, negative=negative, embeddings=vectors)
+        time_ids = torch.tensor([[PICTURE["height"], PICTURE["width"], 0, 0, PICTURE["height"], PICTURE["width"]]],
+                                dtype=torch.float32)
+        return {"crossattn": z, "pooled": pooled, "time_ids": time_ids}
+
+    theirs = a1111_pictures(ref, pipe, conditioning, prompt, negative, "Euler a", "Karras", "CPU")
+    diff = np.abs(ours - theirs).max()
+    print(f"{case}: max abs diff {diff:.2e}")
+    assert diff <= 1e-4
+
+
+@pytest.mark.oracle
+def test_sd1_emb_params_embedding_draws_a1111s_images(sd1):
+    ref, pipe, vectors = sd1
+    prompt, negative = "a photo of (sks:1.1) dog", "blurry, sks"
+    hashes = f"sks: {pipe.prompts.embeddings[0].short_hash}"
+    ours = pipe.generate(**read_parameters(a1111_infotext(prompt, negative, "DPM++ 2M", "Karras", "NV", hashes), pipe),
+                         num_images=2, output_type="np")
+
+    def conditioning(text, negative):
+        return {"crossattn": webui.sd1_conditioning(text, ref.tokenizer, ref.text_encoder, embeddings=vectors)}
+
+    theirs = a1111_pictures(ref, pipe, conditioning, prompt, negative, "DPM++ 2M", "Karras", "NV")
+    diff = np.abs(ours - theirs).max()
+    print(f"max abs diff {diff:.2e}")
+    assert diff <= 1e-4
