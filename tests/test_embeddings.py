@@ -13,6 +13,7 @@ import kdiffusion_reference as kdiffusion
 from reference import sd_pipeline, sdxl_pipeline
 from sdxl import read_parameters
 from sdxl.checkpoints import CheckpointError, embeddings
+from sdxl.engine import infotext
 from sdxl.engine.infotext import infotext_quote
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.program import encode_text
@@ -294,3 +295,31 @@ def test_sd1_emb_params_embedding_draws_a1111s_images(sd1):
     diff = np.abs(ours - theirs).max()
     print(f"max abs diff {diff:.2e}")
     assert diff <= 1e-4
+
+
+# --- infotexts ---
+
+def test_infotexts_write_ti_hashes_and_read_them_back(sdxl):
+    _, pipe, _ = sdxl
+    request = pipe.prepare(Request.from_prompt("a cube, (myemb:1.1), neg", "neg, blurry", num_images=1, seed=3,
+                                               steps=2, height=64, width=64)).request
+    hashes = {e.name: e.short_hash for e in pipe.prompts.embeddings}
+    text = infotext.png_parameters(pipe, request, 0, "tiny")
+    assert f'TI hashes: "myemb: {hashes["myemb"]}, neg: {hashes["neg"]}"' in text, "the prompt's, then the negative's"
+    found, unused = infotext.read_infotext(text, pipe)
+    assert found["prompt"] == "a cube, (myemb:1.1), neg" and not [u for u in unused if u.startswith("embedding ")]
+    plain_request = pipe.prepare(Request.from_prompt("a cube", num_images=1, steps=2, height=64, width=64)).request
+    plain = infotext.png_parameters(pipe, plain_request, 0, "tiny")
+    assert "TI hashes" not in plain
+
+
+def test_a_pasted_text_naming_embeddings_not_loaded_warns_with_their_names(sdxl):
+    _, pipe, _ = sdxl
+    myemb = next(e for e in pipe.prompts.embeddings if e.name == "myemb")
+    # webui's SDXL texts name each embedding once per encoder
+    text = (f"easynegative, myemb\nSteps: 20, Sampler: Euler a, Seed: 1, Size: 64x64, "
+            f'TI hashes: "easynegative: 0123456789ab, myemb: ffffffffffff, easynegative: 0123456789ab, '
+            f'myemb: {myemb.short_hash}"')
+    with pytest.warns(UserWarning, match=r"parameters not applied: embedding easynegative \(not loaded\), "
+                                         rf"embedding myemb \(hash ffffffffffff; loaded: {myemb.short_hash}\)$"):
+        read_parameters(text, pipe)
