@@ -323,3 +323,38 @@ def test_a_pasted_text_naming_embeddings_not_loaded_warns_with_their_names(sdxl)
     with pytest.warns(UserWarning, match=r"parameters not applied: embedding easynegative \(not loaded\), "
                                          rf"embedding myemb \(hash ffffffffffff; loaded: {myemb.short_hash}\)$"):
         read_parameters(text, pipe)
+
+
+# --- the CLI and the demo's launch ---
+
+def test_the_cli_refuses_pickled_or_missing_embeddings_before_loading(capsys, tmp_path):
+    from sdxl.__main__ import main
+
+    for path, reason in ((tmp_path / "e.pt", f"error: {tmp_path / 'e.pt'}: a pickled file; it is never loaded"),
+                         (tmp_path / "gone.safetensors", f"error: embedding {tmp_path / 'gone.safetensors'}: no such "
+                                                         "file or folder")):
+        assert main(["generate", "--model", "tiny", "--prompt", "a fox", "--embedding", str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith(reason) and err.count("\n") == 1 and "loaded" not in out
+
+
+def test_the_demo_lists_the_embeddings_loaded_at_launch_with_their_token_counts(tmp_path):
+    from sdxl.serving import launch
+    from sdxl.serving.choices import choices_of
+    from sdxl.serving.demo import DemoService
+
+    spec = Pipeline.from_pretrained("tiny", dtype="float32").spec
+    widths = tuple(config.hidden_size for config in spec.text_encoders)
+    (tmp_path / "folder").mkdir()
+    write_sdxl_embedding(tmp_path / "folder/b-neg.safetensors", 2, 1, widths)
+    write_sdxl_embedding(tmp_path / "folder/a-style.safetensors", 1, 2, widths)
+    write_sdxl_embedding(tmp_path / "solo.safetensors", 3, 3, widths)
+    options = launch.demo_parser("SDXL on JAX").parse_args(
+        ["--model", "tiny", "--dtype", "float32", "--cache-dir", str(tmp_path / "xla"),
+         "--embedding", str(tmp_path / "solo.safetensors"), "--embedding", str(tmp_path / "folder")])
+    pipe = launch.load(options).pipe
+    assert [e.name for e in pipe.prompts.embeddings] == ["solo", "a-style", "b-neg"]
+    line = choices_of(DemoService(pipe, model_label="tiny", max_images_per_core=1)).embeddings
+    assert line == "Embeddings, by name in a prompt: `solo` (3 tokens), `a-style` (1 token), `b-neg` (2 tokens)"
+    assert [e.name for e in pipe.prompts.embeddings_in("solo b-neg")] == ["solo", "b-neg"]
+    assert pipe.prompts.length_text("solo b-neg") == "5 tokens, 1 chunk"
