@@ -179,8 +179,9 @@ class EmbeddingsWithFixes(torch.nn.Module):
         inputs_embeds = self.wrapped(input_ids)
         for offset, vec in self.vectors:
             emb_len = min(inputs_embeds.shape[1] - offset - 1, vec.shape[0])
-            inputs_embeds = torch.cat([inputs_embeds[:, :offset + 1], vec[None, :emb_len].to(inputs_embeds.dtype),
-                                       inputs_embeds[:, offset + 1 + emb_len:]], dim=1)
+            vectors = vec[None, :emb_len].to(inputs_embeds.dtype).expand(inputs_embeds.shape[0], -1, -1)
+            inputs_embeds = torch.cat([inputs_embeds[:, :offset + 1], vectors, inputs_embeds[:, offset + 1 + emb_len:]],
+                                      dim=1)
         return inputs_embeds
 
 

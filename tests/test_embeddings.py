@@ -76,7 +76,7 @@ def our_conditioning(pipe, text, negative=False):
 SDXL_PROMPTS = ["myemb", "a red cube, (myemb:1.2)", "[neg] myemb, myemb", "myembs on a table", "x" * 73 + "myemb"]
 
 
-@pytest.mark.parametrize("prompt", SDXL_PROMPTS)
+@pytest.mark.parametrize("prompt", SDXL_PROMPTS, ids=["alone", "weighted", "twice", "in a word", "next chunk"])
 @pytest.mark.parametrize("negative", [False, True], ids=["positive", "negative"])
 def test_sdxl_embeddings_condition_as_webui(sdxl, prompt, negative):
     ref, pipe, vectors = sdxl
@@ -358,3 +358,19 @@ def test_the_demo_lists_the_embeddings_loaded_at_launch_with_their_token_counts(
     assert line == "Embeddings, by name in a prompt: `solo` (3 tokens), `a-style` (1 token), `b-neg` (2 tokens)"
     assert [e.name for e in pipe.prompts.embeddings_in("solo b-neg")] == ["solo", "b-neg"]
     assert pipe.prompts.length_text("solo b-neg") == "5 tokens, 1 chunk"
+
+
+def test_tokens_name_embeddings_and_a_name_loaded_again_takes_the_new_vectors(tmp_path):
+    pipe = Pipeline.from_pretrained("tiny", dtype="float32")
+    widths = tuple(config.hidden_size for config in pipe.spec.text_encoders)
+    first = write_sdxl_embedding(tmp_path / "a.safetensors", 2, 1, widths)
+    write_sdxl_embedding(tmp_path / "b.safetensors", 1, 2, widths)
+    pipe.load_textual_inversion([tmp_path / "a.safetensors", tmp_path / "b.safetensors"], token=["style", "b"])
+    again = write_sdxl_embedding(tmp_path / "c.safetensors", 3, 3, widths)
+    pipe.load_textual_inversion(tmp_path / "c.safetensors", token="style")
+    assert [(e.name, e.count) for e in pipe.prompts.embeddings] == [("b", 1), ("style", 3)]
+    tables = [np.asarray(t) for t in pipe.params["embeddings"]]
+    np.testing.assert_array_equal(tables[1][1:4], again["clip_g"])
+    assert not any(np.array_equal(tables[0][i:i + 2], first["clip_l"]) for i in range(4)), "the old vectors are gone"
+    with pytest.raises(ValueError, match=r"one token per embedding file: 2 file\(s\), 1 token\(s\)"):
+        pipe.load_textual_inversion([tmp_path / "a.safetensors", tmp_path / "b.safetensors"], token=["x"])

@@ -509,11 +509,11 @@ class Pipeline:
             embedding = embeddings.read(path, self.spec, name)
             loaded.pop(embedding.name, None)
             loaded[embedding.name] = embedding
-        self.prompts.set_embeddings(list(loaded.values()))
         replicated = meshes.replicated(self.mesh)
         tables = tuple(meshes.place(table.astype(self.dtype), replicated)
-                       for table in embeddings.table(self.prompts.embeddings, self.spec))
+                       for table in embeddings.table(list(loaded.values()), self.spec))
         with self._lock:
+            self.prompts.set_embeddings(list(loaded.values()))
             self.params = {**self.params, "embeddings": tables}
             self._applied = ((), self.params)
 
