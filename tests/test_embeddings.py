@@ -133,6 +133,9 @@ def test_embeddings_keep_the_programs_of_prompts_without_them_and_text_changes_n
     write_sdxl_embedding(tmp_path / "more.safetensors", 5, 4, widths)
     pipe.load_textual_inversion(tmp_path / "more.safetensors")
     assert program("more myemb") == named[0], "a block holds them all"
+    keys = [pipe.prepare(Request.from_prompt(text, num_images=1, steps=2, height=64, width=64)).batch_key
+            for text in ("a red cube", "a red myemb")]
+    assert keys[0] != keys[1], "the device queue merges requests of one program only"
 
 
 # --- files ---
