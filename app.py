@@ -204,6 +204,8 @@ def _generate_tab(service: DemoService) -> dict:
         c["prompt_length"] = _length_line("prompt-length")
         c["negative"] = gr.Textbox("", label="Negative prompt", placeholder="What to avoid (optional)")
         c["negative_length"] = _length_line("negative-length")
+        if choices.embeddings:
+            gr.Markdown(choices.embeddings, elem_id="embeddings", elem_classes="prompt-length")
         c["style"] = gr.Dropdown(choices.styles, value=choices.styles[0], label="Style")
         c["run"] = gr.Button("Generate", variant="primary", elem_id="generate")
         gr.Examples(choices.examples, inputs=[c["prompt"], c["style"]])

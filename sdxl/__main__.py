@@ -46,6 +46,8 @@ def generate_command(args: argparse.Namespace) -> None:
         print(f"loaded the refiner {args.refiner}; it takes over at {args.refine_from:g} of the noise")
     if model.loras:
         print(f"applied {len(model.loras)} LoRA(s)")
+    if pipe.prompts.embeddings:
+        print(f"loaded the embedding(s) {', '.join(e.name for e in pipe.prompts.embeddings)}")
 
     num_images = pipe.num_devices if args.num_images is None else args.num_images
     size = (pipe.spec.native_size,) * 2 if picture is None else picture.shape[:2]
@@ -106,6 +108,7 @@ def _check_before_loading(args: argparse.Namespace) -> None:
       ValueError: the first bad value, in one sentence.
     """
     required_prompt(args.prompt)
+    launch.embedding_files(args.embedding)
     if args.steps is not None:
         integer(args.steps, "steps", 1, _max_steps(args))
     integer(args.seed, "seed", 0, MAX_SEED)

@@ -13,8 +13,17 @@ import) so that the two can be held against each other:
 - modules/sd_models_xl.py: SDXL's two encoders (their penultimate layer, no final layer norm) joined along
   the features, the pooled embedding the second's; an empty negative prompt all zeros.
 
-Emphasis modes take webui's names: "Original", "No norm", "None", "Ignore". Textual-inversion embeddings,
-prompt editing ([a:b:0.5], [a|b]) and AND are outside it.
+Textual-inversion embeddings, as webui places them:
+
+- modules/textual_inversion/textual_inversion.py `EmbeddingDatabase`: each name's token ids (by the first
+  encoder's tokenizer, SDXL's CLIP-L one for both encoders), looked up by the first id, longest first;
+- `tokenize_line`: where a piece's tokens spell a name, its n vectors take n positions (placeholder id 0,
+  the piece's multiplier), the chunk closing first when they do not fit; a "fix" records where they go;
+- modules/sd_hijack.py `EmbeddingsWithFixes`: the token embeddings at those positions replaced by the vectors
+  (for SDXL each encoder's own, `clip_l` or `clip_g`), before the position embeddings are added.
+
+Emphasis modes take webui's names: "Original", "No norm", "None", "Ignore". Prompt editing ([a:b:0.5],
+[a|b]) and AND are outside it.
 """
 
 import re
@@ -78,28 +87,56 @@ def parse_prompt_attention(text):
     return res
 
 
-def tokenize_line(line, tokenizer, emphasis="Original", backtrack=COMMA_PADDING_BACKTRACK):
-    """The chunks of a prompt, each (77 token ids, 77 multipliers), and webui's token count."""
+class EmbeddingDatabase:
+    """webui's lookup of embedding names: {name: vectors}, vectors a [n, C] tensor or SDXL's {"clip_l": ...,
+    "clip_g": ...}, the names read by `tokenizer`."""
+
+    def __init__(self, embeddings, tokenizer):
+        self.vectors = dict(embeddings)
+        self.ids_lookup = {}
+        for name in self.vectors:
+            ids = tokenizer([name], truncation=False, add_special_tokens=False)["input_ids"][0]
+            entries = self.ids_lookup.setdefault(ids[0], [])
+            self.ids_lookup[ids[0]] = sorted([*entries, (ids, name)], key=lambda entry: len(entry[0]), reverse=True)
+
+    def count(self, name):
+        vectors = self.vectors[name]
+        return (vectors["clip_g"] if isinstance(vectors, dict) else vectors).shape[0]
+
+    def find_embedding_at_position(self, tokens, offset):
+        """(name, how many tokens it spells) or (None, None)."""
+        for ids, name in self.ids_lookup.get(tokens[offset], []):
+            if tokens[offset:offset + len(ids)] == ids:
+                return name, len(ids)
+        return None, None
+
+
+def tokenize_line(line, tokenizer, emphasis="Original", backtrack=COMMA_PADDING_BACKTRACK, database=None):
+    """The chunks of a prompt, each (77 token ids, 77 multipliers, fixes), and webui's token count. The fixes
+    are (offset, embedding name) pairs: its vectors go at positions offset + 1 on (after BOS)."""
     parsed = [[line, 1.0]] if emphasis == "None" else parse_prompt_attention(line)
     tokenized = tokenizer([text for text, _ in parsed], truncation=False, add_special_tokens=False)["input_ids"]
     comma = tokenizer.convert_tokens_to_ids(",</w>")
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
 
-    state = {"tokens": [], "mults": [], "last_comma": -1, "count": 0}
+    state = {"tokens": [], "mults": [], "fixes": [], "last_comma": -1, "count": 0}
     result = []
 
     def next_chunk(is_last=False):
         tokens, mults = state["tokens"], state["mults"]
         state["count"] += len(tokens) if is_last else CHUNK_LENGTH
         missing = CHUNK_LENGTH - len(tokens)
-        result.append(([bos] + tokens + [eos] * missing + [eos], [1.0] + mults + [1.0] * missing + [1.0]))
-        state.update(tokens=[], mults=[], last_comma=-1)
+        result.append(([bos] + tokens + [eos] * missing + [eos], [1.0] + mults + [1.0] * missing + [1.0],
+                       state["fixes"]))
+        state.update(tokens=[], mults=[], fixes=[], last_comma=-1)
 
     for tokens, (text, weight) in zip(tokenized, parsed):
         if text == "BREAK" and weight == -1:
             next_chunk()
             continue
-        for token in tokens:
+        position = 0
+        while position < len(tokens):
+            token = tokens[position]
             chunk = state["tokens"]
             if token == comma:
                 state["last_comma"] = len(chunk)
@@ -112,8 +149,19 @@ def tokenize_line(line, tokenizer, emphasis="Original", backtrack=COMMA_PADDING_
                 state["tokens"], state["mults"] = carried_tokens, carried_mults
             if len(state["tokens"]) == CHUNK_LENGTH:
                 next_chunk()
-            state["tokens"].append(token)
-            state["mults"].append(weight)
+            name, spelled = (None, None) if database is None else database.find_embedding_at_position(tokens, position)
+            if name is None:
+                state["tokens"].append(token)
+                state["mults"].append(weight)
+                position += 1
+                continue
+            count = database.count(name)
+            if len(state["tokens"]) + count > CHUNK_LENGTH:
+                next_chunk()
+            state["fixes"].append((len(state["tokens"]), name))
+            state["tokens"] += [0] * count
+            state["mults"] += [weight] * count
+            position += spelled
 
     if state["tokens"] or not result:
         next_chunk(is_last=True)
@@ -135,14 +183,39 @@ def encode_with_transformers(model, ids, layer, clip_skip=None):
         return out.last_hidden_state, out
 
 
-def process_tokens(tokens, multipliers, tokenizer, model, layer, emphasis="Original", clip_skip=None):
-    """One chunk through one encoder: ([1, 77, D] after emphasis, pooled [1, P] or None)."""
+class EmbeddingsWithFixes(torch.nn.Module):
+    """webui's wrapper of an encoder's token embedding: the vectors of a chunk's fixes in place of the tokens'."""
+
+    def __init__(self, wrapped, vectors):
+        super().__init__()
+        self.wrapped, self.vectors = wrapped, vectors  # vectors: [(offset, [n, C] tensor)]
+
+    def forward(self, input_ids):
+        inputs_embeds = self.wrapped(input_ids)
+        for offset, vec in self.vectors:
+            emb_len = min(inputs_embeds.shape[1] - offset - 1, vec.shape[0])
+            vectors = vec[None, :emb_len].to(inputs_embeds.dtype).expand(inputs_embeds.shape[0], -1, -1)
+            inputs_embeds = torch.cat([inputs_embeds[:, :offset + 1], vectors, inputs_embeds[:, offset + 1 + emb_len:]],
+                                      dim=1)
+        return inputs_embeds
+
+
+def process_tokens(tokens, multipliers, tokenizer, model, layer, emphasis="Original", clip_skip=None, fixes=(),
+                   database=None, key=None):
+    """One chunk through one encoder: ([1, 77, D] after emphasis, pooled [1, P] or None). `fixes` (offset,
+    name) place `database`'s vectors (SDXL's: those under `key`)."""
     ids = torch.tensor([tokens])
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     if eos != pad:
         first_end = tokens.index(eos)
         ids[0, first_end + 1:] = pad
-    z, out = encode_with_transformers(model, ids, layer, clip_skip)
+    token_embedding = model.get_input_embeddings()
+    vectors = [(offset, database.vectors[name][key] if key else database.vectors[name]) for offset, name in fixes]
+    model.set_input_embeddings(EmbeddingsWithFixes(token_embedding, vectors))
+    try:
+        z, out = encode_with_transformers(model, ids, layer, clip_skip)
+    finally:
+        model.set_input_embeddings(token_embedding)
     pooled = getattr(out, "text_embeds", None)
 
     mults = torch.tensor([multipliers])
@@ -156,31 +229,35 @@ def process_tokens(tokens, multipliers, tokenizer, model, layer, emphasis="Origi
     return z, pooled
 
 
-def encode(prompt, tokenizer, model, layer, emphasis="Original", clip_skip=None):
+def encode(prompt, tokenizer, model, layer, emphasis="Original", clip_skip=None, database=None, key=None):
     """A prompt through one encoder: ([1, 77 * chunks, D], the first chunk's pooled output or None)."""
-    chunks, _ = tokenize_line(prompt, tokenizer, emphasis)
-    outputs = [process_tokens(tokens, mults, tokenizer, model, layer, emphasis, clip_skip)
-               for tokens, mults in chunks]
+    chunks, _ = tokenize_line(prompt, tokenizer, emphasis, database=database)
+    outputs = [process_tokens(tokens, mults, tokenizer, model, layer, emphasis, clip_skip, fixes, database, key)
+               for tokens, mults, fixes in chunks]
     return torch.hstack([z for z, _ in outputs]), outputs[0][1]
 
 
 def sdxl_conditioning(prompt, tokenizers, models, emphasis="Original", negative=False, clip_skip=1,
-                      sdxl_clip_l_skip=False):
+                      sdxl_clip_l_skip=False, embeddings=None):
     """SDXL: ([1, 77k, D1 + D2], pooled [1, P]) from CLIP-L (`CLIPTextModel`) and OpenCLIP-G
     (`CLIPTextModelWithProjection`), both at their penultimate layer (CLIP-L's `clip_skip` back where
-    `sdxl_clip_l_skip`); an empty negative prompt is zeros."""
+    `sdxl_clip_l_skip`); an empty negative prompt is zeros. `embeddings`: {name: {"clip_l": [n, D1],
+    "clip_g": [n, D2]}}, the names read by CLIP-L's tokenizer."""
     (tokenizer_1, tokenizer_2), (model_1, model_2) = tokenizers, models
-    z1, _ = encode(prompt, tokenizer_1, model_1, "penultimate", emphasis, clip_skip if sdxl_clip_l_skip else None)
-    z2, pooled = encode(prompt, tokenizer_2, model_2, "penultimate", emphasis)
+    database = EmbeddingDatabase(embeddings, tokenizer_1) if embeddings else None
+    z1, _ = encode(prompt, tokenizer_1, model_1, "penultimate", emphasis, clip_skip if sdxl_clip_l_skip else None,
+                   database, "clip_l")
+    z2, pooled = encode(prompt, tokenizer_2, model_2, "penultimate", emphasis, None, database, "clip_g")
     z = torch.cat([z1, z2], dim=-1)
     if negative and prompt == "":
         return torch.zeros_like(z), torch.zeros_like(pooled)
     return z, pooled
 
 
-def sd1_conditioning(prompt, tokenizer, model, emphasis="Original", clip_skip=1):
+def sd1_conditioning(prompt, tokenizer, model, emphasis="Original", clip_skip=1, embeddings=None):
     """SD 1.x (and 2.x with its truncated encoder, where webui's clip skip is always 1): [1, 77k, D] from
     the encoder's last hidden state, which transformers gives after the final layer norm (webui's default
-    "Clip skip" 1), or with `clip_skip` N the state N back, normed the same way."""
-    z, _ = encode(prompt, tokenizer, model, "last", emphasis, clip_skip)
+    "Clip skip" 1), or with `clip_skip` N the state N back, normed the same way. `embeddings`: {name: [n, D]}."""
+    database = EmbeddingDatabase(embeddings, tokenizer) if embeddings else None
+    z, _ = encode(prompt, tokenizer, model, "last", emphasis, clip_skip, database)
     return z

@@ -228,8 +228,8 @@ def test_parsing_and_chunking_match_the_oracle_on_random_prompts(sdxl):
                     comma_id=267, eos=tok.eos_token_id)
                 framed = [ps.encoder_ids(chunk, bos=tok.bos_token_id, eos=tok.eos_token_id, pad=tok.eos_token_id)
                           for chunk in chunk_list]
-                assert [ids.tolist() for ids, _ in framed] == [tokens for tokens, _ in expected], prompt
-                expected_weights = [np.asarray(m, np.float32).tolist() for _, m in expected]
+                assert [ids.tolist() for ids, _ in framed] == [tokens for tokens, *_ in expected], prompt
+                expected_weights = [np.asarray(m, np.float32).tolist() for _, m, _ in expected]
                 assert [w.tolist() for _, w in framed] == expected_weights, prompt
                 assert ps.token_count(chunk_list) == expected_count, prompt
 

@@ -188,3 +188,31 @@ def test_too_long_input():
     config = config_from_dict(clip.CLIPTextConfig, SDXL_TEXT_ENCODER)
     with pytest.raises(ValueError, match="input_ids"):
         jax.eval_shape(clip.CLIPTextModel(config).init, jax.random.key(0), np.zeros((1, 78), np.int32))
+
+
+@pytest.mark.parametrize("eos_token_id, with_projection", [(2, True), (500, False)])
+def test_ids_past_the_vocabulary_read_extra_rows_as_webuis_embedding_fixes(tmp_path, rng, eos_token_id,
+                                                                           with_projection):
+    """Textual-inversion vectors as rows past the vocabulary give what webui's `EmbeddingsWithFixes` gives
+    (its placeholder id 0 at their positions, the vectors put in place of the token embeddings), the
+    pooled output too: for the legacy eos id 2 at the largest id, which the extra ids are not."""
+    import jax.numpy as jnp
+
+    from a1111_reference import EmbeddingsWithFixes
+
+    reference = save_reference(tmp_path, hidden_act="gelu", eos_token_id=eos_token_id, with_projection=with_projection)
+    config = config_from_file(clip.CLIPTextConfig, tmp_path / "config.json")
+    ids = token_ids(rng, eos_token_id)
+    extra = rng.normal(size=(4, config.hidden_size)).astype(np.float32)
+    ours_ids, placeholder = ids.copy(), ids.copy()
+    ours_ids[:, 2:5], placeholder[:, 2:5] = VOCAB + np.array([3, 0, 1]), 0
+    ours = clip.CLIPTextModel(config).apply({"params": load(tmp_path, config)}, ours_ids, jnp.asarray(extra))
+    reference.set_input_embeddings(EmbeddingsWithFixes(reference.get_input_embeddings(),
+                                                       [(1, torch.from_numpy(extra[[3, 0, 1]]))]))
+    with torch.no_grad():
+        theirs = reference(torch.from_numpy(placeholder), output_hidden_states=True)
+    assert_close("last_hidden_state", ours.last_hidden_state, theirs.last_hidden_state)
+    if with_projection:
+        assert_close("text_embeds", ours.text_embeds, theirs.text_embeds)
+    else:
+        assert_close("pooler_output", ours.pooler_output, theirs.pooler_output)

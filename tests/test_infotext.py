@@ -60,7 +60,7 @@ def test_written_parameters_read_back_with_quoted_values_and_emphasis():
 
 
 def test_lora_hashes_text_and_its_infotext_quoting():
-    value = infotext.lora_hashes_text(
+    value = infotext.hashes_text(
         [("foxy:v2, final", "0123456789ab"), ("owl", "ba9876543210"), ("foxyv2 final", "c" * 12)])
     assert value == "foxyv2 final: cccccccccccc, owl: ba9876543210"
     assert infotext.infotext_quote(value) == '"foxyv2 final: cccccccccccc, owl: ba9876543210"'

@@ -62,18 +62,23 @@ class Executables:
         by_image = meshes.by_image(self.mesh)
         # `prepare` keeps the invariants as computed: the text's keys split by image, kernels on every device.
         fn = jax.jit(getattr(program, stage), out_shardings=(by_image, None) if stage == "prepare" else by_image)
-        params = abstract_params(program.spec, program.controlnets, program.ip_adapters, program.dtype,
-                                 meshes.replicated(self.mesh))
+        params = abstract_params(program.spec, program.controlnets, program.ip_adapters, program.embedding_rows,
+                                 program.dtype, meshes.replicated(self.mesh))
         # The mesh in context lets kernels XLA cannot partition (splash attention) split the batch.
         with jax.set_mesh(self.mesh):
             return fn.trace(params, *args).lower(lowering_platforms=platforms)
 
 
 @functools.lru_cache(maxsize=8)
-def abstract_params(spec: ModelSpec, controlnets: tuple, ip_adapters: tuple, dtype, sharding) -> dict:
-    """The parameters a program of `spec` (steered by `controlnets`' and `ip_adapters`' configs) takes,
-    as loaded: every leaf in `dtype`, on every device."""
+def abstract_params(spec: ModelSpec, controlnets: tuple, ip_adapters: tuple, embedding_rows: int, dtype,
+                    sharding) -> dict:
+    """The parameters a program of `spec` (steered by `controlnets`' and `ip_adapters`' configs, its prompts'
+    textual-inversion vectors in `embedding_rows` rows per encoder) takes, as loaded: every leaf in `dtype`,
+    on every device."""
     tree = spec.abstract_params()
+    if embedding_rows:
+        tree["embeddings"] = tuple(jax.ShapeDtypeStruct((embedding_rows, config.hidden_size), np.float32)
+                                   for config in spec.text_encoders)
     if controlnets:
         tree["controlnets"] = tuple(cached_shapes(controlnet.abstract_params, config) for config in controlnets)
     if ip_adapters:

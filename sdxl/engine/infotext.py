@@ -46,7 +46,8 @@ def _number(value) -> str:
 def png_parameters(pipe, request, i: int, model: str) -> str:
     """The parameters of image `i` of a rendered request (on `pipe`, with its refiner), as the CLI and
     the demo save them: the prompts as written, weights and LoRA tags included; webui's fields where it
-    has them ("Schedule type", "Emphasis", "Lora hashes"), then ours. diffusers' samplers write their
+    has them ("Schedule type", "Emphasis", "Lora hashes", "TI hashes": the embeddings the prompt, then the
+    negative prompt, name), then ours. diffusers' samplers write their
     schedule type as "diffusers"."""
     loras = request.loras or ()
     readable = [prompt_syntax.lora_tags(request.prompts[i])[0], request.negative_prompts[i]]
@@ -62,8 +63,13 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
         "Refiner switch at": None if request.refine_from is None else float(request.refine_from),
         "Emphasis": emphasis_infotext(request.emphasis, readable),
         "LoRAs": " ".join(f"{lora.display_name(source)}:{scale:g}" for source, scale in loras) or None,
-        "Lora hashes": lora_hashes_text(
+        "Lora hashes": hashes_text(
             (lora.display_name(source), pipe.lora_files[source].short_hash) for source, _ in loras
+        ) or None,
+        "TI hashes": hashes_text(
+            (embedding.name, embedding.short_hash) for text, negative in ((request.prompts[i], False),
+                                                                          (request.negative_prompts[i], True))
+            for embedding in pipe.prompts.embeddings_in(text, request.emphasis, negative=negative)
         ) or None,
         **controlnet_infotext(pipe, request, i),
     })
@@ -168,12 +174,12 @@ def controlnet_label(source: str) -> str:
     return path.name if path.is_dir() else source
 
 
-def lora_hashes_text(loras: Iterable[tuple[str, str]]) -> str:
-    """The value of webui's "Lora hashes" field from (name as written in the tag, short hash) pairs:
-    "name: hash, name: hash", names without ":" and ",", one entry per name (a repeated name keeps its
-    first place and its last hash). In the infotext it is written quoted (`infotext_quote`)."""
+def hashes_text(files: Iterable[tuple[str, str]]) -> str:
+    """The value of webui's "Lora hashes" or "TI hashes" field from (name as written in the prompt, short
+    hash) pairs: "name: hash, name: hash", names without ":" and ",", one entry per name (a repeated name
+    keeps its first place and its last hash). In the infotext it is written quoted (`infotext_quote`)."""
     entries: dict[str, str] = {}
-    for name, short_hash in loras:
+    for name, short_hash in files:
         entries[name.translate(str.maketrans("", "", ":,"))] = short_hash
     return ", ".join(f"{name}: {short_hash}" for name, short_hash in entries.items())
 
@@ -208,7 +214,7 @@ def read_parameters(text: str, pipe=None) -> dict:
     is webui's RNG (a text without one is webui's default GPU source, on NVIDIA cards its NV; this
     project's own texts say JAX). Settings it gives that `generate` cannot apply (a sampler not
     here, ...) are named in one warning; so are its "Model" and "VAE", unless `pipe` (a `Pipeline`) has
-    loaded them.
+    loaded them, and the textual-inversion embeddings its "TI hashes" names that `pipe` has not.
 
     Raises:
       ValueError: it has no settings line.
@@ -271,7 +277,7 @@ def read_infotext(text: str, pipe=None) -> tuple[dict, tuple[str, ...]]:
             found["ip_adapter_scale"] = scales
             used.update(units)
     if pipe is not None:
-        others |= _not_loaded(fields, pipe)
+        others |= _not_loaded(fields, pipe) | _embeddings_not_loaded(fields.get("TI hashes", ""), pipe)
         used.update(key for key in ("Model", "VAE") if key in fields and key not in others)
     return found, tuple(others.get(key, key) for key in fields if key not in used) + tuple(
         others[key] for key in others if key not in fields)
@@ -292,6 +298,23 @@ def _not_loaded(fields: dict, pipe) -> dict[str, str]:
         own = "the model's own"
         found["VAE"] = f"VAE {fields.get('VAE', own)} (loaded: {named(pipe.vae_name) or own})"
     return found
+
+
+def _embeddings_not_loaded(ti_hashes: str, pipe) -> dict[str, str]:
+    """For the embeddings a text's "TI hashes" names that `pipe` has not loaded, or has loaded from another
+    file (another hash), a sentence naming them: a prompt then reads their names as words."""
+    if not ti_hashes:
+        return {}
+    loaded = {embedding.name.translate(str.maketrans("", "", ":,")): embedding.short_hash
+              for embedding in pipe.prompts.embeddings}
+    unknown = {}  # webui's SDXL texts name an embedding once per encoder
+    for entry in filter(None, (part.strip() for part in ti_hashes.split(","))):
+        name, _, short_hash = (part.strip() for part in entry.rpartition(":"))
+        if name not in loaded:
+            unknown[name] = f"embedding {name} (not loaded)"
+        elif loaded[name] != short_hash:
+            unknown[name] = f"embedding {name} (hash {short_hash}; loaded: {loaded[name]})"
+    return {"embeddings": ", ".join(unknown.values())} if unknown else {}
 
 
 def _ip_adapters_named(fields: dict, pipe) -> tuple[list, set[str], dict[str, str]]:

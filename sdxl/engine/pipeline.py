@@ -12,6 +12,7 @@ A pipeline's state changes only through its setters (`set_loras`, `set_refiner`)
 
 import dataclasses
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +23,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .. import checkpoints
-from ..checkpoints import ModelSpec, controlnets as controlnet_checkpoints, ip_adapters as ip_adapter_checkpoints, lora
+from ..checkpoints import ModelSpec, controlnets as controlnet_checkpoints, embeddings, lora
+from ..checkpoints import ip_adapters as ip_adapter_checkpoints
 from ..checkpoints.ip_adapters import IPAdapterConfig
 from ..checkpoints.controlnets import ControlNetCheckpoint
 from ..checkpoints.tokenizer import load_tokenizer
@@ -333,6 +335,7 @@ class Pipeline:
             controlnets=tuple(c.config for c in self.controlnets) if request.controls else (),
             a1111=a1111, vae_tiling=self._tiles_vae(request.height, request.width),
             ip_adapters=tuple(a.config for a in self.ip_adapters) if request.image_prompts else (),
+            embedding_rows=self._embedding_rows(tokens),
         )
         if start is None:
             steps = inputs.steps_run(program, request)
@@ -481,6 +484,46 @@ class Pipeline:
             self._applied = ((), self.params)
         self.ip_adapters, self._ip_adapter_scales = (), ()
 
+    # Textual-inversion embeddings
+
+    def load_textual_inversion(
+        self, pretrained_model_name_or_path: str | os.PathLike | Sequence, token: str | Sequence | None = None
+    ) -> None:
+        """Loads textual-inversion embeddings from safetensors files (`sdxl.checkpoints.embeddings`), one
+        path or a list, as diffusers' method of that name: each is named in prompts by `token` (a list: one
+        per path), by default its file's stem, as in webui. A name already loaded takes the new vectors.
+        Requests without embeddings keep their programs; the first with one compiles once per block of
+        `embeddings.ROW_BLOCK` vectors loaded.
+
+        Raises:
+          CheckpointError: a file that is missing, pickled, or not an embedding of this model's encoders.
+          ValueError: another number of tokens than paths, or a name that is no word of a prompt.
+        """
+        single = isinstance(pretrained_model_name_or_path, str | os.PathLike)
+        paths = [pretrained_model_name_or_path] if single else list(pretrained_model_name_or_path)
+        tokens = [token] * len(paths) if token is None or isinstance(token, str) else list(token)
+        if len(tokens) != len(paths) or (isinstance(token, str) and not single):
+            raise ValueError(f"give one token per embedding file: {len(paths)} file(s), {len(tokens)} token(s)")
+        loaded = {embedding.name: embedding for embedding in self.prompts.embeddings}
+        for path, name in zip(paths, tokens):
+            embedding = embeddings.read(path, self.spec, name)
+            loaded.pop(embedding.name, None)
+            loaded[embedding.name] = embedding
+        replicated = meshes.replicated(self.mesh)
+        tables = tuple(meshes.place(table.astype(self.dtype), replicated)
+                       for table in embeddings.table(list(loaded.values()), self.spec))
+        with self._lock:
+            self.prompts.set_embeddings(list(loaded.values()))
+            self.params = {**self.params, "embeddings": tables}
+            self._applied = ((), self.params)
+
+    def _embedding_rows(self, tokens) -> int:
+        """The vector rows a prompt's program reads: the loaded tables' when one of its ids is past the
+        vocabulary, else none (and the program is the one without embeddings)."""
+        if "embeddings" not in self.params or not (tokens.ids >= self.spec.text_encoders[0].vocab_size).any():
+            return 0
+        return self.params["embeddings"][0].shape[0]
+
     # LoRAs
 
     def set_loras(self, loras: Mapping[str, float]) -> float:
@@ -577,8 +620,8 @@ class Pipeline:
         arrays = inputs.placed(inputs.host_inputs(prepared), self.mesh)
         params = self.params_with(request.loras)
         # The ControlNets' and IP-Adapters' weights are the program's only when they steer this request.
-        unused = {name for name, used in (("controlnets", program.controlnets), ("ip_adapters", program.ip_adapters))
-                  if not used}
+        unused = {name for name, used in (("controlnets", program.controlnets), ("ip_adapters", program.ip_adapters),
+                                          ("embeddings", program.embedding_rows)) if not used}
         params = {k: v for k, v in params.items() if k not in unused}
         if on_step is None and on_preview is None:
             images, finite = self.executables.compiled(program, "whole")(params, arrays)

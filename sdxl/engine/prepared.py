@@ -50,9 +50,10 @@ class PreparedRequest:
     @property
     def batch_key(self) -> tuple:
         """Requests with equal keys share a call in the device queue: equal `call_settings`, all needing
-        guidance or none (a request without would otherwise pay for the other's second UNet pass), and
-        prompts of as many chunks (a short one would pay for the other's long context)."""
-        return self.request.call_settings, self.program.guided, self.tokens.num_chunks
+        guidance or none (a request without would otherwise pay for the other's second UNet pass),
+        prompts of as many chunks (a short one would pay for the other's long context), and of textual-inversion
+        vectors all or none (the merged request runs the first's program)."""
+        return self.request.call_settings, self.program.guided, self.tokens.num_chunks, self.program.embedding_rows
 
     def programs_at(self, batch: int) -> tuple[GenerateProgram, ...]:
         """Its programs at another (padded) batch size: what a merged batch of requests like it runs."""

@@ -150,6 +150,8 @@ def encode_text(
     as the diffusers pipelines do.
 
     Args:
+      params: with "embeddings", one [R, C_e] table per encoder of the textual-inversion vectors that ids
+        past its vocabulary select (`sdxl.models.clip.CLIPTextEmbeddings`).
       ids, weights: [B, E, K * 77] token ids and their weights, one row per text encoder, K chunks.
       rescale: [B] bool, whether weighted chunks keep their mean (`emphasized`).
       clip_layer, clip_norm: [B, E] which hidden state of each encoder is read, and whether normed
@@ -165,9 +167,10 @@ def encode_text(
     chunks = length // spec.max_tokens
     per_chunk = jnp.repeat(rescale, chunks)
     states, pooled = [], None
+    extra_tokens = params.get("embeddings", (None,) * len(spec.text_encoders))
     for e, (name, config) in enumerate(zip(spec.text_encoder_names, spec.text_encoders)):
         encoder = clip.CLIPTextModel(config, dtype=dtype)
-        out = encoder.apply({"params": params[name]}, ids[:, e].reshape(batch * chunks, -1))
+        out = encoder.apply({"params": params[name]}, ids[:, e].reshape(batch * chunks, -1), extra_tokens[e])
         hidden = chosen_state(config, params[name], out.hidden_states, jnp.repeat(clip_layer[:, e], chunks),
                               jnp.repeat(clip_norm[:, e], chunks), dtype)  # [B * K, 77, D_e]
         weighted = emphasized(hidden, weights[:, e].reshape(batch * chunks, -1), per_chunk)
@@ -286,10 +289,11 @@ class GenerateProgram:
     embedding) the UNet sees only the prompts, one pass per step on B latents instead of 2B; the
     negative prompts' ids are then not read.
 
-    `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"][, "controlnets"][, "ip_adapters"]}
-    parameter tree, in `dtype`; "controlnets" holds one tree per entry of `controlnets`, "ip_adapters" one
-    {"image_encoder", "image_proj", "unet"} per entry of `ip_adapters`, whose "unet" holds `to_k_ip` and
-    `to_v_ip` in every `attn2` of the UNet's tree.
+    `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"][, "controlnets"][, "ip_adapters"]
+    [, "embeddings"]} parameter tree, in `dtype`; "controlnets" holds one tree per entry of `controlnets`,
+    "ip_adapters" one {"image_encoder", "image_proj", "unet"} per entry of `ip_adapters`, whose "unet" holds
+    `to_k_ip` and `to_v_ip` in every `attn2` of the UNet's tree; "embeddings" one [embedding_rows, C_e]
+    table of textual-inversion vectors per text encoder.
     """
 
     spec: ModelSpec
@@ -317,6 +321,9 @@ class GenerateProgram:
     vae_tiling: bool = False
     # `Inputs.image_prompt_pixels` steer the UNet through these IP-Adapters.
     ip_adapters: tuple[IPAdapterConfig, ...] = ()
+    # The prompts' ids past each encoder's vocabulary select rows of `params["embeddings"]`, this many
+    # (`sdxl.checkpoints.embeddings.table`: a multiple of a block, so loading one more seldom changes it).
+    embedding_rows: int = 0
 
     @property
     def method(self) -> Sampler:

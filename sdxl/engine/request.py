@@ -226,7 +226,7 @@ class Request:
     @property
     def call_settings(self) -> tuple:
         """What every image of one compiled call shares: requests with equal settings can render
-        together (guidance and prompt lengths aside: `PreparedRequest.batch_key`)."""
+        together (guidance, prompt lengths and embeddings aside: `PreparedRequest.batch_key`)."""
         return (
             self.height, self.width, self.steps, self.sampler, self.schedule_type, self.loras, self.start_from,
             self.masks is not None, self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores,

@@ -114,12 +114,24 @@ class CLIPTextEmbeddings(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, input_ids: jax.Array) -> jax.Array:
+    def __call__(self, input_ids: jax.Array, extra_tokens: jax.Array | None = None) -> jax.Array:
+        """`extra_tokens` [R, C]: the token table's rows past the vocabulary (textual-inversion vectors),
+        which ids from `vocab_size` on select. They replace the token embedding before the positions are
+        added, as webui's `EmbeddingsWithFixes` does."""
         cfg = self.config
         token = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, name="token_embedding")
         position = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=self.dtype, name="position_embedding")
         positions = jnp.arange(input_ids.shape[-1])
-        return token(input_ids) + position(positions)[None]  # [B, T, C]
+        if extra_tokens is None:
+            tokens = token(input_ids)
+        else:
+            extra = input_ids >= cfg.vocab_size
+            tokens = jnp.where(
+                extra[..., None],
+                jnp.take(extra_tokens, jnp.where(extra, input_ids - cfg.vocab_size, 0), axis=0).astype(self.dtype),
+                token(jnp.where(extra, 0, input_ids)),
+            )
+        return tokens + position(positions)[None]  # [B, T, C]
 
 
 class CLIPAttention(nn.Module):
@@ -174,9 +186,11 @@ class CLIPTextTransformer(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, input_ids: jax.Array) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
+    def __call__(
+        self, input_ids: jax.Array, extra_tokens: jax.Array | None = None
+    ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
         cfg = self.config
-        x = CLIPTextEmbeddings(cfg, self.dtype, name="embeddings")(input_ids)
+        x = CLIPTextEmbeddings(cfg, self.dtype, name="embeddings")(input_ids, extra_tokens)
         hidden_states = [x]
         for i in range(cfg.num_hidden_layers):
             x = CLIPEncoderLayer(cfg, self.dtype, name=f"encoder.layers.{i}")(x)
@@ -186,8 +200,9 @@ class CLIPTextTransformer(nn.Module):
         if cfg.eos_token_id == 2:
             # Configs written before transformers PR #24773 carry a wrong eos_token_id 2 (the
             # published SDXL configs among them). For them transformers keeps pooling at the largest
-            # token id, which is the end-of-text token unless the vocabulary was extended.
-            pool_at = jnp.argmax(input_ids, axis=-1)
+            # token id, which is the end-of-text token unless the vocabulary was extended. Ids past the
+            # vocabulary (textual-inversion vectors) count as 0, the placeholder id webui gives them.
+            pool_at = jnp.argmax(jnp.where(input_ids >= cfg.vocab_size, 0, input_ids), axis=-1)
         else:
             # The first end-of-text token: padding may reuse the same id.
             pool_at = jnp.argmax(input_ids == cfg.eos_token_id, axis=-1)
@@ -204,12 +219,14 @@ class CLIPTextModel(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, input_ids: jax.Array) -> CLIPTextOutput:
+    def __call__(self, input_ids: jax.Array, extra_tokens: jax.Array | None = None) -> CLIPTextOutput:
         """Encodes token ids, as transformers does when called with `input_ids` only.
 
         Args:
           input_ids: [B, T] integer token ids, T <= max_position_embeddings. Every sequence must
             contain the end-of-text token (tokenizers add it), which is where the output is pooled.
+          extra_tokens: [R, hidden_size] token embeddings for the ids vocab_size .. vocab_size + R - 1
+            (`CLIPTextEmbeddings`), or None.
 
         Returns:
           A CLIPTextOutput.
@@ -219,7 +236,9 @@ class CLIPTextModel(nn.Module):
             raise ValueError(
                 f"input_ids must be [batch, length <= {cfg.max_position_embeddings}], got shape {input_ids.shape}"
             )
-        hidden_states, last_hidden_state, pooled = CLIPTextTransformer(cfg, self.dtype, name="text_model")(input_ids)
+        hidden_states, last_hidden_state, pooled = CLIPTextTransformer(cfg, self.dtype, name="text_model")(
+            input_ids, extra_tokens
+        )
         text_embeds = None
         if cfg.with_projection:
             text_embeds = Linear(cfg.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")(pooled)

@@ -13,6 +13,8 @@ The reading, as webui 1.10 does it:
   `BREAK` (uppercase, a word of its own, outside brackets) ends the current chunk.
 - `chunks`: each piece is tokenized on its own; the tokens fill chunks of 75. When a chunk is full and
   the next token is not a comma, a comma at most 20 tokens back moves what follows it to the next chunk.
+- Textual-inversion embeddings (`chunks`' `embeddings`): a name's n vectors take n positions in a chunk,
+  weighted as its piece; an embedding that does not fit in what is left of a chunk opens the next.
 - `encoder_ids`: a chunk is BOS + its 75 tokens (EOS-padded) + EOS; positions after the first EOS take
   the tokenizer's pad id (EOS for SD 1.x and SDXL's first tokenizer, 0 for the OpenCLIP ones).
 - Emphasis (in the program): the chunk's hidden states times each position's weight, then rescaled so
@@ -28,8 +30,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -161,6 +164,7 @@ def chunks(
     comma_id: int,
     eos: int,
     backtrack: int = COMMA_BACKTRACK,
+    embeddings: Mapping[tuple[int, ...], tuple[int, ...]] = MappingProxyType({}),
 ) -> list[Chunk]:
     """Packs the pieces' tokens into chunks as webui's `tokenize_line` does.
 
@@ -171,8 +175,15 @@ def chunks(
     chunk closes, so a comma that opens a chunk is never a backtrack point. A BREAK closes the current
     chunk even when it is empty (a BREAK first gives an empty chunk, two in a row one between them), but
     the prompt's end closes one only if it holds tokens or is the first. An empty prompt is one empty chunk.
+
+    Textual-inversion `embeddings` map a name's token ids to the ids of its vectors (past the vocabulary,
+    rows the encoder's token table is extended by). Where a piece's tokens spell a name (the longest, as
+    webui matches names on token ids, so a name inside a longer word is not one) its vectors take its
+    place, one position each, with the piece's weight; when they do not fit in what is left of the chunk,
+    the chunk closes and they open the next.
     """
     token_lists = tokenize([text for text, _ in pieces])
+    name_lengths = sorted({len(name) for name in embeddings}, reverse=True)
     done: list[Chunk] = []
     ids: list[int] = []
     weights: list[float] = []
@@ -189,7 +200,9 @@ def chunks(
             close()
             continue
         weight = piece[1]
-        for token in tokens:
+        position = 0
+        while position < len(tokens):
+            token = tokens[position]
             if token == comma_id:
                 last_comma = len(ids)
             elif backtrack and len(ids) == CHUNK_TOKENS and last_comma != -1 and CHUNK_TOKENS - last_comma <= backtrack:
@@ -200,8 +213,19 @@ def chunks(
                 ids, weights = moved_ids, moved_weights
             if len(ids) == CHUNK_TOKENS:
                 close()
-            ids.append(token)
-            weights.append(weight)
+            name = next((tuple(tokens[position:position + n]) for n in name_lengths
+                         if tuple(tokens[position:position + n]) in embeddings), None)
+            if name is None:
+                ids.append(token)
+                weights.append(weight)
+                position += 1
+                continue
+            vectors = embeddings[name]
+            if len(ids) + len(vectors) > CHUNK_TOKENS:  # an embedding is never split between chunks
+                close()
+            ids.extend(vectors)
+            weights.extend([weight] * len(vectors))
+            position += len(name)
     if ids or not done:
         close(final=True)
     return done
@@ -227,10 +251,11 @@ def prompt_chunks(
     eos: int,
     emphasis: str = "original",
     what: str = "prompt",
+    embeddings: Mapping[tuple[int, ...], tuple[int, ...]] = MappingProxyType({}),
 ) -> list[Chunk]:
     """A prompt's chunks under an emphasis mode, checked by `check` (`what` names the prompt in its error)."""
     pieces = prompt_pieces(text, emphasis)
-    result = chunks(pieces, tokenize, comma_id=comma_id, eos=eos)
+    result = chunks(pieces, tokenize, comma_id=comma_id, eos=eos, embeddings=embeddings)
     check(pieces, result, what=what)
     return result
 

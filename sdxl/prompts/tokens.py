@@ -1,5 +1,6 @@
 """Prompts as the text encoders read them, the way AUTOMATIC1111's webui reads them (`sdxl.prompts.syntax`):
-weights, BREAK, prompts longer than 77 tokens in chunks, and LoRA tags taken out of the text.
+weights, BREAK, prompts longer than 77 tokens in chunks, LoRA tags taken out of the text, and textual-inversion
+embeddings' names read as their vectors.
 
 `Prompts.tokens(prompts, negative_prompts)` gives a batch its `Tokens`: every prompt's chunks for every text encoder,
 ids and weights, padded to the request's chunk count (one of `CHUNK_COUNTS`), with each prompt's own
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..checkpoints import ModelSpec
+from ..checkpoints.embeddings import Embedding
 from ..checkpoints.tokenizer import one_call_at_a_time
 from . import syntax as prompt_syntax
 from .syntax import CHUNK_TOKENS, MAX_CHUNKS, Chunk
@@ -62,6 +64,43 @@ class Prompts:
     def __init__(self, spec: ModelSpec, tokenizers: Sequence):
         self.spec = spec
         self.tokenizers = list(tokenizers)
+        self.embeddings: tuple[Embedding, ...] = ()  # textual inversion, in the order of their rows
+        # Per tokenizer: a name's token ids -> its vectors' ids (rows past the encoder's vocabulary).
+        self._embedding_ids: list[dict[tuple[int, ...], tuple[int, ...]]] = [{} for _ in self.tokenizers]
+
+    def set_embeddings(self, embeddings: Sequence[Embedding]) -> None:
+        """Reads prompts with these textual-inversion embeddings: where a prompt names one, its vectors
+        take its place, the vectors of all of them, in order, being the rows past each encoder's vocabulary
+        (`sdxl.checkpoints.embeddings.table`).
+
+        Raises:
+          ValueError: a name the tokenizers read as no tokens.
+        """
+        lookups = [{} for _ in self.tokenizers]
+        row = 0
+        for embedding in embeddings:
+            for lookup, tokenizer, config in zip(lookups, self.tokenizers, self.spec.text_encoders, strict=True):
+                name_ids = tuple(self._reading(tokenizer)["tokenize"]([embedding.name])[0])
+                if not name_ids:
+                    raise ValueError(f"the embedding name {embedding.name!r} is no word a prompt can hold")
+                first = config.vocab_size + row
+                lookup[name_ids] = tuple(range(first, first + embedding.count))
+            row += embedding.count
+        self.embeddings, self._embedding_ids = tuple(embeddings), lookups
+
+    def embeddings_in(self, text: str, emphasis: str = "original", *, negative: bool = False) -> list[Embedding]:
+        """The embeddings a prompt names, in the order they first appear."""
+        if not self.embeddings:
+            return []
+        if not negative:
+            text, _ = prompt_syntax.lora_tags(text)
+        pieces = prompt_syntax.prompt_pieces(text, emphasis)
+        chunks = prompt_syntax.chunks(pieces, **self._reading(self.tokenizers[0]), embeddings=self._embedding_ids[0])
+        first_row = self.spec.text_encoders[0].vocab_size
+        starts = np.cumsum([0, *(embedding.count for embedding in self.embeddings)])
+        rows = [i - first_row for chunk in chunks for i in chunk.ids if i >= first_row]
+        used = dict.fromkeys(int(np.searchsorted(starts, row, side="right")) - 1 for row in rows)
+        return [self.embeddings[i] for i in used]
 
     def tokens(self, prompts: Sequence[str], negative_prompts: Sequence[str], emphasis: str = "original") -> Tokens:
         """The `Tokens` of a batch's prompts and negative prompts (one of each per image): made where a
@@ -99,8 +138,9 @@ class Prompts:
             text, _ = prompt_syntax.lora_tags(text)
         what = "negative prompt" if negative else "prompt"
         per_encoder = [
-            prompt_syntax.prompt_chunks(text, **self._reading(tokenizer), emphasis=emphasis, what=what)
-            for tokenizer in self.tokenizers
+            prompt_syntax.prompt_chunks(text, **self._reading(tokenizer), emphasis=emphasis, what=what,
+                                        embeddings=embedding_ids)
+            for tokenizer, embedding_ids in zip(self.tokenizers, self._embedding_ids)
         ]
         count = max(len(chunks) for chunks in per_encoder)  # the same but for tokenizers of other vocabularies
         framed = [self._framed(tokenizer, chunks, count) for tokenizer, chunks in zip(self.tokenizers, per_encoder)]
@@ -111,7 +151,8 @@ class Prompts:
         if not negative:
             text, _ = prompt_syntax.lora_tags(text)
         pieces = prompt_syntax.prompt_pieces(text, emphasis)
-        chunks = prompt_syntax.chunks(pieces, **self._reading(self.tokenizers[0]))  # unchecked: a count to show
+        # unchecked: a count to show; an embedding counts as its vectors
+        chunks = prompt_syntax.chunks(pieces, **self._reading(self.tokenizers[0]), embeddings=self._embedding_ids[0])
         over = f" (at most {MAX_CHUNKS})" if len(chunks) > MAX_CHUNKS else ""
         return prompt_syntax.length_text(chunks) + over
 

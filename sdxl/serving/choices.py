@@ -58,6 +58,7 @@ class Choices:
     refine_from: float
     ip_adapters: list[str]  # the launched IP-Adapters' labels (`ip_adapter_labels`)
     ip_adapter_layers: list[tuple[str, str]]  # the presets the UNet has blocks for, "all" first
+    embeddings: str  # the launched textual-inversion embeddings and their token counts, in a line ("": none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,13 @@ SCHEDULE_TYPE_LABELS = [("Default: diffusers', else A1111's Automatic", ""),
 # The noise sources as the page names them: which tool's pictures each one draws again.
 NOISE_SOURCE_LABELS = [("JAX (this demo's)", "jax"), ("NV (A1111 and Forge on an NVIDIA GPU)", "nv"),
                        ("CPU (A1111's CPU, ComfyUI, diffusers)", "cpu")]
+
+
+def embeddings_line(pipe) -> str:
+    """The loaded textual-inversion embeddings as the page lists them, each name with the tokens it takes
+    ("Embeddings: `neg` (2 tokens), ..."); "" for none."""
+    names = [f"`{e.name}` ({e.count} token{'' if e.count == 1 else 's'})" for e in pipe.prompts.embeddings]
+    return f"Embeddings, by name in a prompt: {', '.join(names)}" if names else ""
 
 
 def choices_of(service) -> Choices:
@@ -115,7 +123,7 @@ def choices_of(service) -> Choices:
         sampler=spec.default_sampler, guidance_scale=service.recommended.guidance_scale,
         steps=service.recommended.steps, strength=default_strength(spec, inpainting=False),
         control_scale=default_control_scale(spec, image=False, inpainting=False),
-        ip_adapters=ip_adapter_labels(service.pipe), ip_adapter_layers=[
+        ip_adapters=ip_adapter_labels(service.pipe), embeddings=embeddings_line(service.pipe), ip_adapter_layers=[
             (LAYER_LABELS[preset], preset) for preset in presets_of(spec.unet)] if service.pipe.ip_adapters else [],
     )
 

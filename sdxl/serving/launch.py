@@ -10,13 +10,14 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from ..checkpoints import CheckpointError, HubUnavailableError, hub, shapes
+from ..checkpoints.weights import refuse_pickled
 from ..engine import memory
 from ..engine.compilation import CompileCounter, enable_compilation_cache
 from ..engine.image_prompts import ImagePrompt
@@ -76,6 +77,10 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] |
     parser.add_argument("--lora", action="append", type=source_and_scale, default=[], metavar="FILE[:SCALE]",
                         help="a LoRA, with its scale (default 1); repeatable. A .safetensors file (kohya/A1111 or "
                         "diffusers/PEFT), a Hub repo id, or owner/name/file.safetensors")
+    parser.add_argument("--embedding", action="append", default=[], metavar="PATH",
+                        help="a textual-inversion embedding that prompts name by its file's stem, as in A1111: a "
+                        ".safetensors file (SDXL's clip_l and clip_g, or SD 1.x's one tensor), or a folder of them; "
+                        "repeatable")
     controlnet = variable.get("SDXL_CONTROLNET")
     parser.add_argument(
         "--controlnet", action="append", default=[controlnet] if controlnet else [],
@@ -124,6 +129,25 @@ def source_and_scale(text: str) -> tuple[str, float]:
     """A `--lora SOURCE[:SCALE]` value as (source, scale); the scale defaults to 1."""
     source, scale = split_scale(text)
     return source, 1.0 if scale is None else scale
+
+
+def embedding_files(paths: Sequence[str]) -> list[Path]:
+    """The files of `--embedding` values: a file as it is, a folder's .safetensors files by name; checked
+    before a model loads.
+
+    Raises:
+      CheckpointError: a pickled file, a missing one, or a folder without any.
+    """
+    files = []
+    for path in map(Path, paths):
+        refuse_pickled(str(path), "embedding")
+        if not path.exists():
+            raise CheckpointError(f"embedding {path}: no such file or folder")
+        found = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not found:
+            raise CheckpointError(f"embedding folder {path}: no .safetensors files in it")
+        files.extend(found)
+    return files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,11 +250,14 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
             f"from there, offline too."
         ) + (" The ControlNets are not loaded: they steer the model asked for." if options.controlnet else "") + (
             " The IP-Adapters are not loaded: they steer the model asked for." if ip_adapters else "") + (
-            " The VAE asked for is not loaded: it belongs with the model asked for." if options.vae else ""
+            " The VAE asked for is not loaded: it belongs with the model asked for." if options.vae else "") + (
+            " The embeddings are not loaded: they belong with the model asked for." if options.embedding else ""
         )
         log.warning(notice)
         pipe, name, ip_adapters = load(FALLBACK_MODEL), FALLBACK_MODEL, []
     load_ip_adapters(pipe, ip_adapters)
+    if options.embedding and not notice:
+        pipe.load_textual_inversion(embedding_files(options.embedding))
     pipe.set_loras(loras)
     for source in options.upscaler:
         pipe.add_upscaler(source)
