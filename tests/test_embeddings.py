@@ -16,6 +16,7 @@ from sdxl.checkpoints import CheckpointError, embeddings
 from sdxl.engine import infotext
 from sdxl.engine.infotext import infotext_quote
 from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.inputs import clip_layers
 from sdxl.engine.program import encode_text
 from sdxl.engine.request import Request
 
@@ -66,8 +67,10 @@ def sd1(tmp_path_factory):
 def our_conditioning(pipe, text, negative=False):
     """The program's text conditioning of one prompt: ([1, 77k, D], pooled or None)."""
     ids, weights = pipe.prompts.read(text, negative=negative)
+    layers = clip_layers(pipe.spec, Request.from_prompt(text, num_images=1, height=64, width=64))  # clip skip 1
     return encode_text(pipe.spec, pipe.params, jnp.asarray(ids[None]), jnp.asarray(weights[None]),
-                       jnp.array([True]), jnp.float32)
+                       jnp.array([True]), jnp.array([[layer for layer, _ in layers]]),
+                       jnp.array([[norm for _, norm in layers]]), jnp.float32)
 
 
 # A name alone, weighted, beside a comma, twice; in a longer word, which the tokenizer reads as other ids
@@ -225,11 +228,13 @@ def test_the_tables_hold_the_vectors_in_blocks(specs, tmp_path):
 PICTURE = dict(height=64, width=96, seed=11, steps=6, cfg=5.0)
 
 
-def a1111_infotext(prompt: str, negative: str, sampler: str, schedule_type: str, rng: str, ti_hashes: str) -> str:
+def a1111_infotext(prompt: str, negative: str, sampler: str, schedule_type: str, rng: str, ti_hashes: str,
+                   clip_skip: int = 1) -> str:
     p = PICTURE
+    skip = f"Clip skip: {clip_skip}, " if clip_skip > 1 else ""  # where webui writes it
     return (f"{prompt}\nNegative prompt: {negative}\nSteps: {p['steps']}, Sampler: {sampler}, Schedule type: "
             f"{schedule_type}, CFG scale: {p['cfg']:g}, Seed: {p['seed']}, Size: {p['width']}x{p['height']}, "
-            f"Model hash: 0123456789, RNG: {rng}, TI hashes: {infotext_quote(ti_hashes)}, Version: v1.10.1")
+            f"Model hash: 0123456789, {skip}RNG: {rng}, TI hashes: {infotext_quote(ti_hashes)}, Version: v1.10.1")
 
 
 def a1111_pictures(ref, pipe, conditioning, prompt, negative, sampler, schedule_type, rng) -> np.ndarray:
@@ -284,15 +289,17 @@ def test_sdxl_embeddings_draw_a1111s_images(sdxl, case):
 
 
 @pytest.mark.oracle
-def test_sd1_emb_params_embedding_draws_a1111s_images(sd1):
+def test_sd1_emb_params_embedding_with_clip_skip_draws_a1111s_images(sd1):
+    """The issue's SD 1.x case: an emb_params embedding, and "Clip skip: 2"."""
     ref, pipe, vectors = sd1
     prompt, negative = "a photo of (sks:1.1) dog", "blurry, sks"
     hashes = f"sks: {pipe.prompts.embeddings[0].short_hash}"
-    ours = pipe.generate(**read_parameters(a1111_infotext(prompt, negative, "DPM++ 2M", "Karras", "NV", hashes), pipe),
-                         num_images=2, output_type="np")
+    text = a1111_infotext(prompt, negative, "DPM++ 2M", "Karras", "NV", hashes, clip_skip=2)
+    ours = pipe.generate(**read_parameters(text, pipe), num_images=2, output_type="np")
 
     def conditioning(text, negative):
-        return {"crossattn": webui.sd1_conditioning(text, ref.tokenizer, ref.text_encoder, embeddings=vectors)}
+        return {"crossattn": webui.sd1_conditioning(text, ref.tokenizer, ref.text_encoder, clip_skip=2,
+                                                    embeddings=vectors)}
 
     theirs = a1111_pictures(ref, pipe, conditioning, prompt, negative, "DPM++ 2M", "Karras", "NV")
     diff = np.abs(ours - theirs).max()
