@@ -94,13 +94,27 @@ ORDER = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Mode
          "Hires upscaler", "Hires sampler", "Hires CFG Scale", "Hires prompt", "Version")
 
 
+# Prompt editing and alternation (the prompts' own fields, beside the settings'), with a one- and a
+# two-evaluation-per-step sampler: webui's denoiser counts its calls.
+EDIT_CASES = {
+    "[cat:dog:0.5], Euler a": {"prompt": "[cat:dog:0.5]", "Sampler": "Euler a", "Schedule type": "Automatic"},
+    "[red|blue], Euler": {"prompt": "[red|blue]", "Sampler": "Euler", "Schedule type": "Automatic", "RNG": "CPU"},
+    "edits in both prompts, Heun": {
+        "prompt": "a [red|blue|] cube, [(soft light:1.2)::4]", "negative": "[blurry:noisy:0.25]", "Sampler": "Heun",
+        "Schedule type": "Karras",
+    },
+    "nested, DPM++ 2M": {"prompt": "[a [red|blue]:a green cube:0.6] on a table", "Sampler": "DPM++ 2M",
+                         "Schedule type": "Automatic"},
+}
+
+
 def infotext(case: dict) -> str:
     """The "parameters" text A1111 writes for the first image of a batch with these settings."""
     fields = {"Steps": STEPS, "CFG scale": CFG, "Seed": SEED, "Size": f"{WIDTH}x{HEIGHT}",
               "Model hash": "0123456789", "Model": "tiny", "Version": "v1.10.1", **case}
     settings = ", ".join(f"{key}: {fields[key]:g}" if isinstance(fields[key], float) else
                          f"{key}: {infotext_quote(fields[key])}" for key in ORDER if key in fields)
-    return f"{PROMPT}\nNegative prompt: {NEGATIVE}\n{settings}"
+    return f"{case.get('prompt', PROMPT)}\nNegative prompt: {case.get('negative', NEGATIVE)}\n{settings}"
 
 
 @pytest.fixture(scope="module")
@@ -123,21 +137,29 @@ def a1111_images(ref, case: dict, shape: tuple[int, int, int]) -> np.ndarray:
     model = webui.model_wrap(webui.CompVisModel(unet, config.beta_start, config.beta_end, config.num_train_timesteps))
     encoders = (ref.tokenizer, ref.tokenizer_2), (ref.text_encoder, ref.text_encoder_2)
 
-    def conditioning(prompt, negative, height=HEIGHT, width=WIDTH):
-        z, pooled = a1111_reference.sdxl_conditioning(prompt, *encoders, negative=negative)
-        time_ids = torch.tensor([[height, width, 0, 0, height, width]] * 2, dtype=torch.float32)
-        return {"crossattn": z.repeat(2, 1, 1), "pooled": pooled.repeat(2, 1), "time_ids": time_ids}
-
     schedule_type = case.get("Schedule type", "Automatic")
     sampler = case["Sampler"]
     if sampler.endswith(" Karras"):  # a sampler's name before 1.9 held its schedule type
         sampler, schedule_type = sampler.removesuffix(" Karras"), "Karras"
+    # processing.py's setup_conds: prompts are scheduled over the sampler's total_steps.
+    total_steps = STEPS * (2 if webui.SAMPLERS[sampler][1].get("second_order") else 1)
+
+    def encoded(prompt, negative, height, width):
+        z, pooled = a1111_reference.sdxl_conditioning(prompt, *encoders, negative=negative)
+        time_ids = torch.tensor([[height, width, 0, 0, height, width]] * 2, dtype=torch.float32)
+        return {"crossattn": z.repeat(2, 1, 1), "pooled": pooled.repeat(2, 1), "time_ids": time_ids}
+
+    def conditioning(prompt, negative, height=HEIGHT, width=WIDTH):
+        """The prompt's schedule [(end_at_step, conditioning)], webui's `get_learned_conditioning`."""
+        schedule = a1111_reference.prompt_schedule(prompt, total_steps)
+        return [(end, encoded(text, negative, height, width)) for end, text in schedule]
     scale = ref.vae.config.scaling_factor
     seeds = dict(seed=SEED, subseed=case.get("Variation seed", 0), ensd=case.get("ENSD", 0),
                  subseed_strength=case.get("Variation seed strength", 0.0),
                  source=case.get("RNG", "NV"))  # no RNG field: the GPU source, on NVIDIA cards NV's numbers
     with torch.no_grad():
-        latents = webui.txt2img(model, conditioning(PROMPT, False), conditioning(NEGATIVE, True), sampler=sampler,
+        prompt, negative = case.get("prompt", PROMPT), case.get("negative", NEGATIVE)
+        latents = webui.txt2img(model, conditioning(prompt, False), conditioning(negative, True), sampler=sampler,
                                 scheduler=schedule_type, steps=STEPS, cfg_scale=CFG, shape=shape, **seeds)
         if "Hires upscaler" in case:
             latents = a1111_hires_pass(ref, model, conditioning, latents, case, sampler, schedule_type, seeds)
@@ -204,3 +226,18 @@ def test_a_pasted_hires_fix_draws_a1111s_upscaled_images(reference, case):
     in_latents = HIRES_CASES[case]["Hires upscaler"].startswith("Latent")
     assert diff <= (SDE_TOLERANCE if "SDE" in HIRES_CASES[case]["Sampler"] else 1e-4 if in_latents
                     else IMAGE_UPSCALER_TOLERANCE)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("case", EDIT_CASES)
+def test_a_pasted_prompt_edit_draws_a1111s_images(reference, case):
+    pipe, ref = reference
+    with pytest.warns(UserWarning, match=r"parameters not applied: Model$"):
+        parameters = read_parameters(infotext(EDIT_CASES[case]))
+    assert parameters["prompt"] == EDIT_CASES[case]["prompt"]
+    ours = pipe.generate(**parameters, num_images=2, output_type="np")
+    h, w, c = pipe.spec.latent_shape(HEIGHT, WIDTH)
+    theirs = a1111_images(ref, EDIT_CASES[case], (c, h, w))
+    diff = np.abs(ours - theirs).max()
+    print(f"{case}: max abs diff {diff:.2e}")
+    assert diff <= 1e-4
