@@ -241,3 +241,14 @@ def test_a_pasted_prompt_edit_draws_a1111s_images(reference, case):
     diff = np.abs(ours - theirs).max()
     print(f"{case}: max abs diff {diff:.2e}")
     assert diff <= 1e-4
+
+
+@pytest.mark.oracle
+def test_a_prompt_edit_changes_the_images_by_far_more_than_the_tolerance(reference):
+    """[cat:dog:0.5] switches late, where steps change little: still 10 times the tolerance from "cat"."""
+    pipe, _ = reference
+    with pytest.warns(UserWarning, match=r"parameters not applied: Model$"):
+        parameters = read_parameters(infotext(EDIT_CASES["[cat:dog:0.5], Euler a"]))
+    edited = pipe.generate(**parameters, num_images=2, output_type="np")
+    plain = pipe.generate(**{**parameters, "prompt": "cat"}, num_images=2, output_type="np")
+    assert np.abs(edited - plain).max() > 1e-3

@@ -2,12 +2,15 @@
 its lark grammar as it is)."""
 
 import random
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from a1111_reference import prompt_schedule as webui_schedule
 from a1111_reference import scheduled_entry
 from sdxl.prompts import editing
+from sdxl.prompts.tokens import Tokens
 
 # webui's doctests (modules/prompt_parser.py), a few of each kind, and what it reads as plain text.
 PROMPTS = [
@@ -91,3 +94,41 @@ def test_alternation_starts_with_its_first_text_twice():
     """webui's denoiser counts calls from 0 and entry 1 is the first text, so [red|blue] reads red, red, blue."""
     schedule = editing.prompt_schedule("[red|blue]", 4)
     assert [schedule[editing.conditioning_index(schedule, s)][1] for s in range(4)] == ["red", "red", "blue", "red"]
+
+
+def test_tokens_pick_each_iterations_conditioning_as_webui():
+    """`Tokens.conditioning_steps` against webui's entry for each call, for an image-to-image run whose first
+    iteration is 2 (calls counted from there), and past the schedule's end (webui's first entry)."""
+    schedules = [editing.prompt_schedule("[red|blue]", 4), editing.prompt_schedule("[cat:dog:0.5]", 4)]
+    variants = [list(dict.fromkeys(text for _, text in schedule)) for schedule in schedules]
+    readings = np.array([[[v.index(schedule[editing.conditioning_index(schedule, s)][1]) for s in range(5)]
+                          for schedule, v in zip(schedules, variants)]], np.int32)
+    shape = (1, 2, 2, 1, 77)
+    tokens = Tokens(np.zeros(shape, np.int32), np.ones(shape, np.float32), np.ones((1, 2, 2), np.int32),
+                    np.ones(1, bool), readings)
+    picked = tokens.conditioning_steps(evaluations=9, first=2)
+    for j, (schedule, v) in enumerate(zip(schedules, variants)):
+        for i in range(2, 9):
+            assert v[picked[0, j, i]] == scheduled_entry(schedule, i - 2)[1], (j, i)
+    merged = Tokens.merged([tokens, tokens.padded(2, 8, 7)])
+    assert merged.ids.shape == (2, 2, 8, 1, 2 * 77)
+    np.testing.assert_array_equal(merged.conditioning_steps(9, 2), np.concatenate([picked, picked]))
+
+
+def test_a_schedule_is_encoded_as_its_distinct_texts():
+    """[red|blue] over 40 steps is 40 entries but two texts, read alternately."""
+    from transformers import CLIPTokenizer
+
+    from sdxl.prompts.tokens import Prompts
+
+    configs = Path(__file__).parents[1] / "sdxl" / "configs" / "sdxl-base-1.0"
+    tokenizers = [CLIPTokenizer.from_pretrained(configs / name) for name in ("tokenizer", "tokenizer_2")]
+    prompts = Prompts(None, tokenizers)
+    tokens = prompts.tokens(["a [red|blue] cube"], ["[blurry::3]"], steps=40)
+    assert tokens.num_conditionings == 2
+    np.testing.assert_array_equal(tokens.readings[0, 1], [0, 0] + [1, 0] * 19 + [1])
+    np.testing.assert_array_equal(tokens.readings[0, 0], [0] * 4 + [1] * 37)
+    np.testing.assert_array_equal(tokens.ids[0, 1, 0], prompts.read("a red cube")[0])
+    np.testing.assert_array_equal(tokens.ids[0, 1, 1], prompts.read("a blue cube")[0])
+    np.testing.assert_array_equal(tokens.ids[0, 0, 1], prompts.read("", negative=True)[0])
+    assert prompts.length_text("[a:a b c d e:0.5]") == "5 tokens, 1 chunk"

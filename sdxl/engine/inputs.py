@@ -198,8 +198,8 @@ def placeholder(program: GenerateProgram) -> PreparedRequest:
 
     shape = (n, 2, program.conditionings, len(spec.text_encoders), program.chunks * spec.max_tokens)
     per_text = (n, 2, program.conditionings)
-    tokens = Tokens(np.zeros(shape, np.int32), np.ones(shape, np.float32), np.ones(per_text, np.int32), np.ones(n, bool),
-                    np.zeros(per_text, np.int32))
+    tokens = Tokens(np.zeros(shape, np.int32), np.ones(shape, np.float32), np.ones(per_text, np.int32),
+                    np.ones(n, bool), np.zeros((n, 2, 1), np.int32))
     guidance = 2.0 if program.guided else 1.0
     latents = zeros(n, *spec.latent_shape(program.height, program.width))
     controls = None

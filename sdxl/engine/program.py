@@ -500,8 +500,9 @@ class GenerateProgram:
 
     def _control(self, params, invariants: dict, inputs: Inputs) -> Callable[..., dict]:
         """`control(x_in, t, step, cond)`: the UNet's extra inputs from the ControlNets at loop iteration
-        `step`, given its conditioning `cond`: their residuals, each scaled by its image's scale where `step` lies between its start
-        and end, and summed (as diffusers' MultiControlNet). {} without ControlNets.
+        `step`, given its conditioning `cond`: their residuals, each scaled by its image's scale where
+        `step` lies between its start and end, and summed (as diffusers' MultiControlNet). {} without
+        ControlNets.
 
         diffusers' keep mask: a ControlNet steers the i-th of the n model evaluations that run unless
         i / n < start or (i + 1) / n > end (n counts to the schedule's end, past a `denoising_end`).

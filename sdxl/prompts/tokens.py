@@ -52,9 +52,9 @@ class Tokens:
     weights: np.ndarray  # [N, 2, C, E, K * 77] float32: each token's weight; 1 for the frame and the padding
     chunks: np.ndarray  # [N, 2, C] int32: each text's chunks; those after them are padding, left unread
     rescale: np.ndarray  # [N] bool: weighted chunks keep their mean ("original" emphasis), or not ("no-norm")
-    # [N, 2, C] int32: the last step (webui's count, `editing.conditioning_index`) each conditioning serves,
-    # in order; -1 for the padding after a prompt's own.
-    ends: np.ndarray
+    # [N, 2, T] int32: the conditioning webui's denoiser call s reads (`editing.conditioning_index`), for
+    # s from 0 to the schedule's steps; a call past them reads the first.
+    readings: np.ndarray
 
     @property
     def num_chunks(self) -> int:
@@ -64,32 +64,33 @@ class Tokens:
     def num_conditionings(self) -> int:
         return self.ids.shape[2]
 
-    def padded(self, num_chunks: int, num_conditionings: int) -> "Tokens":
-        """These tokens with `num_chunks` chunks and `num_conditionings` conditionings, the added ones
-        repeating each prompt's last (never read: their step is -1)."""
+    def padded(self, num_chunks: int, num_conditionings: int, num_readings: int) -> "Tokens":
+        """These tokens with `num_chunks` chunks, `num_conditionings` conditionings (the added ones repeat
+        each prompt's last, never read) and `num_readings` readings (the added ones past the end: 0)."""
         extra = (num_chunks - self.num_chunks) * TOKENS_PER_CHUNK
         pad = [(0, 0)] * 4 + [(0, extra)]
         more = [(0, 0), (0, 0), (0, num_conditionings - self.num_conditionings)]
         ids = np.pad(np.pad(self.ids, pad), more + [(0, 0)] * 2, mode="edge")
         weights = np.pad(np.pad(self.weights, pad, constant_values=1), more + [(0, 0)] * 2, mode="edge")
         chunks = np.pad(self.chunks, more, mode="edge")
-        return Tokens(ids, weights, chunks, self.rescale, np.pad(self.ends, more, constant_values=-1))
+        readings = np.pad(self.readings, [(0, 0), (0, 0), (0, num_readings - self.readings.shape[-1])])
+        return Tokens(ids, weights, chunks, self.rescale, readings)
 
     @classmethod
     def merged(cls, tokens: Sequence["Tokens"]) -> "Tokens":
-        """The images of several requests' tokens in order, padded to the longest's chunk count and the
-        most conditionings."""
-        chunks, conditionings = max(t.num_chunks for t in tokens), max(t.num_conditionings for t in tokens)
-        padded = [t.padded(chunks, conditionings) for t in tokens]
+        """The images of several requests' tokens in order, padded to the longest's chunk count, the most
+        conditionings and the longest schedule."""
+        sizes = (max(t.num_chunks for t in tokens), max(t.num_conditionings for t in tokens),
+                 max(t.readings.shape[-1] for t in tokens))
+        padded = [t.padded(*sizes) for t in tokens]
         return cls(*(np.concatenate([getattr(t, f.name) for t in padded]) for f in dataclasses.fields(cls)))
 
     def conditioning_steps(self, evaluations: int, first: int) -> np.ndarray:
         """[N, 2, evaluations] int32: which conditioning each loop iteration reads. webui's denoiser counts
-        its calls from 0 at the first that runs (iteration `first`) and takes the first text whose last
-        step is at least that count, else the first (`editing.conditioning_index`)."""
-        counts = np.arange(evaluations) - first  # [S]
-        serves = counts <= self.ends[..., None]  # [N, 2, C, S]
-        return np.where(serves.any(2), serves.argmax(2), 0).astype(np.int32)
+        its calls from 0 at the first that runs (iteration `first`); iterations before it never run."""
+        calls = np.arange(evaluations) - first
+        past = calls >= self.readings.shape[-1]
+        return np.where(past, 0, self.readings[..., np.clip(calls, 0, self.readings.shape[-1] - 1)]).astype(np.int32)
 
 
 class Prompts:
@@ -113,44 +114,55 @@ class Prompts:
           ValueError: a prompt is over `MAX_CHUNKS` chunks, or weighs a word outside `WEIGHT_RANGE`.
         """
         read = {}  # each distinct text once: a batch usually repeats one prompt for all its images
-        schedules = {}
+        scheduled = {}  # (prompt, negative): (its distinct texts, the one each call reads)
         for texts, negative in ((negative_prompts, True), (prompts, False)):
             for text in texts:
-                if (text, negative) in schedules:
-                    continue
-                stripped = text if negative else prompt_syntax.lora_tags(text)[0]
-                schedule = editing.prompt_schedule(stripped, steps, hires_steps)
-                if len(schedule) > MAX_CONDITIONINGS:
-                    raise ValueError(
-                        f"the {'negative prompt' if negative else 'prompt'} reads {len(schedule)} texts over its "
-                        f"steps, over the limit of {MAX_CONDITIONINGS}"
-                    )
-                schedules[text, negative] = schedule
-                for _, variant in schedule:
-                    if (variant, negative) not in read:
-                        read[variant, negative] = self.read(variant, emphasis, negative=negative, tagged=False)
-        rows = [[schedules[text, negative] for text, negative in ((n, True), (p, False))]
+                if (text, negative) not in scheduled:
+                    scheduled[text, negative] = self._scheduled(text, negative, steps, hires_steps)
+                    for variant in scheduled[text, negative][0]:
+                        if (variant, negative) not in read:
+                            read[variant, negative] = self.read(variant, emphasis, negative=negative, tagged=False)
+        rows = [[scheduled[text, negative] for text, negative in ((n, True), (p, False))]
                 for n, p in zip(negative_prompts, prompts)]
-        count = conditioning_count(max(len(schedule) for row in rows for schedule in row))
-        chunks = np.ones((len(rows), 2, count), np.int32)
-        ends = np.full((len(rows), 2, count), -1, np.int32)
-        for i, row in enumerate(rows):
-            for j, (schedule, negative) in enumerate(zip(row, (True, False))):
-                for c, (end, variant) in enumerate(schedule):
-                    chunks[i, j, c] = read[variant, negative][0].shape[-1] // TOKENS_PER_CHUNK
-                    ends[i, j, c] = end
+        count = conditioning_count(max(len(variants) for row in rows for variants, _ in row))
+        readings = np.array([[reading for _, reading in row] for row in rows], np.int32)
+        # Each image's (negative, positive) C texts: the padding repeats a prompt's last text, never read.
+        row_texts = [[[variants[min(c, len(variants) - 1)] for c in range(count)] for variants, _ in row]
+                     for row in rows]
+        chunks = np.array([[[read[v, negative][0].shape[-1] // TOKENS_PER_CHUNK for v in texts]
+                            for texts, negative in zip(row, (True, False))] for row in row_texts], np.int32)
         length = chunk_count(int(chunks.max())) * TOKENS_PER_CHUNK
         shape = (len(rows), 2, count, len(self.tokenizers), length)
         ids, weights = np.zeros(shape, np.int32), np.ones(shape, np.float32)
-        for i, row in enumerate(rows):
-            for j, (schedule, negative) in enumerate(zip(row, (True, False))):
-                for c in range(count):  # the padding repeats the last text, never read
-                    prompt_ids, prompt_weights = read[schedule[min(c, len(schedule) - 1)][1], negative]
+        for i, row in enumerate(row_texts):
+            for j, (texts, negative) in enumerate(zip(row, (True, False))):
+                for c, variant in enumerate(texts):
+                    prompt_ids, prompt_weights = read[variant, negative]
                     ids[i, j, c, :, : prompt_ids.shape[-1]] = prompt_ids
                     weights[i, j, c, :, : prompt_ids.shape[-1]] = prompt_weights
-                chunks[i, j, len(schedule):] = chunks[i, j, len(schedule) - 1]
         rescale = np.full(len(rows), emphasis == "original")
-        return Tokens(ids, weights, chunks, rescale, ends)
+        return Tokens(ids, weights, chunks, rescale, readings)
+
+    @staticmethod
+    def _scheduled(text: str, negative: bool, steps: int, hires_steps: int | None) -> tuple[list[str], list[int]]:
+        """A prompt's distinct texts over its schedule (LoRA tags out of a positive prompt's), and the one
+        each of webui's denoiser calls 0..steps reads.
+
+        Raises:
+          ValueError: over `MAX_CONDITIONINGS` texts.
+        """
+        if not negative:
+            text, _ = prompt_syntax.lora_tags(text)
+        schedule = editing.prompt_schedule(text, steps, hires_steps)
+        variants = list(dict.fromkeys(variant for _, variant in schedule))
+        if len(variants) > MAX_CONDITIONINGS:
+            raise ValueError(
+                f"the {'negative prompt' if negative else 'prompt'} reads {len(variants)} different texts over "
+                f"its steps, over the limit of {MAX_CONDITIONINGS}"
+            )
+        total = schedule[-1][0]
+        calls = [variants.index(schedule[editing.conditioning_index(schedule, s)][1]) for s in range(total + 1)]
+        return variants, calls
 
     def read(
         self, text: str, emphasis: str = "original", *, negative: bool = False, tagged: bool = True
