@@ -7,6 +7,8 @@ PIL's Lanczos), with the conditioning webui computes (`a1111_reference`), on a t
 float32 whose UNet and VAE are diffusers' modules.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -105,6 +107,13 @@ EDIT_CASES = {
     },
     "nested, DPM++ 2M": {"prompt": "[a [red|blue]:a green cube:0.6] on a table", "Sampler": "DPM++ 2M",
                          "Schedule type": "Automatic"},
+    # The hires pass counts its own steps: 1.5 is half-way through it, 9 its third step after the first
+    # pass's 6 (webui's hires scheduling, not its "old" option).
+    "hires fix, Euler a": {
+        "prompt": "[[red:blue:1.5] cube:a sphere:9]", "negative": "[blurry|noisy]", "Sampler": "Euler a",
+        "Schedule type": "Automatic", "Denoising strength": 0.5, "Hires upscale": 2, "Hires steps": 4,
+        "Hires upscaler": "Latent",
+    },
 }
 
 
@@ -141,17 +150,19 @@ def a1111_images(ref, case: dict, shape: tuple[int, int, int]) -> np.ndarray:
     sampler = case["Sampler"]
     if sampler.endswith(" Karras"):  # a sampler's name before 1.9 held its schedule type
         sampler, schedule_type = sampler.removesuffix(" Karras"), "Karras"
-    # processing.py's setup_conds: prompts are scheduled over the sampler's total_steps.
-    total_steps = STEPS * (2 if webui.SAMPLERS[sampler][1].get("second_order") else 1)
+    # processing.py's setup_conds: prompts are scheduled over the sampler's total_steps; calculate_hr_conds:
+    # a hires pass's over the first pass's and its own (its sampler's, of its steps).
+    def total_steps(sampler_name, steps):
+        return steps * (2 if webui.SAMPLERS[sampler_name][1].get("second_order") else 1)
 
     def encoded(prompt, negative, height, width):
         z, pooled = a1111_reference.sdxl_conditioning(prompt, *encoders, negative=negative)
         time_ids = torch.tensor([[height, width, 0, 0, height, width]] * 2, dtype=torch.float32)
         return {"crossattn": z.repeat(2, 1, 1), "pooled": pooled.repeat(2, 1), "time_ids": time_ids}
 
-    def conditioning(prompt, negative, height=HEIGHT, width=WIDTH):
+    def conditioning(prompt, negative, height=HEIGHT, width=WIDTH, hires_steps=None):
         """The prompt's schedule [(end_at_step, conditioning)], webui's `get_learned_conditioning`."""
-        schedule = a1111_reference.prompt_schedule(prompt, total_steps)
+        schedule = a1111_reference.prompt_schedule(prompt, total_steps(sampler, STEPS), hires_steps)
         return [(end, encoded(text, negative, height, width)) for end, text in schedule]
     scale = ref.vae.config.scaling_factor
     seeds = dict(seed=SEED, subseed=case.get("Variation seed", 0), ensd=case.get("ENSD", 0),
@@ -162,7 +173,9 @@ def a1111_images(ref, case: dict, shape: tuple[int, int, int]) -> np.ndarray:
         latents = webui.txt2img(model, conditioning(prompt, False), conditioning(negative, True), sampler=sampler,
                                 scheduler=schedule_type, steps=STEPS, cfg_scale=CFG, shape=shape, **seeds)
         if "Hires upscaler" in case:
-            latents = a1111_hires_pass(ref, model, conditioning, latents, case, sampler, schedule_type, seeds)
+            hires_steps = total_steps(case.get("Hires sampler", sampler), case.get("Hires steps", STEPS))
+            hires_conditioning = functools.partial(conditioning, hires_steps=hires_steps)
+            latents = a1111_hires_pass(ref, model, hires_conditioning, latents, case, sampler, schedule_type, seeds)
         images = ref.vae.decode(latents / scale).sample
     return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
 
@@ -236,6 +249,7 @@ def test_a_pasted_prompt_edit_draws_a1111s_images(reference, case):
         parameters = read_parameters(infotext(EDIT_CASES[case]))
     assert parameters["prompt"] == EDIT_CASES[case]["prompt"]
     ours = pipe.generate(**parameters, num_images=2, output_type="np")
+    assert ours.shape[1] == (2 if "Hires upscale" in EDIT_CASES[case] else 1) * HEIGHT
     h, w, c = pipe.spec.latent_shape(HEIGHT, WIDTH)
     theirs = a1111_images(ref, EDIT_CASES[case], (c, h, w))
     diff = np.abs(ours - theirs).max()

@@ -51,8 +51,9 @@ class PreparedRequest:
     def batch_key(self) -> tuple:
         """Requests with equal keys share a call in the device queue: equal `call_settings`, all needing
         guidance or none (a request without would otherwise pay for the other's second UNet pass), and
-        prompts of as many chunks (a short one would pay for the other's long context)."""
-        return self.request.call_settings, self.program.guided, self.tokens.num_chunks
+        prompts of as many chunks (a short one would pay for the other's long context) and as many
+        conditionings (a prompt without edits would pay for the other's texts)."""
+        return self.request.call_settings, self.program.guided, self.tokens.num_chunks, self.tokens.num_conditionings
 
     def programs_at(self, batch: int) -> tuple[GenerateProgram, ...]:
         """Its programs at another (padded) batch size: what a merged batch of requests like it runs."""
@@ -62,11 +63,11 @@ class PreparedRequest:
     def merged(cls, parts: Sequence["PreparedRequest"], batch: int) -> "PreparedRequest":
         """One prepared request for the images of several with the same `call_settings`, in order,
         rendered at `batch` (their image count, padded to the devices). Its program guides if any
-        part needs guidance, and reads the longest part's chunks."""
+        part needs guidance, and reads the longest part's chunks and the most conditionings."""
         first = parts[0]
         program = dataclasses.replace(
             first.program, batch=batch, guided=any(p.program.guided for p in parts),
-            chunks=max(p.program.chunks for p in parts),
+            chunks=max(p.program.chunks for p in parts), conditionings=max(p.program.conditionings for p in parts),
         )
         refined, hires = (None if getattr(first, name) is None else cls.merged([getattr(p, name) for p in parts], batch)
                           for name in ("refined", "hires"))
