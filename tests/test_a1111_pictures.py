@@ -201,8 +201,8 @@ def a1111_hires_pass(ref, model, conditioning, latents, case: dict, sampler, sch
         upscaled = ref.vae.encode(images * 2 - 1).latent_dist.mean * scale
     hires_sampler = case.get("Hires sampler", sampler)
     return webui.hires_pass(
-        model, conditioning(case.get("Hires prompt", PROMPT), False, height, width),
-        conditioning(NEGATIVE, True, height, width), upscaled, sampler=hires_sampler, scheduler=schedule_type,
+        model, conditioning(case.get("Hires prompt", case.get("prompt", PROMPT)), False, height, width),
+        conditioning(case.get("negative", NEGATIVE), True, height, width), upscaled, sampler=hires_sampler, scheduler=schedule_type,
         steps=case.get("Hires steps", STEPS), strength=case["Denoising strength"],
         cfg_scale=case.get("Hires CFG Scale", CFG), **seeds,
     )
