@@ -513,12 +513,14 @@ def _tensor_shape(mlir_type: str) -> tuple[int, ...]:  # "tensor<2x10x128x64xbf1
 
 @pytest.mark.compiles
 @pytest.mark.parametrize("convolution", ["default", "winograd"])
-def test_progress_reports_every_step_and_changes_no_pixel(reference, pipe, monkeypatch, convolution):
+# Prompt edits: `prepare` then leaves the text's keys and values to each step, which reads its own text.
+@pytest.mark.parametrize(("prompt", "negative"), [("a cat", "dog"), ("[a cat|a dog]", "[dog:fog:0.4]")])
+def test_progress_reports_every_step_and_changes_no_pixel(reference, pipe, monkeypatch, convolution, prompt, negative):
     if convolution != "default":  # the per-step programs then reuse the kernels that `prepare` transformed
         monkeypatch.setenv("SDXL_CONV", convolution)
         pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
     kwargs = dict(steps=5, height=HEIGHT, width=WIDTH)
-    request = Request(("a cat",) * 4, ("dog",) * 4, (3,) * 4, tuple(range(4)), (6.0,) * 4, **kwargs)
+    request = Request((prompt,) * 4, (negative,) * 4, (3,) * 4, tuple(range(4)), (6.0,) * 4, **kwargs)
     whole = pipe.render(request)
     reported = []
     staged = pipe.render(request, on_step=reported.append)
