@@ -105,6 +105,9 @@ EDIT_CASES = {
         "prompt": "a [red|blue|] cube, [(soft light:1.2)::4]", "negative": "[blurry:noisy:0.25]", "Sampler": "Heun",
         "Schedule type": "Karras",
     },
+    # CFG 1: our program runs the prompts alone (no negative pass); webui mixes both with weight 1.
+    "[red|blue], CFG 1": {"prompt": "a [red|blue] cube", "Sampler": "Euler", "Schedule type": "Automatic",
+                          "CFG scale": 1.0},
     "nested, DPM++ 2M": {"prompt": "[a [red|blue]:a green cube:0.6] on a table", "Sampler": "DPM++ 2M",
                          "Schedule type": "Automatic"},
     # The hires pass counts its own steps: 1.5 is half-way through it, 9 its third step after the first
@@ -171,7 +174,8 @@ def a1111_images(ref, case: dict, shape: tuple[int, int, int]) -> np.ndarray:
     with torch.no_grad():
         prompt, negative = case.get("prompt", PROMPT), case.get("negative", NEGATIVE)
         latents = webui.txt2img(model, conditioning(prompt, False), conditioning(negative, True), sampler=sampler,
-                                scheduler=schedule_type, steps=STEPS, cfg_scale=CFG, shape=shape, **seeds)
+                                scheduler=schedule_type, steps=STEPS, cfg_scale=case.get("CFG scale", CFG), shape=shape,
+                                **seeds)
         if "Hires upscaler" in case:
             hires_steps = total_steps(case.get("Hires sampler", sampler), case.get("Hires steps", STEPS))
             hires_conditioning = functools.partial(conditioning, hires_steps=hires_steps)
@@ -202,7 +206,8 @@ def a1111_hires_pass(ref, model, conditioning, latents, case: dict, sampler, sch
     hires_sampler = case.get("Hires sampler", sampler)
     return webui.hires_pass(
         model, conditioning(case.get("Hires prompt", case.get("prompt", PROMPT)), False, height, width),
-        conditioning(case.get("negative", NEGATIVE), True, height, width), upscaled, sampler=hires_sampler, scheduler=schedule_type,
+        conditioning(case.get("negative", NEGATIVE), True, height, width), upscaled, sampler=hires_sampler,
+        scheduler=schedule_type,
         steps=case.get("Hires steps", STEPS), strength=case["Denoising strength"],
         cfg_scale=case.get("Hires CFG Scale", CFG), **seeds,
     )
