@@ -65,6 +65,8 @@ def test_webuis_documented_schedules():
     assert editing.prompt_schedule("a [b:1.5] c", 10, 10) == [(5, "a  c"), (10, "a b c")]
     assert editing.prompt_schedule("a [b:.5] c", 10, 10) == [(10, "a b c")]
     assert editing.prompt_schedule("a [b:12] c", 10, 4) == [(2, "a  c"), (4, "a b c")]
+    deep = "[" * 3000 + "a"  # brackets left open past Python's stack: text, as webui reads them
+    assert editing.prompt_schedule(deep, 10) == [(10, deep)]
 
 
 def test_random_prompts_read_as_webui_reads_them():

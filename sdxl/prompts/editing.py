@@ -151,7 +151,7 @@ def prompt_schedule(text: str, steps: int, hires_steps: int | None = None) -> li
     """
     try:
         items = _flatten(_Parser(text).top())
-    except _NoParse:
+    except (_NoParse, RecursionError):  # brackets nested past Python's stack are read as text
         items = None
     total = steps if hires_steps is None else hires_steps
     if items is None:
