@@ -22,12 +22,18 @@ Textual-inversion embeddings, as webui places them:
 - modules/sd_hijack.py `EmbeddingsWithFixes`: the token embeddings at those positions replaced by the vectors
   (for SDXL each encoder's own, `clip_l` or `clip_g`), before the position embeddings are added.
 
-Emphasis modes take webui's names: "Original", "No norm", "None", "Ignore". Prompt editing ([a:b:0.5],
-[a|b]) and AND are outside it.
+Prompt editing:
+
+- modules/prompt_parser.py `get_learned_conditioning_prompt_schedules`: prompt editing ([a:b:0.5]) and
+  alternation ([a|b]) as a schedule of (last step, text), over webui's own lark grammar;
+  `reconstruct_cond_batch`: which entry a denoiser call reads.
+
+Emphasis modes take webui's names: "Original", "No norm", "None", "Ignore". AND is outside it.
 """
 
 import re
 
+import lark
 import torch
 
 COMMA_PADDING_BACKTRACK = 20  # webui's default "Prompt word wrap length limit"
@@ -261,3 +267,85 @@ def sd1_conditioning(prompt, tokenizer, model, emphasis="Original", clip_skip=1,
     database = EmbeddingDatabase(embeddings, tokenizer) if embeddings else None
     z, _ = encode(prompt, tokenizer, model, "last", emphasis, clip_skip, database)
     return z
+
+
+# webui's schedule grammar (1.10), as it is.
+SCHEDULE_PARSER = lark.Lark(r"""
+!start: (prompt | /[][():]/+)*
+prompt: (emphasized | scheduled | alternate | plain | WHITESPACE)*
+!emphasized: "(" prompt ")"
+        | "(" prompt ":" prompt ")"
+        | "[" prompt "]"
+scheduled: "[" [prompt ":"] prompt ":" [WHITESPACE] NUMBER [WHITESPACE] "]"
+alternate: "[" prompt ("|" [prompt])+ "]"
+WHITESPACE: /\s+/
+plain: /([^\\\[\]():|]|\\.)+/
+%import common.SIGNED_NUMBER -> NUMBER
+""")
+
+
+def prompt_schedule(prompt, base_steps, hires_steps=None):
+    """[[last step, text], ...] for a prompt, as webui's `get_learned_conditioning_prompt_schedules` (not its
+    "old scheduling" option): a hires pass counts its own steps on from the first pass's."""
+    if hires_steps is None:
+        int_offset, flt_offset, steps = 0, 0.0, base_steps
+    else:
+        int_offset, flt_offset, steps = base_steps, 1.0, hires_steps
+    try:
+        tree = SCHEDULE_PARSER.parse(prompt)
+    except lark.exceptions.LarkError:
+        return [[steps, prompt]]
+
+    ends = {steps}
+
+    class CollectSteps(lark.Visitor):
+        def scheduled(self, node):
+            written = node.children[-2]
+            value = float(written)
+            value = (value - flt_offset) * steps if "." in written else value - int_offset
+            node.children[-2] = min(steps, int(value))
+            if node.children[-2] >= 1:
+                ends.add(node.children[-2])
+
+        def alternate(self, node):
+            ends.update(range(1, steps + 1))
+
+    CollectSteps().visit(tree)
+
+    def at_step(step):
+        class AtStep(lark.Transformer):
+            def scheduled(self, args):
+                before, after, _, when, _ = args
+                yield before or () if step <= when else after
+
+            def alternate(self, args):
+                args = ["" if not arg else arg for arg in args]
+                yield args[(step - 1) % len(args)]
+
+            def start(self, args):
+                def flatten(x):
+                    if isinstance(x, str):
+                        yield x
+                    else:
+                        for part in x:
+                            yield from flatten(part)
+
+                return "".join(flatten(args))
+
+            def plain(self, args):
+                yield args[0].value
+
+            def __default__(self, data, children, meta):
+                yield from children
+
+        return AtStep().transform(tree)
+
+    return [[end, at_step(end)] for end in sorted(ends)]
+
+
+def scheduled_entry(schedule, current_step):
+    """webui's `reconstruct_cond_batch`: the entry a denoiser call reads at its `self.step` (calls counted from 0)."""
+    for entry in schedule:
+        if current_step <= entry[0]:
+            return entry
+    return schedule[0]

@@ -445,16 +445,30 @@ class ImageRNG:
 
 class CFGDenoiser:
     """sd_samplers_cfg_denoiser.CFGDenoiser for one prompt per image: the model's denoised predictions
-    of the prompts and the negative prompts, mixed as uncond + (cond - uncond) * cfg_scale."""
+    of the prompts and the negative prompts, mixed as uncond + (cond - uncond) * cfg_scale.
 
-    def __init__(self, model_wrap, cond: dict, uncond: dict, cfg_scale: float):
+    A conditioning is a dict, or a prompt schedule [(end_at_step, dict), ...] (prompt editing), of which
+    each call reads what `prompt_parser.reconstruct_cond_batch` picks at `self.step`: the calls so far."""
+
+    def __init__(self, model_wrap, cond, uncond, cfg_scale: float):
         self.model_wrap, self.cond, self.uncond, self.cfg_scale = model_wrap, cond, uncond, cfg_scale
+        self.step = 0
 
     def __call__(self, x, sigma, **extra_args):
-        both = {key: torch.cat([self.cond[key], self.uncond[key]]) for key in self.cond}
+        cond, uncond = scheduled(self.cond, self.step), scheduled(self.uncond, self.step)
+        both = {key: torch.cat([cond[key], uncond[key]]) for key in cond}
         out = self.model_wrap(torch.cat([x, x]), torch.cat([sigma, sigma]), cond=both)
         denoised, denoised_uncond = out.chunk(2)
+        self.step += 1
         return denoised_uncond + (denoised - denoised_uncond) * self.cfg_scale
+
+
+def scheduled(conditioning, current_step: int) -> dict:
+    """A conditioning dict as it is, or a schedule's entry at `current_step`: the first whose end_at_step is
+    at least it, else the first (`reconstruct_cond_batch`)."""
+    if isinstance(conditioning, dict):
+        return conditioning
+    return next((cond for end, cond in conditioning if current_step <= end), conditioning[0][1])
 
 
 def txt2img(model_wrap, cond: dict, uncond: dict, *, sampler: str, scheduler: str, steps: int, cfg_scale: float,
@@ -464,7 +478,7 @@ def txt2img(model_wrap, cond: dict, uncond: dict, *, sampler: str, scheduler: st
     variation seeds advance), ImageRNG's starting noise times sigmas[0], then the sampler's function
     with the later draws from the same ImageRNG (`sample`), or for the SDE samplers from Brownian trees
     seeded with the images' seeds."""
-    n = len(next(iter(cond.values())))
+    n = len(next(iter(scheduled(cond, 0).values())))
     seeds = [seed + (i if subseed_strength == 0 else 0) for i in range(n)]
     rng = ImageRNG(shape, seeds, [subseed + i for i in range(n)], subseed_strength, ensd, source=source)
     sigmas = get_sigmas(model_wrap, sampler, scheduler, steps)

@@ -7,6 +7,8 @@ PIL's Lanczos), with the conditioning webui computes (`a1111_reference`), on a t
 for clip skip a tiny random SD 1.x) in float32 whose UNet and VAE are diffusers' modules.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -102,13 +104,37 @@ ORDER = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Mode
          "Hires steps", "Hires upscaler", "Hires sampler", "Hires CFG Scale", "Hires prompt", "Version")
 
 
+# Prompt editing and alternation (the prompts' own fields, beside the settings'), with a one- and a
+# two-evaluation-per-step sampler: webui's denoiser counts its calls.
+EDIT_CASES = {
+    "[cat:dog:0.5], Euler a": {"prompt": "[cat:dog:0.5]", "Sampler": "Euler a", "Schedule type": "Automatic"},
+    "[red|blue], Euler": {"prompt": "[red|blue]", "Sampler": "Euler", "Schedule type": "Automatic", "RNG": "CPU"},
+    "edits in both prompts, Heun": {
+        "prompt": "a [red|blue|] cube, [(soft light:1.2)::4]", "negative": "[blurry:noisy:0.25]", "Sampler": "Heun",
+        "Schedule type": "Karras",
+    },
+    # CFG 1: our program runs the prompts alone (no negative pass); webui mixes both with weight 1.
+    "[red|blue], CFG 1": {"prompt": "a [red|blue] cube", "Sampler": "Euler", "Schedule type": "Automatic",
+                          "CFG scale": 1.0},
+    "nested, DPM++ 2M": {"prompt": "[a [red|blue]:a green cube:0.6] on a table", "Sampler": "DPM++ 2M",
+                         "Schedule type": "Automatic"},
+    # The hires pass counts its own steps: 1.5 is half-way through it, 9 its third step after the first
+    # pass's 6 (webui's hires scheduling, not its "old" option).
+    "hires fix, Euler a": {
+        "prompt": "[[red:blue:1.5] cube:a sphere:9]", "negative": "[blurry|noisy]", "Sampler": "Euler a",
+        "Schedule type": "Automatic", "Denoising strength": 0.5, "Hires upscale": 2, "Hires steps": 4,
+        "Hires upscaler": "Latent",
+    },
+}
+
+
 def infotext(case: dict) -> str:
     """The "parameters" text A1111 writes for the first image of a batch with these settings."""
     fields = {"Steps": STEPS, "CFG scale": CFG, "Seed": SEED, "Size": f"{WIDTH}x{HEIGHT}",
               "Model hash": "0123456789", "Model": "tiny", "Version": "v1.10.1", **case}
     settings = ", ".join(f"{key}: {fields[key]:g}" if isinstance(fields[key], float) else
                          f"{key}: {infotext_quote(fields[key])}" for key in ORDER if key in fields)
-    return f"{PROMPT}\nNegative prompt: {NEGATIVE}\n{settings}"
+    return f"{case.get('prompt', PROMPT)}\nNegative prompt: {case.get('negative', NEGATIVE)}\n{settings}"
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +166,16 @@ def a1111_images(ref, case: dict, shape: tuple[int, int, int]) -> np.ndarray:
 
     model = webui.model_wrap(webui.CompVisModel(unet, config.beta_start, config.beta_end, config.num_train_timesteps))
     clip_skip = case.get("Clip skip", 1)
+    schedule_type = case.get("Schedule type", "Automatic")
+    sampler = case["Sampler"]
+    if sampler.endswith(" Karras"):  # a sampler's name before 1.9 held its schedule type
+        sampler, schedule_type = sampler.removesuffix(" Karras"), "Karras"
+    # processing.py's setup_conds: prompts are scheduled over the sampler's total_steps; calculate_hr_conds:
+    # a hires pass's over the first pass's and its own (its sampler's, of its steps).
+    def total_steps(sampler_name, steps):
+        return steps * (2 if webui.SAMPLERS[sampler_name][1].get("second_order") else 1)
 
-    def conditioning(prompt, negative, height=HEIGHT, width=WIDTH):
+    def encoded(prompt, negative, height, width):
         if not sdxl:
             z = a1111_reference.sd1_conditioning(prompt, ref.tokenizer, ref.text_encoder, clip_skip=clip_skip)
             return {"crossattn": z.repeat(2, 1, 1)}
@@ -150,19 +184,23 @@ def a1111_images(ref, case: dict, shape: tuple[int, int, int]) -> np.ndarray:
         time_ids = torch.tensor([[height, width, 0, 0, height, width]] * 2, dtype=torch.float32)
         return {"crossattn": z.repeat(2, 1, 1), "pooled": pooled.repeat(2, 1), "time_ids": time_ids}
 
-    schedule_type = case.get("Schedule type", "Automatic")
-    sampler = case["Sampler"]
-    if sampler.endswith(" Karras"):  # a sampler's name before 1.9 held its schedule type
-        sampler, schedule_type = sampler.removesuffix(" Karras"), "Karras"
+    def conditioning(prompt, negative, height=HEIGHT, width=WIDTH, hires_steps=None):
+        """The prompt's schedule [(end_at_step, conditioning)], webui's `get_learned_conditioning`."""
+        schedule = a1111_reference.prompt_schedule(prompt, total_steps(sampler, STEPS), hires_steps)
+        return [(end, encoded(text, negative, height, width)) for end, text in schedule]
     scale = ref.vae.config.scaling_factor
     seeds = dict(seed=SEED, subseed=case.get("Variation seed", 0), ensd=case.get("ENSD", 0),
                  subseed_strength=case.get("Variation seed strength", 0.0),
                  source=case.get("RNG", "NV"))  # no RNG field: the GPU source, on NVIDIA cards NV's numbers
     with torch.no_grad():
-        latents = webui.txt2img(model, conditioning(PROMPT, False), conditioning(NEGATIVE, True), sampler=sampler,
-                                scheduler=schedule_type, steps=STEPS, cfg_scale=CFG, shape=shape, **seeds)
+        prompt, negative = case.get("prompt", PROMPT), case.get("negative", NEGATIVE)
+        latents = webui.txt2img(model, conditioning(prompt, False), conditioning(negative, True), sampler=sampler,
+                                scheduler=schedule_type, steps=STEPS, cfg_scale=case.get("CFG scale", CFG), shape=shape,
+                                **seeds)
         if "Hires upscaler" in case:
-            latents = a1111_hires_pass(ref, model, conditioning, latents, case, sampler, schedule_type, seeds)
+            hires_steps = total_steps(case.get("Hires sampler", sampler), case.get("Hires steps", STEPS))
+            hires_conditioning = functools.partial(conditioning, hires_steps=hires_steps)
+            latents = a1111_hires_pass(ref, model, hires_conditioning, latents, case, sampler, schedule_type, seeds)
         images = ref.vae.decode(latents / scale).sample
     return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
 
@@ -188,8 +226,9 @@ def a1111_hires_pass(ref, model, conditioning, latents, case: dict, sampler, sch
         upscaled = ref.vae.encode(images * 2 - 1).latent_dist.mean * scale
     hires_sampler = case.get("Hires sampler", sampler)
     return webui.hires_pass(
-        model, conditioning(case.get("Hires prompt", PROMPT), False, height, width),
-        conditioning(NEGATIVE, True, height, width), upscaled, sampler=hires_sampler, scheduler=schedule_type,
+        model, conditioning(case.get("Hires prompt", case.get("prompt", PROMPT)), False, height, width),
+        conditioning(case.get("negative", NEGATIVE), True, height, width), upscaled, sampler=hires_sampler,
+        scheduler=schedule_type,
         steps=case.get("Hires steps", STEPS), strength=case["Denoising strength"],
         cfg_scale=case.get("Hires CFG Scale", CFG), **seeds,
     )
@@ -243,3 +282,30 @@ def test_a_pasted_hires_fix_draws_a1111s_upscaled_images(reference, case):
     in_latents = HIRES_CASES[case]["Hires upscaler"].startswith("Latent")
     assert diff <= (SDE_TOLERANCE if "SDE" in HIRES_CASES[case]["Sampler"] else 1e-4 if in_latents
                     else IMAGE_UPSCALER_TOLERANCE)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("case", EDIT_CASES)
+def test_a_pasted_prompt_edit_draws_a1111s_images(reference, case):
+    pipe, ref = reference
+    with pytest.warns(UserWarning, match=r"parameters not applied: Model$"):
+        parameters = read_parameters(infotext(EDIT_CASES[case]))
+    assert parameters["prompt"] == EDIT_CASES[case]["prompt"]
+    ours = pipe.generate(**parameters, num_images=2, output_type="np")
+    assert ours.shape[1] == (2 if "Hires upscale" in EDIT_CASES[case] else 1) * HEIGHT
+    h, w, c = pipe.spec.latent_shape(HEIGHT, WIDTH)
+    theirs = a1111_images(ref, EDIT_CASES[case], (c, h, w))
+    diff = np.abs(ours - theirs).max()
+    print(f"{case}: max abs diff {diff:.2e}")
+    assert diff <= 1e-4
+
+
+@pytest.mark.oracle
+def test_a_prompt_edit_changes_the_images_by_far_more_than_the_tolerance(reference):
+    """[cat:dog:0.5] switches late, where steps change little: still 10 times the tolerance from "cat"."""
+    pipe, _ = reference
+    with pytest.warns(UserWarning, match=r"parameters not applied: Model$"):
+        parameters = read_parameters(infotext(EDIT_CASES["[cat:dog:0.5], Euler a"]))
+    edited = pipe.generate(**parameters, num_images=2, output_type="np")
+    plain = pipe.generate(**{**parameters, "prompt": "cat"}, num_images=2, output_type="np")
+    assert np.abs(edited - plain).max() > 1e-3

@@ -141,7 +141,7 @@ def test_prompt_search_and_replace_keeps_weights_and_prompts_of_other_lengths_sh
     cells = [plan.requests[call].request.prompts[index] for call, index in plan.where]
     assert cells == ["a (red:1.2) fox, [snow]", "a (red:1.2) fox, [snow] BREAK [dawn]"]
     (call,) = plan.requests
-    assert call.request.emphasis == "no-norm" and call.tokens.chunks[:, 1].tolist() == [1, 2]
+    assert call.request.emphasis == "no-norm" and call.tokens.chunks[:, 1, 0].tolist() == [1, 2]
 
 
 def test_a_click_builds_its_submission_once_for_the_check_and_the_handler(service, monkeypatch):

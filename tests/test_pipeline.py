@@ -416,6 +416,26 @@ def test_prompt_seed_guidance_steps_and_clip_skip_do_not_recompile(pipe):
     assert compiles.count >= 1, "the counter must see a new image size compile"
 
 
+def test_prompt_edits_do_not_recompile_and_plain_prompts_keep_their_program(pipe):
+    """A prompt's edits are a traced choice among its texts: other texts, switch steps and alternatives
+    run the same program (for as many texts); a prompt without them runs the program it ran before."""
+    kwargs = dict(height=HEIGHT, width=WIDTH, seed=1, steps=4)
+    assert _text_to_image(pipe).conditionings == 1
+    edited = Request.from_prompt("[a cat:a dog:0.5]", num_images=4, steps=4, height=HEIGHT, width=WIDTH)
+    assert pipe.prepare(edited).program == dataclasses.replace(_text_to_image(pipe), conditionings=2)
+    first = pipe.generate("[a cat:a dog:0.5]", "blurry", **kwargs)
+    with CompileCounter() as compiles:
+        others = [
+            pipe.generate("[a red cube:a dog:0.25]", "blurry", **kwargs),
+            pipe.generate("[a cat|a dog]", "blurry", **kwargs),
+            pipe.generate("a cat", "[blurry:noisy:2]", **kwargs),
+            pipe.generate("[a cat:a dog:3]", "blurry", **{**kwargs, "steps": 6}),
+        ]
+    assert compiles.count == 0
+    for other in others:
+        assert not np.array_equal(np.asarray(first[0]), np.asarray(other[0]))
+
+
 @pytest.mark.compiles
 @pytest.mark.parametrize("attention", ["xla", "splash"])
 def test_compiled_program_has_no_cross_device_communication(reference, monkeypatch, attention):
@@ -495,12 +515,14 @@ def _tensor_shape(mlir_type: str) -> tuple[int, ...]:  # "tensor<2x10x128x64xbf1
 
 @pytest.mark.compiles
 @pytest.mark.parametrize("convolution", ["default", "winograd"])
-def test_progress_reports_every_step_and_changes_no_pixel(reference, pipe, monkeypatch, convolution):
+# Prompt edits: `prepare` then leaves the text's keys and values to each step, which reads its own text.
+@pytest.mark.parametrize(("prompt", "negative"), [("a cat", "dog"), ("[a cat|a dog]", "[dog:fog:0.4]")])
+def test_progress_reports_every_step_and_changes_no_pixel(reference, pipe, monkeypatch, convolution, prompt, negative):
     if convolution != "default":  # the per-step programs then reuse the kernels that `prepare` transformed
         monkeypatch.setenv("SDXL_CONV", convolution)
         pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
     kwargs = dict(steps=5, height=HEIGHT, width=WIDTH)
-    request = Request(("a cat",) * 4, ("dog",) * 4, (3,) * 4, tuple(range(4)), (6.0,) * 4, **kwargs)
+    request = Request((prompt,) * 4, (negative,) * 4, (3,) * 4, tuple(range(4)), (6.0,) * 4, **kwargs)
     whole = pipe.render(request)
     reported = []
     staged = pipe.render(request, on_step=reported.append)

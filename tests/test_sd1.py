@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 from reference import diffusers_images, random_latents, sd_pipeline
 from sdxl.checkpoints import locate, random_models
 from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.request import Request
 
 ROOT = Path(__file__).parents[1]
 HEIGHT, WIDTH = 96, 64  # portrait, where tests/test_pipeline.py's SDXL size is landscape
@@ -213,3 +214,16 @@ def test_cli_generates_with_tiny_sd1(tmp_path):
     image = Image.open(tmp_path / "out" / "0-0.png")
     assert image.size == (128, 128)
     assert np.asarray(image).std() > 1
+
+
+def test_an_edit_that_never_switches_draws_the_plain_prompts_images(pipe):
+    """PLMS evaluates 5 times in 4 steps, so webui schedules over 5: [a cat:a dog:4] reads "a cat" at every
+    call there is. Two conditionings, one read: the plain prompt's images (SD 1.x has no pooled text)."""
+    kwargs = dict(steps=4, guidance_scale=5.0, height=HEIGHT, width=WIDTH, seed=0, num_images=2)
+    edited = Request.from_prompt("[a cat:a dog:4]", "[blurry:noisy:4]", **kwargs)
+    assert pipe.prepare(edited).program.conditionings == 2
+    kwargs["output_type"] = "np"
+    plain = pipe.generate("a cat", "blurry", **kwargs)
+    np.testing.assert_allclose(pipe.generate("[a cat:a dog:4]", "[blurry:noisy:4]", **kwargs), plain, atol=1e-6)
+    switched = pipe.generate("[a cat:a dog:3]", "[blurry:noisy:3]", **kwargs)
+    assert np.abs(switched - plain).max() > 1e-3

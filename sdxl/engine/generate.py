@@ -66,8 +66,9 @@ def generate(
 
     Args:
       prompt, negative_prompt: a string for every image, or a list with one per image, read as webui
-        reads them (`sdxl.prompts.syntax`): (weights:1.2), BREAK, up to 8 chunks of 75 tokens, and in
-        the prompt `<lora:NAME:SCALE>` tags naming LoRAs given to `set_loras`. An empty negative prompt
+        reads them (`sdxl.prompts.syntax`): (weights:1.2), BREAK, up to 8 chunks of 75 tokens, prompt
+        editing [from:to:when] and alternation [a|b] (`sdxl.prompts.editing`), and in the prompt
+        `<lora:NAME:SCALE>` tags naming LoRAs given to `set_loras`. An empty negative prompt
         is none: SDXL's conditioning is then zeros (force_zeros_for_empty_prompt).
       num_images: default the prompt or image list's length, else one image per device.
       sampler: a sampler by its name or label (`sampling.methods.SAMPLER_NAMES`: "euler", "DPM++ 2M

@@ -143,6 +143,8 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
         clip_layer=per_image([[layer for layer, _ in layers]] * n, np.int32),
         clip_norm=per_image([[norm for _, norm in layers]] * n, np.bool_),
         chunks=per_image(tokens.chunks, np.int32) if program.chunks > 1 else None,
+        conditioning_steps=per_image(tokens.conditioning_steps(program.evaluations, program.method.evaluations(first)),
+                                     np.int32) if program.conditionings > 1 else None,
         zero_negative=per_image(zero_negative, np.bool_),
         time_ids=time_ids,
         seeds=per_image(request.seeds, np.uint32),
@@ -211,8 +213,10 @@ def placeholder(program: GenerateProgram) -> PreparedRequest:
     def zeros(*shape):
         return np.broadcast_to(np.float32(0), shape)
 
-    shape = (n, 2, len(spec.text_encoders), program.chunks * spec.max_tokens)
-    tokens = Tokens(np.zeros(shape, np.int32), np.ones(shape, np.float32), np.ones((n, 2), np.int32), np.ones(n, bool))
+    shape = (n, 2, program.conditionings, len(spec.text_encoders), program.chunks * spec.max_tokens)
+    per_text = (n, 2, program.conditionings)
+    tokens = Tokens(np.zeros(shape, np.int32), np.ones(shape, np.float32), np.ones(per_text, np.int32),
+                    np.ones(n, bool), np.zeros((n, 2, 1), np.int32))
     guidance = 2.0 if program.guided else 1.0
     latents = zeros(n, *spec.latent_shape(program.height, program.width))
     controls = None

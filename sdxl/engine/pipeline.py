@@ -314,13 +314,24 @@ class Pipeline:
             request, steps=total, height=height, width=width, sampler=hires.sampler,
             schedule_type=hires.schedule_type, noise=None, step_noise=None, hires=None, **given,
         )
-        return self._prepared(second, output_type, start=("clean_latents" if hires.in_latents else "image", first))
+        # Its prompts' edits count its own steps on from the first pass's (webui's hires scheduling).
+        edit_steps = (_edit_steps(request, request.steps), _edit_steps(second, total - first))
+        start = ("clean_latents" if hires.in_latents else "image", first)
+        return self._prepared(second, output_type, start=start, edit_steps=edit_steps)
 
-    def _prepared(self, request: Request, output_type: str, start: tuple[str, int] | None = None) -> PreparedRequest:
+    def _prepared(
+        self, request: Request, output_type: str, start: tuple[str, int] | None = None,
+        edit_steps: tuple[int, int] | None = None,
+    ) -> PreparedRequest:
         """A validated request prepared for this model's program, with the noise its source draws on
         the host (`with_drawn_noise`); `start`, a hires pass's (where it starts from, its first step),
-        which runs to its schedule's end."""
-        spec, tokens = self.spec, self.prompts.tokens(request.prompts, request.negative_prompts, request.emphasis)
+        which runs to its schedule's end, and `edit_steps`, the (first pass, hires pass) step counts its
+        prompts' edits are scheduled over."""
+        steps, hires_steps = edit_steps or (_edit_steps(request, request.steps), None)
+        spec = self.spec
+        tokens = self.prompts.tokens(
+            request.prompts, request.negative_prompts, request.emphasis, steps=steps, hires_steps=hires_steps
+        )
         drawn = request.noise_source != "jax"
         a1111 = request.schedule_type != methods.DIFFUSERS
         program = GenerateProgram(
@@ -331,7 +342,7 @@ class Pipeline:
             start_from=request.start_from if start is None else start[0], inpaint=request.masks is not None,
             given_noise=drawn or request.noise is not None,
             given_step_noise=drawn and methods.loop(request.sampler, a1111).stochastic,
-            chunks=tokens.num_chunks, preview_factors=self.preview_factors,
+            chunks=tokens.num_chunks, conditionings=tokens.num_conditionings, preview_factors=self.preview_factors,
             controlnets=tuple(c.config for c in self.controlnets) if request.controls else (),
             a1111=a1111, vae_tiling=self._tiles_vae(request.height, request.width),
             ip_adapters=tuple(a.config for a in self.ip_adapters) if request.image_prompts else (),
@@ -724,3 +735,9 @@ def _handoff(request: Request) -> tuple[Request, Request]:
 def _all_equal(a, b) -> jax.Array:
     """Whether two parameter trees of the same shapes hold the same values (one program for all leaves)."""
     return jnp.all(jnp.stack([jnp.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]))
+
+
+def _edit_steps(request: Request, steps: int) -> int:
+    """The step count a prompt's edits are scheduled over for `steps` steps of the request's sampler: its
+    model evaluations, as webui's `total_steps` (twice the steps for a second-order sampler)."""
+    return int(methods.loop(request.sampler, request.schedule_type != methods.DIFFUSERS).evaluations(steps))

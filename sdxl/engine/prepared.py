@@ -51,9 +51,11 @@ class PreparedRequest:
     def batch_key(self) -> tuple:
         """Requests with equal keys share a call in the device queue: equal `call_settings`, all needing
         guidance or none (a request without would otherwise pay for the other's second UNet pass),
-        prompts of as many chunks (a short one would pay for the other's long context), and of textual-inversion
+        prompts of as many chunks (a short one would pay for the other's long context) and as many
+        conditionings (a prompt without edits would pay for the other's texts), and of textual-inversion
         vectors all or none (the merged request runs the first's program)."""
-        return self.request.call_settings, self.program.guided, self.tokens.num_chunks, self.program.embedding_rows
+        return (self.request.call_settings, self.program.guided, self.tokens.num_chunks, self.tokens.num_conditionings,
+                self.program.embedding_rows)
 
     def programs_at(self, batch: int) -> tuple[GenerateProgram, ...]:
         """Its programs at another (padded) batch size: what a merged batch of requests like it runs."""
@@ -63,11 +65,11 @@ class PreparedRequest:
     def merged(cls, parts: Sequence["PreparedRequest"], batch: int) -> "PreparedRequest":
         """One prepared request for the images of several with the same `call_settings`, in order,
         rendered at `batch` (their image count, padded to the devices). Its program guides if any
-        part needs guidance, and reads the longest part's chunks."""
+        part needs guidance, and reads the longest part's chunks and the most conditionings."""
         first = parts[0]
         program = dataclasses.replace(
             first.program, batch=batch, guided=any(p.program.guided for p in parts),
-            chunks=max(p.program.chunks for p in parts),
+            chunks=max(p.program.chunks for p in parts), conditionings=max(p.program.conditionings for p in parts),
         )
         refined, hires = (None if getattr(first, name) is None else cls.merged([getattr(p, name) for p in parts], batch)
                           for name in ("refined", "hires"))

@@ -63,8 +63,9 @@ OUTPUT_TYPES = ("pil", "np", "latent")
 class Inputs:
     """One batch's array inputs, B images (padded to a multiple of the device count)."""
 
-    # [B, 2, E, K * 77] int32 token ids, K chunks (`sdxl.prompts.tokens.Tokens`); axis 1 is (negative, positive),
-    # axis 2 the text encoders; and each token's weight, float32.
+    # [B, 2, C, E, K * 77] int32 token ids, K chunks (`sdxl.prompts.tokens.Tokens`); axis 1 is (negative,
+    # positive), axis 2 each prompt's C conditionings (its edits' texts), axis 3 the text encoders; and each
+    # token's weight, float32.
     ids: jax.Array
     weights: jax.Array
     rescale: jax.Array  # [B] bool: weighted chunks keep their mean (webui's "original" emphasis)
@@ -73,7 +74,7 @@ class Inputs:
     # skip: `sdxl.engine.inputs.clip_layers`).
     clip_layer: jax.Array
     clip_norm: jax.Array
-    # [B, 2] int32: each prompt's chunks, those after them unread; None when every prompt has the one chunk.
+    # [B, 2, C] int32: each text's chunks, those after them unread; None when every text has the one chunk.
     chunks: jax.Array | None
     zero_negative: jax.Array  # [B] bool: all-zero negative conditioning (SDXL's empty negative prompt)
     time_ids: jax.Array | None  # [B, 2, K] float32 SDXL's size (and aesthetic score) ids, (negative, positive)
@@ -92,6 +93,9 @@ class Inputs:
     # program's max_steps; draw k at [:, k]), drawn on the host, replacing the seeded noise
     # (`GenerateProgram.given_step_noise`).
     step_noise: jax.Array | None = None
+    # [B, 2, S] int32 the conditioning each loop iteration of the program's S (`GenerateProgram.evaluations`)
+    # reads (`Tokens.conditioning_steps`); None where every prompt has one (`GenerateProgram.conditionings`).
+    conditioning_steps: jax.Array | None = None
     # start_from "image": [B, H, W, 3] float32 in [0, 1], the images to start from; start_from
     # "clean_latents": [B, h, w, C] float32, their latents; "latents": the sampler's state to continue.
     image: jax.Array | None = None
@@ -124,7 +128,9 @@ PER_CALL_INPUTS = ("schedule", "num_steps", "first_step", "stop_step", "from_noi
 class State:
     """The denoising loop's state: what every step reads alike, and the sampler's carry it advances."""
 
-    cond: dict  # the UNet's text conditioning, [2B, ...] as (negative, positive) pairs
+    # The UNet's text conditioning, [2B, ...] as (negative, positive) pairs; with several conditionings, the
+    # text's entries [2B, C, ...], one of which each step reads (`GenerateProgram.step_cond`).
+    cond: dict
     carry: Any  # the sampler's loop state (`sdxl.sampling.samplers`)
     # What a stochastic sampler's noise comes from (`sampling.samplers.step_noise`): [B] PRNG keys, or
     # [B, D, h, w, C] noise drawn on the host; None for other samplers.
@@ -310,6 +316,9 @@ class GenerateProgram:
     given_noise: bool = False  # `Inputs.noise` replaces the seeded starting noise
     given_step_noise: bool = False  # `Inputs.step_noise` replaces a stochastic sampler's seeded noise
     chunks: int = 1  # the prompts' chunks of 77 tokens (`sdxl.prompts.tokens.CHUNK_COUNTS`)
+    # Each prompt's conditionings, its edits' texts (`sdxl.prompts.tokens.CONDITIONING_COUNTS`): 1 for
+    # prompts without editing or alternation, which then cost what they did before it.
+    conditionings: int = 1
     # `previews.project`'s (matrix, bias) for the previews `denoise` returns; None: the family's.
     preview_factors: tuple | None = None
     # `Inputs.control_images` steer the UNet through these (a `ControlNetUnionConfig` is a Union's).
@@ -337,6 +346,11 @@ class GenerateProgram:
         return max(1, self.method.draws(self.max_steps)) if self.method.stochastic else 0
 
     @property
+    def evaluations(self) -> int:
+        """The most loop iterations (model evaluations) a call runs: `Inputs.conditioning_steps`' length."""
+        return int(self.method.evaluations(self.max_steps))
+
+    @property
     def control_modes(self) -> bool:
         """Whether a ControlNet is a Union, which reads `Inputs.control_modes`."""
         return any(isinstance(config, controlnet_union.ControlNetUnionConfig) for config in self.controlnets)
@@ -352,13 +366,22 @@ class GenerateProgram:
             rows = lambda x: None if x is None else x[:, 1]  # noqa: E731
             keep, both = jnp.ones(inputs.ids.shape[0], bool), lambda x: x  # noqa: E731
         time_ids = rows(inputs.time_ids)
-        context, pooled = encode_text(spec, params, rows(inputs.ids), rows(inputs.weights), both(inputs.rescale),
-                                      both(inputs.clip_layer), both(inputs.clip_norm), self.dtype)
-        cond = {"encoder_hidden_states": context * keep[:, None, None].astype(context.dtype)}
+        ids, weights, count = rows(inputs.ids), rows(inputs.weights), self.conditionings
+        per_text = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731  [rows, C, ...] -> [rows * C, ...]
+        per_row = lambda x: jnp.repeat(both(x), count, axis=0)  # noqa: E731  a row's setting for its C texts
+        context, pooled = encode_text(
+            spec, params, per_text(ids), per_text(weights), per_row(inputs.rescale), per_row(inputs.clip_layer),
+            per_row(inputs.clip_norm), self.dtype,
+        )
+        # [rows, C, ...]; one conditioning: [rows, ...], as before editing existed.
+        by_row = (lambda x: x) if count == 1 else (lambda x: x.reshape(len(ids), count, *x.shape[1:]))  # noqa: E731
+        keep = keep if count == 1 else keep[:, None]
+        cond = {"encoder_hidden_states": by_row(context) * keep[..., None, None].astype(context.dtype)}
         if inputs.chunks is not None:  # shorter prompts attend to their own chunks only
-            cond["encoder_lengths"] = rows(inputs.chunks) * spec.max_tokens
+            chunks = rows(inputs.chunks)
+            cond["encoder_lengths"] = (chunks[:, 0] if count == 1 else chunks) * spec.max_tokens
         if spec.is_sdxl:
-            cond["text_embeds"] = pooled * keep[:, None].astype(pooled.dtype)
+            cond["text_embeds"] = by_row(pooled) * keep[..., None].astype(pooled.dtype)
             cond["time_ids"] = time_ids
         if spec.unet.time_cond_proj_dim is not None:  # an LCM UNet: the guidance scale as an embedding
             w = inputs.guidance_scale - 1
@@ -391,6 +414,16 @@ class GenerateProgram:
         if method.stochastic:
             step_noise = inputs.step_noise if self.given_step_noise else sampler_keys
         return State(cond, method.init(latents), step_noise, known)
+
+    def step_cond(self, cond: dict, inputs: Inputs, step) -> dict:
+        """The UNet's conditioning at loop iteration `step`: with several conditionings, each row's text
+        entries at the one its step reads (webui's per-step choice, `Tokens.conditioning_steps`)."""
+        if self.conditionings == 1:
+            return cond
+        picked = inputs.conditioning_steps[:, :, step]  # [B, 2]
+        picked = picked.reshape(-1) if self.guided else picked[:, 1]
+        rows = jnp.arange(len(picked))
+        return {name: value[rows, picked] if name in _TEXT_CONDITIONING else value for name, value in cond.items()}
 
     def _image_prompts(self, params, inputs: Inputs) -> tuple[ImagePromptTokens, ...]:
         """Each IP-Adapter's tokens of each image's picture, with their scales, in the UNet's rows. With
@@ -456,18 +489,22 @@ class GenerateProgram:
         batch = len(state.cond["encoder_hidden_states"])  # 2B with guidance, else B
         h, w, _ = self.spec.latent_shape(self.height, self.width)
         zeros = jnp.zeros(batch)
+        cond = self.step_cond(state.cond, inputs, 0)
         # The models' outputs are unused, so the compiled program keeps only what computes the invariants.
         x_in = jnp.zeros((batch, h, w, self.spec.unet.in_channels), self.dtype)
         _, unet_invariants = self._unet().apply(
-            {"params": self._unet_params(params)}, x_in, zeros, **state.cond, mutable=[STEP_INVARIANTS]
+            {"params": self._unet_params(params)}, x_in, zeros, **cond, mutable=[STEP_INVARIANTS]
         )
         x_in = jnp.zeros((batch, h, w, self.spec.vae.latent_channels), self.dtype)
         controlnet_invariants = tuple(
             model.apply({"params": p}, x_in, zeros, conditioning_scale=zeros, **steering,
-                        **_controlnet_cond(state.cond), mutable=[STEP_INVARIANTS])[1]
+                        **_controlnet_cond(cond), mutable=[STEP_INVARIANTS])[1]
             for model, p, steering in zip(self._controlnets(), params.get("controlnets", ()), self._steering(inputs))
         )
-        return state, {"unet": unet_invariants, "controlnets": controlnet_invariants}
+        invariants = {"unet": unet_invariants, "controlnets": controlnet_invariants}
+        if self.conditionings > 1:  # the text's keys and values change with the step's text: computed per step
+            invariants = _without_text_invariants(invariants)
+        return state, invariants
 
     def _unet(self) -> unet.UNet2DConditionModel:
         return unet.UNet2DConditionModel(self.spec.unet, dtype=self.dtype)
@@ -498,16 +535,17 @@ class GenerateProgram:
                 steering[-1].update(control_mode=pair(inputs.control_modes[:, k]), rows_per_image=rows)
         return steering
 
-    def _control(self, params, invariants: dict, cond: dict, inputs: Inputs) -> Callable[..., dict]:
-        """`control(x_in, t, step)`: the UNet's extra inputs from the ControlNets at loop iteration
-        `step`: their residuals, each scaled by its image's scale where `step` lies between its start
-        and end, and summed (as diffusers' MultiControlNet). {} without ControlNets.
+    def _control(self, params, invariants: dict, inputs: Inputs) -> Callable[..., dict]:
+        """`control(x_in, t, step, cond)`: the UNet's extra inputs from the ControlNets at loop iteration
+        `step`, given its conditioning `cond`: their residuals, each scaled by its image's scale where
+        `step` lies between its start and end, and summed (as diffusers' MultiControlNet). {} without
+        ControlNets.
 
         diffusers' keep mask: a ControlNet steers the i-th of the n model evaluations that run unless
         i / n < start or (i + 1) / n > end (n counts to the schedule's end, past a `denoising_end`).
         """
         if not self.controlnets:
-            return lambda x_in, t, step: {}
+            return lambda x_in, t, step, cond: {}
         evaluations = self.method.evaluations
         first = evaluations(inputs.first_step)
         count = (evaluations(inputs.num_steps) - first).astype(jnp.float32)
@@ -515,9 +553,8 @@ class GenerateProgram:
         models = self._controlnets()
         step_invariants = invariants.get("controlnets") or ({},) * len(models)  # none in `whole`: XLA hoists them
         variables = [{"params": p, **i} for p, i in zip(params["controlnets"], step_invariants)]
-        controlnet_cond = _controlnet_cond(cond)
 
-        def control(x_in, t, step) -> dict:
+        def control(x_in, t, step, cond) -> dict:
             done = (step - first).astype(jnp.float32)
             keep = ~((done / count < inputs.control_starts) | ((done + 1) / count > inputs.control_ends))  # [B, K]
             scales = inputs.control_scales * keep
@@ -526,7 +563,7 @@ class GenerateProgram:
             for k, model in enumerate(models):
                 scale = _interleave(scales[:, k], scales[:, k]) if self.guided else scales[:, k]
                 residuals, middle = model.apply(
-                    variables[k], x_control, t, conditioning_scale=scale, **steering[k], **controlnet_cond
+                    variables[k], x_control, t, conditioning_scale=scale, **steering[k], **_controlnet_cond(cond)
                 )
                 down = residuals if down is None else [a + b for a, b in zip(down, residuals)]
                 mid = middle if mid is None else mid + middle
@@ -547,7 +584,7 @@ class GenerateProgram:
         """The denoising loop over iterations start..stop-1: the new carry (and given `denoised`, the
         last denoised prediction: `sampling.run_steps`)."""
         model, variables = self._unet(), {"params": self._unet_params(params), **invariants.get("unet", {})}
-        control = self._control(params, invariants, state.cond, inputs)
+        control = self._control(params, invariants, inputs)
         g = inputs.guidance_scale[:, None, None, None]
         known = state.known
         extra = None  # a 9-channel inpainting UNet's mask and masked-image latents, after the latents
@@ -564,7 +601,8 @@ class GenerateProgram:
                 x_in = jnp.concatenate([x_in, extra], axis=-1)
             x_in = x_in.astype(self.dtype)
             t = jnp.broadcast_to(timestep, (len(x_in),))
-            out = model.apply(variables, x_in, t, **state.cond, **control(x_in, t, step)).astype(jnp.float32)
+            cond = self.step_cond(state.cond, inputs, step)
+            out = model.apply(variables, x_in, t, **cond, **control(x_in, t, step, cond)).astype(jnp.float32)
             if self.guided:
                 out = out.reshape(batch, 2, *out.shape[1:])
                 uncond, positive = out[:, 0], out[:, 1]
@@ -609,6 +647,21 @@ class GenerateProgram:
         evaluations = self.method.evaluations
         carry = self._denoise(params, {}, state, inputs, evaluations(inputs.first_step), evaluations(inputs.stop_step))
         return self.finish(params, state.replace(carry=carry))
+
+
+# The conditioning's entries that come from the text, which a prompt's edits change from step to step.
+_TEXT_CONDITIONING = ("encoder_hidden_states", "encoder_lengths", "text_embeds")
+
+
+def _without_text_invariants(invariants: dict) -> dict:
+    """Step invariants less the cross-attention keys and values of the text (`layers.Attention`'s "key" and
+    "value"), which the models then compute from each step's conditioning."""
+
+    def kept(model_invariants: dict) -> dict:
+        flat = traverse_util.flatten_dict(model_invariants)
+        return traverse_util.unflatten_dict({path: v for path, v in flat.items() if path[-1] not in ("key", "value")})
+
+    return {"unet": kept(invariants["unet"]), "controlnets": tuple(kept(i) for i in invariants["controlnets"])}
 
 
 def _controlnet_cond(cond: dict) -> dict:

@@ -1,11 +1,15 @@
 """Prompts as the text encoders read them, the way AUTOMATIC1111's webui reads them (`sdxl.prompts.syntax`):
-weights, BREAK, prompts longer than 77 tokens in chunks, LoRA tags taken out of the text, and textual-inversion
-embeddings' names read as their vectors.
+weights, BREAK, prompts longer than 77 tokens in chunks, LoRA tags taken out of the text, textual-inversion
+embeddings' names read as their vectors, and prompt editing and alternation (`sdxl.prompts.editing`).
 
 `Prompts.tokens(prompts, negative_prompts)` gives a batch its `Tokens`: every prompt's chunks for every text encoder,
 ids and weights, padded to the request's chunk count (one of `CHUNK_COUNTS`), with each prompt's own
 count. The program leaves the padding out of cross-attention, so a prompt's images are the same
 whatever the other prompts of its batch.
+
+A prompt with editing or alternation is read as its schedule's distinct texts, its conditionings, each
+with the last sampling step it serves; a batch holds C of them per prompt (one of `CONDITIONING_COUNTS`,
+1 where no prompt has any), and the program picks each step's (`Tokens.ends`).
 """
 
 import dataclasses
@@ -16,6 +20,7 @@ import numpy as np
 from ..checkpoints import ModelSpec
 from ..checkpoints.embeddings import Embedding
 from ..checkpoints.tokenizer import one_call_at_a_time
+from . import editing
 from . import syntax as prompt_syntax
 from .syntax import CHUNK_TOKENS, MAX_CHUNKS, Chunk
 
@@ -23,6 +28,10 @@ TOKENS_PER_CHUNK = CHUNK_TOKENS + 2  # with the start and end tokens: what an en
 # The chunk counts programs are compiled for: a request's longest prompt picks the smallest that holds it,
 # so that at most four programs per size serve every prompt length.
 CHUNK_COUNTS = tuple(2**i for i in range(MAX_CHUNKS.bit_length()) if 2**i <= MAX_CHUNKS)
+# A prompt's most distinct texts over its schedule (an alternation makes one per step at most), and the
+# counts programs are compiled for, as for chunks.
+MAX_CONDITIONINGS = 64
+CONDITIONING_COUNTS = tuple(2**i for i in range(MAX_CONDITIONINGS.bit_length()))
 
 
 def chunk_count(chunks: int) -> int:
@@ -30,32 +39,59 @@ def chunk_count(chunks: int) -> int:
     return next(count for count in CHUNK_COUNTS if count >= chunks)
 
 
+def conditioning_count(conditionings: int) -> int:
+    """The compiled conditioning count that holds `conditionings`."""
+    return next(count for count in CONDITIONING_COUNTS if count >= conditionings)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tokens:
     """A request's prompts as its images' text encoders read them, N images by (negative, positive)
-    prompt by E encoders, in K chunks of 77 tokens."""
+    prompt by C conditionings (a prompt's schedule's texts) by E encoders, in K chunks of 77 tokens."""
 
-    ids: np.ndarray  # [N, 2, E, K * 77] int32
-    weights: np.ndarray  # [N, 2, E, K * 77] float32: each token's weight; 1 for the frame and the padding
-    chunks: np.ndarray  # [N, 2] int32: each prompt's chunks; those after them are padding, left unread
+    ids: np.ndarray  # [N, 2, C, E, K * 77] int32
+    weights: np.ndarray  # [N, 2, C, E, K * 77] float32: each token's weight; 1 for the frame and the padding
+    chunks: np.ndarray  # [N, 2, C] int32: each text's chunks; those after them are padding, left unread
     rescale: np.ndarray  # [N] bool: weighted chunks keep their mean ("original" emphasis), or not ("no-norm")
+    # [N, 2, T] int32: the conditioning webui's denoiser call s reads (`editing.conditioning_index`), for
+    # s from 0 to the schedule's steps; a call past them reads the first.
+    readings: np.ndarray
 
     @property
     def num_chunks(self) -> int:
         return self.ids.shape[-1] // TOKENS_PER_CHUNK
 
-    def padded(self, num_chunks: int) -> "Tokens":
+    @property
+    def num_conditionings(self) -> int:
+        return self.ids.shape[2]
+
+    def padded(self, num_chunks: int, num_conditionings: int, num_readings: int) -> "Tokens":
+        """These tokens with `num_chunks` chunks, `num_conditionings` conditionings (the added ones repeat
+        each prompt's last, never read) and `num_readings` readings (the added ones past the end: 0)."""
         extra = (num_chunks - self.num_chunks) * TOKENS_PER_CHUNK
-        pad = [(0, 0)] * 3 + [(0, extra)]
-        weights = np.pad(self.weights, pad, constant_values=1)
-        return dataclasses.replace(self, ids=np.pad(self.ids, pad), weights=weights)
+        pad = [(0, 0)] * 4 + [(0, extra)]
+        more = [(0, 0), (0, 0), (0, num_conditionings - self.num_conditionings)]
+        ids = np.pad(np.pad(self.ids, pad), more + [(0, 0)] * 2, mode="edge")
+        weights = np.pad(np.pad(self.weights, pad, constant_values=1), more + [(0, 0)] * 2, mode="edge")
+        chunks = np.pad(self.chunks, more, mode="edge")
+        readings = np.pad(self.readings, [(0, 0), (0, 0), (0, num_readings - self.readings.shape[-1])])
+        return Tokens(ids, weights, chunks, self.rescale, readings)
 
     @classmethod
     def merged(cls, tokens: Sequence["Tokens"]) -> "Tokens":
-        """The images of several requests' tokens in order, padded to the longest's chunk count."""
-        count = max(t.num_chunks for t in tokens)
-        padded = [t.padded(count) for t in tokens]
+        """The images of several requests' tokens in order, padded to the longest's chunk count, the most
+        conditionings and the longest schedule."""
+        sizes = (max(t.num_chunks for t in tokens), max(t.num_conditionings for t in tokens),
+                 max(t.readings.shape[-1] for t in tokens))
+        padded = [t.padded(*sizes) for t in tokens]
         return cls(*(np.concatenate([getattr(t, f.name) for t in padded]) for f in dataclasses.fields(cls)))
+
+    def conditioning_steps(self, evaluations: int, first: int) -> np.ndarray:
+        """[N, 2, evaluations] int32: which conditioning each loop iteration reads. webui's denoiser counts
+        its calls from 0 at the first that runs (iteration `first`); iterations before it never run."""
+        calls = np.arange(evaluations) - first
+        past = calls >= self.readings.shape[-1]
+        return np.where(past, 0, self.readings[..., np.clip(calls, 0, self.readings.shape[-1] - 1)]).astype(np.int32)
 
 
 class Prompts:
@@ -102,39 +138,81 @@ class Prompts:
         used = dict.fromkeys(int(np.searchsorted(starts, row, side="right")) - 1 for row in rows)
         return [self.embeddings[i] for i in used]
 
-    def tokens(self, prompts: Sequence[str], negative_prompts: Sequence[str], emphasis: str = "original") -> Tokens:
+    def tokens(
+        self, prompts: Sequence[str], negative_prompts: Sequence[str], emphasis: str = "original", *,
+        steps: int = 1, hires_steps: int | None = None,
+    ) -> Tokens:
         """The `Tokens` of a batch's prompts and negative prompts (one of each per image): made where a
         request is prepared, so that a device queue's one worker never spends its time on text.
+
+        `steps` (and a hires pass's `hires_steps`) are what a prompt's edits are scheduled over
+        (`editing.prompt_schedule`): webui's step count, its model evaluations in a whole run.
 
         Raises:
           ValueError: a prompt is over `MAX_CHUNKS` chunks, or weighs a word outside `WEIGHT_RANGE`.
         """
-        read = {}  # each distinct prompt once: a batch usually repeats one for all its images
+        read = {}  # each distinct text once: a batch usually repeats one prompt for all its images
+        scheduled = {}  # (prompt, negative): (its distinct texts, the one each call reads)
         for texts, negative in ((negative_prompts, True), (prompts, False)):
             for text in texts:
-                if (text, negative) not in read:
-                    read[text, negative] = self.read(text, emphasis, negative=negative)
-        rows = [[read[text, negative] for text, negative in ((n, True), (p, False))]
+                if (text, negative) not in scheduled:
+                    scheduled[text, negative] = self._scheduled(text, negative, steps, hires_steps)
+                    for variant in scheduled[text, negative][0]:
+                        if (variant, negative) not in read:
+                            read[variant, negative] = self.read(variant, emphasis, negative=negative, tagged=False)
+        rows = [[scheduled[text, negative] for text, negative in ((n, True), (p, False))]
                 for n, p in zip(negative_prompts, prompts)]
-        chunks = np.array([[ids.shape[-1] // TOKENS_PER_CHUNK for ids, _ in row] for row in rows], np.int32)
+        count = conditioning_count(max(len(variants) for row in rows for variants, _ in row))
+        readings = np.array([[reading for _, reading in row] for row in rows], np.int32)
+        # Each image's (negative, positive) C texts: the padding repeats a prompt's last text, never read.
+        row_texts = [[[variants[min(c, len(variants) - 1)] for c in range(count)] for variants, _ in row]
+                     for row in rows]
+        chunks = np.array([[[read[v, negative][0].shape[-1] // TOKENS_PER_CHUNK for v in texts]
+                            for texts, negative in zip(row, (True, False))] for row in row_texts], np.int32)
         length = chunk_count(int(chunks.max())) * TOKENS_PER_CHUNK
-        shape = (len(rows), 2, len(self.tokenizers), length)
+        shape = (len(rows), 2, count, len(self.tokenizers), length)
         ids, weights = np.zeros(shape, np.int32), np.ones(shape, np.float32)
-        for i, row in enumerate(rows):
-            for j, (prompt_ids, prompt_weights) in enumerate(row):
-                ids[i, j, :, : prompt_ids.shape[-1]] = prompt_ids
-                weights[i, j, :, : prompt_ids.shape[-1]] = prompt_weights
+        for i, row in enumerate(row_texts):
+            for j, (texts, negative) in enumerate(zip(row, (True, False))):
+                for c, variant in enumerate(texts):
+                    prompt_ids, prompt_weights = read[variant, negative]
+                    ids[i, j, c, :, : prompt_ids.shape[-1]] = prompt_ids
+                    weights[i, j, c, :, : prompt_ids.shape[-1]] = prompt_weights
         rescale = np.full(len(rows), emphasis == "original")
-        return Tokens(ids, weights, chunks, rescale)
+        return Tokens(ids, weights, chunks, rescale, readings)
 
-    def read(self, text: str, emphasis: str = "original", *, negative: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    @staticmethod
+    def _scheduled(text: str, negative: bool, steps: int, hires_steps: int | None) -> tuple[list[str], list[int]]:
+        """A prompt's distinct texts over its schedule (LoRA tags out of a positive prompt's), and the one
+        each of webui's denoiser calls 0..steps reads.
+
+        Raises:
+          ValueError: over `MAX_CONDITIONINGS` texts.
+        """
+        if not negative:
+            text, _ = prompt_syntax.lora_tags(text)
+        schedule = editing.prompt_schedule(text, steps, hires_steps)
+        variants = list(dict.fromkeys(variant for _, variant in schedule))
+        if len(variants) > MAX_CONDITIONINGS:
+            raise ValueError(
+                f"the {'negative prompt' if negative else 'prompt'} reads {len(variants)} different texts over "
+                f"its steps, over the limit of {MAX_CONDITIONINGS}"
+            )
+        total = schedule[-1][0]
+        calls = [variants.index(schedule[editing.conditioning_index(schedule, s)][1]) for s in range(total + 1)]
+        return variants, calls
+
+    def read(
+        self, text: str, emphasis: str = "original", *, negative: bool = False, tagged: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
         """One prompt's ids and weights for every encoder, [E, k * 77] each, k its chunks. A positive
-        prompt's LoRA tags are not read (webui reads a negative prompt's as text).
+        prompt's LoRA tags are not read (webui reads a negative prompt's as text); `tagged=False`: they
+        are already out.
 
         Raises:
           ValueError: over `MAX_CHUNKS` chunks, or a weight outside `WEIGHT_RANGE`.
         """
-        if not negative:
+        if tagged and not negative:
             text, _ = prompt_syntax.lora_tags(text)
         what = "negative prompt" if negative else "prompt"
         per_encoder = [
@@ -146,13 +224,19 @@ class Prompts:
         framed = [self._framed(tokenizer, chunks, count) for tokenizer, chunks in zip(self.tokenizers, per_encoder)]
         return np.stack([ids for ids, _ in framed]), np.stack([weights for _, weights in framed])
 
-    def length_text(self, text: str, emphasis: str = "original", *, negative: bool = False) -> str:
-        """How long a prompt is, as a UI shows it: "84 tokens, 2 chunks"."""
+    def length_text(self, text: str, emphasis: str = "original", *, negative: bool = False, steps: int = 20) -> str:
+        """How long a prompt is, as a UI shows it: "84 tokens, 2 chunks"; for a prompt with editing or
+        alternation, its longest text over `steps` steps (as webui's counter)."""
         if not negative:
             text, _ = prompt_syntax.lora_tags(text)
-        pieces = prompt_syntax.prompt_pieces(text, emphasis)
-        # unchecked: a count to show; an embedding counts as its vectors
-        chunks = prompt_syntax.chunks(pieces, **self._reading(self.tokenizers[0]), embeddings=self._embedding_ids[0])
+        reading = self._reading(self.tokenizers[0])
+        texts = dict.fromkeys(variant for _, variant in editing.prompt_schedule(text, steps))
+        lengths = [  # unchecked: a count to show; an embedding counts as its vectors
+            prompt_syntax.chunks(prompt_syntax.prompt_pieces(variant, emphasis), **reading,
+                                 embeddings=self._embedding_ids[0])
+            for variant in texts
+        ]
+        chunks = max(lengths, key=prompt_syntax.token_count)
         over = f" (at most {MAX_CHUNKS})" if len(chunks) > MAX_CHUNKS else ""
         return prompt_syntax.length_text(chunks) + over
 
