@@ -258,8 +258,8 @@ def program_context(pipe, prompt: str, **settings) -> np.ndarray:
     layer = np.array([[skip for skip, _ in layers]], np.int32)
     norm = np.array([[normed for _, normed in layers]])
     encode = jax.jit(encode_text, static_argnums=(0, 7))
-    context, _ = encode(pipe.spec, pipe.params, tokens.ids[:, 1], tokens.weights[:, 1], tokens.rescale, layer, norm,
-                        jnp.float32)
+    context, _ = encode(pipe.spec, pipe.params, tokens.ids[:, 1, 0], tokens.weights[:, 1, 0], tokens.rescale, layer,
+                        norm, jnp.float32)  # the prompt's one conditioning
     return np.asarray(context)
 
 
@@ -279,7 +279,7 @@ def test_the_default_reads_the_familys_state_to_the_bit(tiny_pipelines, family):
     """Clip skip 1 is SD 1.x's last hidden state and SDXL's penultimate ones, weighted, computed as before it."""
     pipe, _ = tiny_pipelines[family]
     tokens = pipe.prompts.tokens([CLIP_SKIP_PROMPT], [""])
-    ids, weights, rescale = tokens.ids[:, 1], tokens.weights[:, 1], tokens.rescale
+    ids, weights, rescale = tokens.ids[:, 1, 0], tokens.weights[:, 1, 0], tokens.rescale
     chunks = ids.shape[-1] // 77
 
     def family_state(params):
