@@ -234,18 +234,22 @@ def a1111_hires_pass(ref, model, conditioning, latents, case: dict, sampler, sch
     )
 
 
+def pasted_and_a1111s(pipe, ref, case: dict) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Our two images of the case's infotext pasted into `generate`, A1111's, and the parameters read."""
+    with pytest.warns(UserWarning, match=r"parameters not applied: Model$"):
+        parameters = read_parameters(infotext(case))
+    ours = pipe.generate(**parameters, num_images=2, output_type="np")
+    h, w, c = pipe.spec.latent_shape(HEIGHT, WIDTH)
+    theirs = a1111_images(ref, case, (c, h, w))
+    print(f"max abs diff {np.abs(ours - theirs).max():.2e}")
+    return ours, theirs, parameters
+
+
 @pytest.mark.oracle
 @pytest.mark.parametrize("case", CASES)
 def test_a_pasted_a1111_infotext_draws_a1111s_images(reference, case):
-    pipe, ref = reference
-    text = infotext(CASES[case])
-    with pytest.warns(UserWarning, match=r"parameters not applied: Model$"):
-        parameters = read_parameters(text)
-    ours = pipe.generate(**parameters, num_images=2, output_type="np")
-    h, w, c = pipe.spec.latent_shape(HEIGHT, WIDTH)
-    theirs = a1111_images(ref, CASES[case], (c, h, w))
+    ours, theirs, _ = pasted_and_a1111s(*reference, CASES[case])
     diff = np.abs(ours - theirs).max()
-    print(f"{case}: max abs diff {diff:.2e}")
     assert diff <= (SDE_TOLERANCE if "SDE" in CASES[case]["Sampler"] else 1e-4)
     assert np.abs(theirs[0] - theirs[1]).max() > 1e-2, "the batch's two images differ"
 
@@ -254,15 +258,10 @@ def test_a_pasted_a1111_infotext_draws_a1111s_images(reference, case):
 @pytest.mark.parametrize("case", SD1_CASES)
 def test_a_pasted_sd1_infotext_with_clip_skip_draws_a1111s_images(sd1_reference, case):
     pipe, ref = sd1_reference
-    with pytest.warns(UserWarning, match=r"parameters not applied: Model$"):
-        parameters = read_parameters(infotext(SD1_CASES[case]))
+    ours, theirs, parameters = pasted_and_a1111s(pipe, ref, SD1_CASES[case])
     assert parameters["clip_skip"] == SD1_CASES[case]["Clip skip"]
-    ours = pipe.generate(**parameters, num_images=2, output_type="np")
+    assert np.abs(ours - theirs).max() <= 1e-4
     h, w, c = pipe.spec.latent_shape(HEIGHT, WIDTH)
-    theirs = a1111_images(ref, SD1_CASES[case], (c, h, w))
-    diff = np.abs(ours - theirs).max()
-    print(f"{case}: max abs diff {diff:.2e}")
-    assert diff <= 1e-4
     unskipped = a1111_images(ref, {**SD1_CASES[case], "Clip skip": 1}, (c, h, w))
     assert np.abs(unskipped - theirs).max() > 1e-2, "the clip skip changes the pictures"
 
@@ -270,15 +269,9 @@ def test_a_pasted_sd1_infotext_with_clip_skip_draws_a1111s_images(sd1_reference,
 @pytest.mark.oracle
 @pytest.mark.parametrize("case", HIRES_CASES)
 def test_a_pasted_hires_fix_draws_a1111s_upscaled_images(reference, case):
-    pipe, ref = reference
-    with pytest.warns(UserWarning, match=r"parameters not applied: Model$"):
-        parameters = read_parameters(infotext(HIRES_CASES[case]))
-    ours = pipe.generate(**parameters, num_images=2, output_type="np")
+    ours, theirs, _ = pasted_and_a1111s(*reference, HIRES_CASES[case])
     assert ours.shape == (2, 2 * HEIGHT, 2 * WIDTH, 3)
-    h, w, c = pipe.spec.latent_shape(HEIGHT, WIDTH)
-    theirs = a1111_images(ref, HIRES_CASES[case], (c, h, w))
     diff = np.abs(ours - theirs).max()
-    print(f"{case}: max abs diff {diff:.2e}")
     in_latents = HIRES_CASES[case]["Hires upscaler"].startswith("Latent")
     assert diff <= (SDE_TOLERANCE if "SDE" in HIRES_CASES[case]["Sampler"] else 1e-4 if in_latents
                     else IMAGE_UPSCALER_TOLERANCE)
@@ -287,17 +280,10 @@ def test_a_pasted_hires_fix_draws_a1111s_upscaled_images(reference, case):
 @pytest.mark.oracle
 @pytest.mark.parametrize("case", EDIT_CASES)
 def test_a_pasted_prompt_edit_draws_a1111s_images(reference, case):
-    pipe, ref = reference
-    with pytest.warns(UserWarning, match=r"parameters not applied: Model$"):
-        parameters = read_parameters(infotext(EDIT_CASES[case]))
+    ours, theirs, parameters = pasted_and_a1111s(*reference, EDIT_CASES[case])
     assert parameters["prompt"] == EDIT_CASES[case]["prompt"]
-    ours = pipe.generate(**parameters, num_images=2, output_type="np")
     assert ours.shape[1] == (2 if "Hires upscale" in EDIT_CASES[case] else 1) * HEIGHT
-    h, w, c = pipe.spec.latent_shape(HEIGHT, WIDTH)
-    theirs = a1111_images(ref, EDIT_CASES[case], (c, h, w))
-    diff = np.abs(ours - theirs).max()
-    print(f"{case}: max abs diff {diff:.2e}")
-    assert diff <= 1e-4
+    assert np.abs(ours - theirs).max() <= 1e-4
 
 
 @pytest.mark.oracle
