@@ -149,6 +149,11 @@ def test_one_program_serves_every_step_count():
         np.testing.assert_allclose(ours("DPM++ SDE", "Automatic", steps, noise, draws), alone, rtol=1e-6, atol=1e-6)
 
 
+# KL Optimal's first sigma is tan(atan(sigma_max)), near pi/2 where tan turns one float32 ulp of its argument into
+# about 22 of its result: torch's CPU kernels round it 1.8e-6 apart on some hosts (its scalar or vector lanes).
+KL_OPTIMAL_RTOL = 4e-6
+
+
 @pytest.mark.parametrize("name", ["Euler", "DPM++ 2M", "DPM2", "DPM++ 3M SDE"])  # Uniform, Karras, discarding ones
 def test_sigmas_are_a1111s(name):
     """Automatic as each sampler's default, and the next to last sigma discarded where A1111 does."""
@@ -156,7 +161,8 @@ def test_sigmas_are_a1111s(name):
         for steps in (1, 4, 30):
             expected = get_sigmas(WRAP, name, schedule_type, steps).numpy()
             np.testing.assert_allclose(kdiffusion.kdiffusion_sigmas(SDXL, schedule_type, name, steps), expected,
-                                       rtol=1e-6, err_msg=f"{schedule_type}, {steps} steps")
+                                       rtol=KL_OPTIMAL_RTOL if schedule_type == "KL Optimal" else 1e-6,
+                                       err_msg=f"{schedule_type}, {steps} steps")
             assert kdiffusion.schedule_steps(SDXL, schedule_type, name, steps) == len(expected) - 1
 
 

@@ -52,7 +52,9 @@ def test_schedules_are_a1111s(schedule_type):
         expected = SCHEDULERS_MAP[schedule_type](steps, WRAP.sigmas[0].item(), WRAP.sigmas[-1].item(), WRAP, True)
         assert ours.dtype == np.float32 and ours.shape == expected.shape, (steps, ours.shape, expected.shape)
         # Within a few float32 ulps: torch's CPU kernels (linspace, exp, sqrt) round some elements differently.
-        np.testing.assert_allclose(ours, expected.numpy(), rtol=1e-6, err_msg=f"{steps} steps")
+        # KL Optimal's first sigma, tan near pi/2, turns one ulp of its argument into about 22.
+        rtol = 4e-6 if schedule_type == "KL Optimal" else 1e-6
+        np.testing.assert_allclose(ours, expected.numpy(), rtol=rtol, err_msg=f"{steps} steps")
 
 
 def test_align_your_steps_takes_sd15s_sigmas_for_other_models():
