@@ -1,6 +1,8 @@
 """The demo's requests, built from a visitor's settings without a server (`sdxl.serving.demo`)."""
 
+import numpy as np
 import pytest
+import safetensors.numpy
 from PIL import Image
 
 from sdxl.checkpoints import lora
@@ -8,6 +10,7 @@ from sdxl.engine.hires import Hires
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.request import MAX_SEED
 from sdxl.prompts.styles import STYLES
+from sdxl.serving import results
 from sdxl.serving.demo import COMPARE_SEEDS, DemoService, Settings, fit_to_sizes, lora_parameters
 
 
@@ -218,3 +221,16 @@ def test_a_hires_fix_reaches_the_request_and_its_grid_axes_turn_it_on(service):
         (0.3, "Latent"), (0.6, "Latent"), (0.3, "Latent (bicubic)"), (0.6, "Latent (bicubic)")}
     with pytest.raises(ValueError, match="hires upscaler must be one of"):
         service.grid(Settings(prompt="a fox", steps=4), "hires_upscaler", "Latent, SwinIR", None, "")
+
+
+def test_the_compile_message_names_the_kind_of_prompt_a_program_is_for(tmp_path):
+    """Prompt edits and embeddings compile programs of their own: the progress message says so."""
+    pipe = Pipeline.from_pretrained("tiny", dtype="float32")
+    width = pipe.spec.text_encoders[0].hidden_size
+    vectors = {key: np.full((2, width), 0.01, np.float32) for key in ("clip_l", "clip_g")}
+    safetensors.numpy.save_file(vectors, str(tmp_path / "softblue.safetensors"))
+    pipe.load_textual_inversion(tmp_path / "softblue.safetensors")
+    service = DemoService(pipe, model_label="tiny", max_images_per_core=1)
+    assert results.prompt_shape(service.images(Settings(prompt="a fox"))) == "prompts of one chunk"
+    edited = service.images(Settings(prompt="a [fox|cat] BREAK softblue"))
+    assert results.prompt_shape(edited) == "prompts of up to 2 chunks, 2 texts each (prompt editing), with embeddings"

@@ -73,10 +73,9 @@ def progress(update: Update, calls: int) -> tuple:
     if ticket.step:
         return (ticket.step, ticket.steps), "Denoising", "steps"
     if ticket.compiling:
-        request, chunks = ticket.prepared.request, ticket.prepared.tokens.num_chunks
-        prompts = "prompts of one chunk" if chunks == 1 else f"prompts of up to {chunks} chunks"
-        return 0, (f"Compiling for {size_label(request.width, request.height)}, {prompts} (first use of this size, "
-                   "batch, sampler or prompt length; cached after)"), None
+        request = ticket.prepared.request
+        return 0, (f"Compiling for {size_label(request.width, request.height)}, {prompt_shape(ticket.prepared)} "
+                   "(first use of this size, batch, sampler or kind of prompt; cached after)"), None
     return 0, f"Waiting in queue: {update.ahead} request(s) ahead" if update.ahead else "Starting", None
 
 
@@ -117,6 +116,18 @@ def caption(prepared: PreparedRequest, i: int, device: str) -> str:
     return " · ".join(part for part in parts if part)
 
 
+def prompt_shape(prepared: PreparedRequest) -> str:
+    """What of a request's prompts its program is compiled for: "prompts of one chunk", "prompts of up to 4
+    chunks, 2 texts each (prompt editing), with embeddings"."""
+    tokens, chunks = prepared.tokens, prepared.tokens.num_chunks
+    shape = "prompts of one chunk" if chunks == 1 else f"prompts of up to {chunks} chunks"
+    if tokens.num_conditionings > 1:
+        shape += f", {tokens.num_conditionings} texts each (prompt editing)"
+    if prepared.program.embedding_rows:
+        shape += ", with embeddings"
+    return shape
+
+
 def answer(service, prepared: PreparedRequest, ticket: Ticket, result: Generation, note: str | None) -> tuple:
     """(gallery, status) of a finished request: its images captioned, and what it took."""
     gallery = [(picture, caption(prepared, i, result.devices[i]))
@@ -125,7 +136,7 @@ def answer(service, prepared: PreparedRequest, ticket: Ticket, result: Generatio
     if ticket.batch_images > len(prepared):
         notes.append(f"batched with other requests: {ticket.batch_images} images")
     if ticket.compiling:
-        notes.append("includes compiling for this size, batch and sampler; next time it is cached")
+        notes.append("includes compiling for this size, batch, sampler and kind of prompt; next time it is cached")
     status = f"{image_count(len(prepared))} in {result.seconds:.1f} s on {service.pipe.device_description}"
     return gallery, status + (f" ({'; '.join(notes)})" if notes else "")
 
@@ -140,7 +151,7 @@ def grid_answer(service, plan: GridPlan, tickets: list[Ticket], results: list[Ge
     status = (f"{image_count(len(cells))} in {seconds:.1f} s, {calls} device call{'' if calls == 1 else 's'} on "
               f"{service.pipe.device_description}")
     if any(ticket.compiling for ticket in tickets):
-        status += " (includes compiling for this size, batch or sampler; next time it is cached)"
+        status += " (includes compiling for this size, batch, sampler or kind of prompt; next time it is cached)"
     return sheet, [(cell, cell_caption(plan, i)) for i, cell in enumerate(cells)], status
 
 
