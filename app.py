@@ -462,7 +462,8 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
 
 
 # The settings under Advanced that draw A1111's pictures, by their names in every form (`Settings`'
-# fields): last in every form, in the order they joined, so that the API's other values keep their places.
+# fields): after the other settings in every form, in the order they joined, so that the values before them
+# keep their places in the API (the hires fix's and the IP-Adapters' come after: docs/api.md gives the order).
 A1111_FIELDS = ("noise_source", "ensd", "variation_seed", "variation_strength", "schedule_type", "clip_skip",
                 "sdxl_clip_l_skip")
 # The hires fix's, after those, in the text-to-image tabs' forms.
