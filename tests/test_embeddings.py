@@ -17,6 +17,7 @@ from sdxl.engine import infotext
 from sdxl.engine.infotext import infotext_quote
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.inputs import clip_layers
+from sdxl.engine.prepared import PreparedRequest
 from sdxl.engine.program import encode_text
 from sdxl.engine.request import Request
 
@@ -139,6 +140,16 @@ def test_embeddings_keep_the_programs_of_prompts_without_them_and_text_changes_n
     keys = [pipe.prepare(Request.from_prompt(text, num_images=1, steps=2, height=64, width=64)).batch_key
             for text in ("a red cube", "a red myemb")]
     assert keys[0] != keys[1], "the device queue merges requests of one program only"
+
+
+def test_a_grid_merging_a_cell_without_embeddings_first_draws_the_embedding_cell_as_alone(sdxl):
+    """A grid's cells merge by their settings alone: the merged program reads the vectors where any cell does."""
+    _, pipe, _ = sdxl
+    plain, named = (pipe.prepare(Request.from_prompt(text, num_images=1, steps=2, height=64, width=64, seed=3),
+                                 output_type="np") for text in ("a red cube", "a red cube, myemb"))
+    merged = PreparedRequest.merged([plain, named], pipe.padded_batch(2))
+    assert merged.program.embedding_rows == named.program.embedding_rows
+    np.testing.assert_allclose(pipe.render(merged).images[1], pipe.render(named).images[0], atol=1e-5)
 
 
 # --- files ---

@@ -53,7 +53,7 @@ class PreparedRequest:
         guidance or none (a request without would otherwise pay for the other's second UNet pass),
         prompts of as many chunks (a short one would pay for the other's long context) and as many
         conditionings (a prompt without edits would pay for the other's texts), and of textual-inversion
-        vectors all or none (the merged request runs the first's program)."""
+        vectors all or none (a prompt without keeps the programs compiled for it)."""
         return (self.request.call_settings, self.program.guided, self.tokens.num_chunks, self.tokens.num_conditionings,
                 self.program.embedding_rows)
 
@@ -65,11 +65,13 @@ class PreparedRequest:
     def merged(cls, parts: Sequence["PreparedRequest"], batch: int) -> "PreparedRequest":
         """One prepared request for the images of several with the same `call_settings`, in order,
         rendered at `batch` (their image count, padded to the devices). Its program guides if any
-        part needs guidance, and reads the longest part's chunks and the most conditionings."""
+        part needs guidance, reads the longest part's chunks and the most conditionings, and the
+        textual-inversion vectors where a part reads them (a grid's cells merge without `batch_key`)."""
         first = parts[0]
         program = dataclasses.replace(
             first.program, batch=batch, guided=any(p.program.guided for p in parts),
             chunks=max(p.program.chunks for p in parts), conditionings=max(p.program.conditionings for p in parts),
+            embedding_rows=max(p.program.embedding_rows for p in parts),
         )
         refined, hires = (None if getattr(first, name) is None else cls.merged([getattr(p, name) for p in parts], batch)
                           for name in ("refined", "hires"))
