@@ -119,6 +119,7 @@ class _Parser:
                 return _Edit(first, second, when.group(1)), when.end()
         return None
 
+
 def _flatten(items) -> tuple:
     """The nested tuples of a construct as one sequence."""
     out = []

@@ -9,7 +9,7 @@ whatever the other prompts of its batch.
 
 A prompt with editing or alternation is read as its schedule's distinct texts, its conditionings, each
 with the last sampling step it serves; a batch holds C of them per prompt (one of `CONDITIONING_COUNTS`,
-1 where no prompt has any), and the program picks each step's (`Tokens.ends`).
+1 where no prompt has any), and the program picks each step's (`Tokens.readings`).
 """
 
 import dataclasses
