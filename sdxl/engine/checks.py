@@ -4,6 +4,8 @@ Each refusal is one sentence that names the value and what is allowed."""
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def integer(value, label: str, low: int, high: int) -> int:
     """`value` as an int in [low, high]; integral floats and numeric text (as JSON clients send) pass.
@@ -36,6 +38,13 @@ def fraction(value, label: str) -> float:
     if not (isinstance(value, float | int) and not isinstance(value, bool) and 0 < value < 1):
         raise ValueError(f"{label} must be a fraction above 0 and below 1, got {value!r}")
     return float(value)
+
+
+def flag(value, label: str) -> bool:
+    """`value`, which must be True or False (not text such as "false", which is truthy). Raises ValueError."""
+    if not isinstance(value, bool | np.bool_):
+        raise ValueError(f"{label} must be true or false, got {value!r}")
+    return bool(value)
 
 
 def choice(value, label: str, choices: Sequence[str]) -> str:

@@ -20,7 +20,7 @@ from ..prompts.syntax import EMPHASIS_MODES, lora_tags
 from ..sampling.noise import NOISE_SOURCES
 from ..sampling import samplers
 from ..sampling.methods import DIFFUSERS, sampler_name, schedule_type_for, steps_run
-from .checks import choice, fraction, integer, number, text
+from .checks import choice, flag, fraction, integer, number, text
 from .controls import Control
 from .hires import Hires
 from .image_prompts import ImagePrompt
@@ -315,7 +315,7 @@ class Request:
             schedule_type=schedule_type,
             emphasis=choice(self.emphasis, "emphasis", EMPHASIS_MODES),
             clip_skip=integer(self.clip_skip, "clip skip", *CLIP_SKIP_RANGE),
-            sdxl_clip_l_skip=_flag(self.sdxl_clip_l_skip, "sdxl_clip_l_skip"),
+            sdxl_clip_l_skip=flag(self.sdxl_clip_l_skip, "sdxl_clip_l_skip"),
             loras=_loras(self.loras, prompts, limits),
             images=None if self.images is None else checked_pixels(self.images),
             masks=None if self.masks is None else np.asarray(self.masks, np.float32) > 0.5,
@@ -406,13 +406,6 @@ class Request:
 
 
 _PER_IMAGE = ("prompts", "negative_prompts", "seeds", "image_index", "guidance_scales")
-
-
-def _flag(value, label: str) -> bool:
-    """`value`, which must be True or False (not text such as "false", which is truthy). Raises ValueError."""
-    if not isinstance(value, bool | np.bool_):
-        raise ValueError(f"{label} must be true or false, got {value!r}")
-    return bool(value)
 
 
 def _size(value, label: str, factor: int) -> int:
