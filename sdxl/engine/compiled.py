@@ -57,7 +57,7 @@ class Executables:
             args = (inputs,)
         else:
             state, invariants = self.compiled(program, "prepare").out_info
-            step = inputs.num_steps
+            step = inputs.first_step
             args = (invariants, state, inputs, step, step) if stage == "denoise" else (state,)
         by_image = meshes.by_image(self.mesh)
         # `prepare` keeps the invariants as computed: the text's keys split by image, kernels on every device.
@@ -119,7 +119,7 @@ def run_in_stages(
     Returns None when `report` gives the run up before its last step."""
     state, invariants = stage("prepare")(params, inputs)
     denoise = stage("denoise")
-    whole = inputs.num_steps.sharding
+    whole = inputs.first_step.sharding
     in_flight = []  # (evaluations done when it finishes, its carry, its previews)
     carry = state.carry
     for start in range(first, evaluations, steps_per_report):

@@ -6,7 +6,6 @@ on a `placeholder` request of the program's shapes.
 """
 
 import dataclasses
-import functools
 
 import jax
 import numpy as np
@@ -15,63 +14,13 @@ from jax.sharding import Mesh
 from ..models.unet import attention_layers
 from ..prompts.tokens import Tokens
 from ..sampling import methods
-from ..sampling.schedulers import Schedule
 from . import mesh as meshes
 from .controls import Control
 from .image_prompts import ImagePrompt
 from .prepared import PreparedRequest
+from .preparing import planned
 from .program import PER_CALL_INPUTS, GenerateProgram, Inputs
 from .request import Request
-
-
-def schedule(program: GenerateProgram, request: Request) -> Schedule:
-    """The noise schedule of a validated request's sampler, schedule type and steps, padded to the
-    program's `max_steps`."""
-    return _padded_schedule(program.spec, request.sampler, request.schedule_type, request.steps, program.max_steps)
-
-
-@functools.lru_cache(maxsize=256)
-def _padded_schedule(spec, sampler: str, schedule_type: str, steps: int, max_steps: int) -> Schedule:
-    return methods.schedule(spec.scheduler, sampler, schedule_type, steps, max_steps, is_sdxl=spec.is_sdxl)
-
-
-def schedule_length(program: GenerateProgram, request: Request) -> int:
-    """The steps the request's schedule holds: its steps, but for A1111's DDIM schedule type, which
-    may hold one more (`sampling.methods.steps_run`)."""
-    spec = program.spec
-    return methods.steps_run(spec.scheduler, request.sampler, request.schedule_type, request.steps,
-                             is_sdxl=spec.is_sdxl)
-
-
-def steps_run(program: GenerateProgram, request: Request) -> tuple[int, int]:
-    """The steps first..stop-1 of the request's schedule that run, as diffusers picks them: a
-    strength skips the first steps (`get_timesteps`), `denoising_start` the steps at or above its
-    timestep cutoff, and `denoising_end` stops before the steps below its own. (On A1111's schedule
-    types a request runs whole: `Request.validated`.)
-
-    Raises:
-      ValueError: no step is left to run.
-    """
-    steps = schedule_length(program, request)
-    timesteps = np.asarray(schedule(program, request).timesteps)[:steps]
-    train_steps = program.spec.scheduler.num_train_timesteps
-
-    def cutoff(fraction: float) -> int:
-        return int(round(train_steps - fraction * train_steps))
-
-    first, stop = 0, steps
-    if request.start_from == "image":
-        first = steps - min(int(steps * request.strength), steps)
-    elif request.denoising_start is not None:
-        first = steps - int((timesteps < cutoff(request.denoising_start)).sum())
-    if request.denoising_end is not None:
-        stop = first + int((timesteps[first:] >= cutoff(request.denoising_end)).sum())
-    if stop <= first:
-        raise ValueError(
-            f"denoising_start {request.denoising_start} and denoising_end {request.denoising_end} leave none of "
-            f"the {steps} steps to run; move them apart or add steps"
-        )
-    return first, stop
 
 
 def clip_layers(spec, request: Request) -> tuple[tuple[int, bool], ...]:
@@ -134,7 +83,7 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
                                          for column in columns),
             "image_prompt_scales": per_image([[p.scales for p in per] for per in request.image_prompts], np.float32),
         }
-    first, stop = prepared.steps
+    plan = prepared.plan
     layers = clip_layers(spec, request)
     return Inputs(
         ids=per_image(tokens.ids, np.int32),
@@ -143,17 +92,16 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
         clip_layer=per_image([[layer for layer, _ in layers]] * n, np.int32),
         clip_norm=per_image([[norm for _, norm in layers]] * n, np.bool_),
         chunks=per_image(tokens.chunks, np.int32) if program.chunks > 1 else None,
-        conditioning_steps=per_image(tokens.conditioning_steps(program.evaluations, program.method.evaluations(first)),
-                                     np.int32) if program.conditionings > 1 else None,
+        conditioning_steps=None if program.conditionings == 1 else per_image(
+            tokens.conditioning_steps(program.evaluations, program.method.evaluations(plan.first)), np.int32),
         zero_negative=per_image(zero_negative, np.bool_),
         time_ids=time_ids,
         seeds=per_image(request.seeds, np.uint32),
         image_index=per_image(request.image_index, np.uint32),
         guidance_scale=per_image(request.guidance_scales, np.float32),
-        schedule=schedule(program, request),
-        num_steps=np.int32(schedule_length(program, request)),
-        first_step=np.int32(first),
-        stop_step=np.int32(stop),
+        schedule=plan.schedule,
+        first_step=np.int32(plan.first),
+        stop_step=np.int32(plan.stop),
         noise=per_image(request.noise, np.float32) if program.given_noise else None,
         step_noise=per_image(_padded_draws(request.step_noise, program.draws), np.float32)
         if program.given_step_noise else None,
@@ -242,4 +190,4 @@ def placeholder(program: GenerateProgram) -> PreparedRequest:
         controls=controls,
         image_prompts=image_prompts,
     )
-    return PreparedRequest(request, tokens, program, (0, 1))
+    return PreparedRequest(request, tokens, program, planned(program, request, first_step=0))

@@ -11,25 +11,62 @@ import dataclasses
 from collections.abc import Sequence
 
 from ..prompts.tokens import Tokens
+from ..sampling.schedulers import Schedule
 from .program import GenerateProgram
 from .request import Request
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """What a program's run steps through, resolved once where its request is prepared
+    (`sdxl.engine.preparing`): the sampler's schedule on the request's schedule type, which holds its own
+    length, and the stretch of it that runs."""
+
+    schedule: Schedule  # padded to the program's `max_steps`; `schedule.num_steps` steps in it
+    first: int  # its steps first..stop-1 run: a strength or a refiner's handoff skips the first ones,
+    stop: int  # a base model's handoff stops early, a hires pass runs a schedule's last steps
+
+    @property
+    def length(self) -> int:
+        """The steps the schedule holds: the request's, but for A1111's DDIM type, which may hold one more."""
+        return int(self.schedule.num_steps)
+
+    @property
+    def steps_run(self) -> int:
+        return self.stop - self.first
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class PreparedRequest:
-    """A validated request, its prompts' tokens, the program that renders it and the stretch of its
-    schedule that runs; with a refiner's handoff, the refiner's part, which continues its latents; with
-    a hires fix, the second pass, from its upscaled result."""
+    """A validated request, its prompts' tokens, the program that renders it, the plan of its run and
+    the loaded model it renders with; with a refiner's handoff, the refiner's part, which continues its
+    latents; with a hires fix, the second pass, from its upscaled result."""
 
     request: Request  # validated (`Request.validated`); with a refiner's handoff, the whole request
     tokens: Tokens  # its prompts as this model's encoders read them
     program: GenerateProgram  # at this request's batch (its image count, padded to the devices)
-    steps: tuple[int, int]  # the steps first..stop-1 of its schedule that run (`sdxl.engine.inputs.steps_run`)
+    plan: Plan  # its schedule and the steps of it that run
+    # The snapshot it was prepared against (`sdxl.engine.model.LoadedModel`), which renders it whatever is
+    # loaded meanwhile; None only where a process must attach its own, loaded alike (`with_model`).
+    model: object = dataclasses.field(default=None, repr=False)
     refined: "PreparedRequest | None" = None  # with `refine_from`: the refiner's part, from the latents this one leaves
     hires: "PreparedRequest | None" = None  # with `Request.hires`: the second pass (its start filled when it renders)
 
     def __len__(self) -> int:
         return len(self.request)
+
+    @property
+    def steps(self) -> tuple[int, int]:
+        """The steps first..stop-1 of its schedule that run."""
+        return self.plan.first, self.plan.stop
+
+    def with_model(self, model, refiner=None) -> "PreparedRequest":
+        """This request rendering with `model` (its refiner's part with `refiner`): for another process,
+        which receives a prepared request without the snapshot (`sdxl.serving.hosts`) and renders it with
+        its own, loaded alike. None detaches them."""
+        parts = {name: None if getattr(self, name) is None else getattr(self, name).with_model(
+            refiner if name == "refined" else model) for name in ("refined", "hires")}
+        return dataclasses.replace(self, model=model, **parts)
 
     @property
     def programs(self) -> tuple[GenerateProgram, ...]:
@@ -44,18 +81,18 @@ class PreparedRequest:
     @property
     def steps_run(self) -> int:
         """The denoising steps it runs, the refiner's or the hires pass's included: what progress counts to."""
-        first, stop = self.steps
-        return stop - first + sum(part.steps_run for part in self.continued_by)
+        return self.plan.steps_run + sum(part.steps_run for part in self.continued_by)
 
     @property
     def batch_key(self) -> tuple:
         """Requests with equal keys share a call in the device queue: equal `call_settings`, all needing
         guidance or none (a request without would otherwise pay for the other's second UNet pass),
         prompts of as many chunks (a short one would pay for the other's long context) and as many
-        conditionings (a prompt without edits would pay for the other's texts), and of textual-inversion
-        vectors all or none (a prompt without keeps the programs compiled for it)."""
+        conditionings (a prompt without edits would pay for the other's texts), of textual-inversion
+        vectors all or none (a prompt without keeps the programs compiled for it), and prepared against
+        the same loaded model (which renders them all)."""
         return (self.request.call_settings, self.program.guided, self.tokens.num_chunks, self.tokens.num_conditionings,
-                self.program.embedding_rows)
+                self.program.embedding_rows, self.model)
 
     def programs_at(self, batch: int) -> tuple[GenerateProgram, ...]:
         """Its programs at another (padded) batch size: what a merged batch of requests like it runs."""
@@ -76,4 +113,4 @@ class PreparedRequest:
         refined, hires = (None if getattr(first, name) is None else cls.merged([getattr(p, name) for p in parts], batch)
                           for name in ("refined", "hires"))
         return cls(Request.merged([p.request for p in parts]), Tokens.merged([p.tokens for p in parts]), program,
-                   first.steps, refined, hires)
+                   first.plan, first.model, refined, hires)

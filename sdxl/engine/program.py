@@ -81,11 +81,10 @@ class Inputs:
     seeds: jax.Array  # [B] uint32; image b's noise depends only on (seeds[b], image_index[b])
     image_index: jax.Array  # [B] uint32
     guidance_scale: jax.Array  # [B] float32 classifier-free guidance weights
-    schedule: Schedule  # the sampler's padded noise schedule
-    num_steps: jax.Array  # scalar int32, at most the schedule's length
-    # Scalar int32: the steps first_step..stop_step-1 of the num_steps-step schedule run (0 and
-    # num_steps for text-to-image; a later first step for image-to-image, an earlier stop for a base
-    # model that hands its latents to a refiner).
+    schedule: Schedule  # the sampler's padded noise schedule, with its step count (`Schedule.num_steps`)
+    # Scalar int32: the steps first_step..stop_step-1 of the schedule run (0 and its num_steps for
+    # text-to-image; a later first step for image-to-image, an earlier stop for a base model that hands
+    # its latents to a refiner).
     first_step: jax.Array
     stop_step: jax.Array
     noise: jax.Array | None  # optional [B, h, w, C] float32 latents that replace the sampled noise
@@ -121,7 +120,7 @@ class Inputs:
 
 
 # The inputs every device reads whole; the others are per image, split over the devices with the batch.
-PER_CALL_INPUTS = ("schedule", "num_steps", "first_step", "stop_step", "from_noise")
+PER_CALL_INPUTS = ("schedule", "first_step", "stop_step", "from_noise")
 
 
 @struct.dataclass
@@ -548,7 +547,7 @@ class GenerateProgram:
             return lambda x_in, t, step, cond: {}
         evaluations = self.method.evaluations
         first = evaluations(inputs.first_step)
-        count = (evaluations(inputs.num_steps) - first).astype(jnp.float32)
+        count = (evaluations(inputs.schedule.num_steps) - first).astype(jnp.float32)
         steering = self._steering(inputs)
         models = self._controlnets()
         step_invariants = invariants.get("controlnets") or ({},) * len(models)  # none in `whole`: XLA hoists them
@@ -614,7 +613,7 @@ class GenerateProgram:
         if known is not None and known.latents is not None:
             method = _blending_known(method, known, method.evaluations(inputs.stop_step))
         return run_steps(
-            method, denoiser, state.carry, inputs.schedule, inputs.num_steps, start, stop, state.step_noise,
+            method, denoiser, state.carry, inputs.schedule, inputs.schedule.num_steps, start, stop, state.step_noise,
             denoised=denoised,
         )
 

@@ -12,6 +12,7 @@ with the last sampling step it serves; a batch holds C of them per prompt (one o
 1 where no prompt has any), and the program picks each step's (`Tokens.readings`).
 """
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 
@@ -104,10 +105,10 @@ class Prompts:
         # Per tokenizer: a name's token ids -> its vectors' ids (rows past the encoder's vocabulary).
         self._embedding_ids: list[dict[tuple[int, ...], tuple[int, ...]]] = [{} for _ in self.tokenizers]
 
-    def set_embeddings(self, embeddings: Sequence[Embedding]) -> None:
-        """Reads prompts with these textual-inversion embeddings: where a prompt names one, its vectors
-        take its place, the vectors of all of them, in order, being the rows past each encoder's vocabulary
-        (`sdxl.checkpoints.embeddings.table`).
+    def with_embeddings(self, embeddings: Sequence[Embedding]) -> "Prompts":
+        """These tokenizers reading prompts with these textual-inversion embeddings (in place of any
+        others): where a prompt names one, its vectors take its place, the vectors of all of them, in
+        order, being the rows past each encoder's vocabulary (`sdxl.checkpoints.embeddings.table`).
 
         Raises:
           ValueError: a name the tokenizers read as no tokens.
@@ -122,7 +123,9 @@ class Prompts:
                 first = config.vocab_size + row
                 lookup[name_ids] = tuple(range(first, first + embedding.count))
             row += embedding.count
-        self.embeddings, self._embedding_ids = tuple(embeddings), lookups
+        reading = copy.copy(self)
+        reading.embeddings, reading._embedding_ids = tuple(embeddings), lookups
+        return reading
 
     def embeddings_in(self, text: str, emphasis: str = "original", *, negative: bool = False) -> list[Embedding]:
         """The embeddings a prompt names, in the order they first appear."""

@@ -592,7 +592,7 @@ def kdiffusion_schedule(
 ) -> KSchedule:
     """A1111's schedule for `steps` of a sampler on a schedule type, padded to max_steps: the
     sigmas, their float timesteps, and what the sampler needs besides (LMS's coefficients, Restart's
-    plan). It runs `schedule_steps(...)` steps.
+    plan), and the steps it runs (`Schedule.num_steps`: `schedule_steps(...)`).
 
     Raises:
       ValueError: as `kdiffusion_sigmas`, or the schedule has more than max_steps steps.
@@ -601,7 +601,8 @@ def kdiffusion_schedule(
     if len(sigmas) - 1 > max_steps:
         raise ValueError(f"the {schedule_type} schedule runs {len(sigmas) - 1} steps, more than max_steps={max_steps}")
     log_sigmas = discrete_model(config, is_sdxl).log_sigmas
-    fields = {"log_sigmas": jnp.asarray(log_sigmas), "init_noise_sigma": jnp.float32(sigmas[0])}
+    fields = {"log_sigmas": jnp.asarray(log_sigmas), "init_noise_sigma": jnp.float32(sigmas[0]),
+              "num_steps": np.int32(len(sigmas) - 1)}
     if sampler_name == "Restart":
         starts, ends = restart_plan(sigmas)
         reached = np.append(starts[0], ends[:-1])  # the level each step starts from, before any restart

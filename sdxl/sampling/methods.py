@@ -106,7 +106,7 @@ def schedule(
     config: SchedulerConfig, sampler: str, schedule_type: str, steps: int, max_steps: int, *, is_sdxl: bool
 ) -> Schedule:
     """The schedule of `steps` asked for `sampler` on a resolved `schedule_type` (`schedule_type_for`),
-    padded to max_steps. It runs `steps_run(...)` of them.
+    padded to max_steps; it holds the steps it runs (`Schedule.num_steps`: `steps_run(...)`).
 
     Raises:
       ValueError: the schedule does not fit max_steps, or A1111's Restart finds no restart in it.

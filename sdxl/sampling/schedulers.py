@@ -87,11 +87,14 @@ class Schedule:
       timesteps: [max_steps] float32, the UNet's timestep at each step, as diffusers passes it.
       init_noise_sigma: [] float32, diffusers' `scheduler.init_noise_sigma`: the sampler starts from
         standard normal noise times this.
+      num_steps: [] int32, the steps it holds: the sampler's loop runs `Sampler.evaluations` of it
+        (a traced input, so that another step count never recompiles; `int()` on the host).
     """
 
     sigmas: jax.Array
     timesteps: jax.Array
     init_noise_sigma: jax.Array
+    num_steps: jax.Array
 
 
 @struct.dataclass
@@ -227,11 +230,12 @@ def _check_steps(num_steps: int, max_steps: int) -> None:
         raise ValueError(f"num_steps={num_steps} must be between 1 and max_steps={max_steps}")
 
 
-def _schedule_fields(sigmas, timesteps, init_noise_sigma, max_steps: int) -> dict:
+def _schedule_fields(sigmas, timesteps, init_noise_sigma, max_steps: int, num_steps: int) -> dict:
     return {
         "sigmas": _padded(sigmas, max_steps + 1),
         "timesteps": _padded(timesteps, max_steps),
         "init_noise_sigma": jnp.float32(init_noise_sigma),
+        "num_steps": np.int32(num_steps),
     }
 
 
@@ -260,7 +264,7 @@ def euler_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> S
     # For "leading" spacing the first sigma is below the largest training one, and diffusers starts
     # from the variance-preserving noise level instead.
     init_noise_sigma = sigmas.max() if spacing in ("linspace", "trailing") else np.sqrt(sigmas.max() ** 2 + 1)
-    return Schedule(**_schedule_fields(sigmas, timesteps, init_noise_sigma, max_steps))
+    return Schedule(**_schedule_fields(sigmas, timesteps, init_noise_sigma, max_steps, num_steps))
 
 
 def euler_ancestral_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> Schedule:
@@ -296,7 +300,7 @@ def dpmpp_2m_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -
     else:
         sigmas = np.interp(timesteps, np.arange(len(sigmas_of_train)), sigmas_of_train)
     sigmas = np.append(sigmas, _final_sigma(config, sigmas_of_train))
-    return Schedule(**_schedule_fields(sigmas, timesteps, 1.0, max_steps))
+    return Schedule(**_schedule_fields(sigmas, timesteps, 1.0, max_steps, num_steps))
 
 
 def dpmpp_2m_karras_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> Schedule:
@@ -323,7 +327,7 @@ def ddim_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> DD
     sigmas = _sigmas_from_alphas_cumprod(cumprod[timesteps])
     target_sigmas = _sigmas_from_alphas_cumprod(target_cumprod)
     return DDIMSchedule(
-        **_schedule_fields(np.append(sigmas, target_sigmas[-1]), timesteps, 1.0, max_steps),
+        **_schedule_fields(np.append(sigmas, target_sigmas[-1]), timesteps, 1.0, max_steps, num_steps),
         target_sigmas=_padded(target_sigmas, max_steps),
     )
 
@@ -365,7 +369,7 @@ def pndm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> PN
     sigmas = _sigmas_from_alphas_cumprod(cumprod[timesteps])
     weights = np.asarray(fields.pop("eps_weights"), np.float32)
     return PNDMSchedule(
-        **_schedule_fields(np.append(sigmas, 0), timesteps, 1.0, length),
+        **_schedule_fields(np.append(sigmas, 0), timesteps, 1.0, length, num_steps),
         **{name: _padded(values, length) for name, values in fields.items()},
         eps_weights=jnp.asarray(np.pad(weights, ((0, length - len(weights)), (0, 0)), mode="edge")),
     )
@@ -395,7 +399,7 @@ def lcm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> LCM
     c_skip = sigma_data**2 / (scaled**2 + sigma_data**2)
     c_out = scaled / np.sqrt(scaled**2 + sigma_data**2)
     return LCMSchedule(
-        **_schedule_fields(np.append(sigmas, 0), timesteps, 1.0, max_steps),
+        **_schedule_fields(np.append(sigmas, 0), timesteps, 1.0, max_steps, num_steps),
         c_skip=_padded(c_skip, max_steps), c_out=_padded(c_out, max_steps),
     )
 
@@ -412,6 +416,6 @@ def tcd_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> TCD
     gamma_timesteps = np.floor((1 - np.float32(TCD_GAMMA)) * following).astype(np.int64)
     sigmas = _sigmas_from_alphas_cumprod(cumprod[timesteps])
     return TCDSchedule(
-        **_schedule_fields(np.append(sigmas, 0), timesteps, 1.0, max_steps),
+        **_schedule_fields(np.append(sigmas, 0), timesteps, 1.0, max_steps, num_steps),
         gamma_sigmas=_padded(_sigmas_from_alphas_cumprod(cumprod[gamma_timesteps]), max_steps),
     )
