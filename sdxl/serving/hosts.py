@@ -9,7 +9,8 @@ Process 0 takes every decision (`sdxl.serving.queue.DeviceQueue`); its `HostsRun
 followers over the runtime's own coordination service (its key-value store: no home-made RPC), and
 each follower (`Hosts.follow`) makes the same pipeline calls in the same order:
 - the render stream: a batch's prepared request (checked and tokenized once, on process 0: the
-  follower builds the same arrays from it), then at each progress report the decision to go on or
+  follower builds the same arrays from it, and renders with its own loaded model, the same as process
+  0's by name), then at each progress report the decision to go on or
   give up, so every process runs the same device calls and joins the same collectives;
 - the compile stream: the programs compiled in the background, in process 0's order, on a thread of
   their own as on process 0, so a long compile never holds up rendering there either. Each follower
@@ -323,8 +324,15 @@ class Hosts:
         """Where a process says it has done compile message `number` (`HostsRunner.compile` waits for it)."""
         return f"{PREFIX}/compiled/{number}/{process_id}"
 
-    def _render(self, pipe, prepared, previews: bool) -> None:
+    def _render(self, pipe, prepared, model_key: tuple, previews: bool) -> None:
         import jax
+
+        model = pipe.model
+        if model.key != model_key:
+            fail(f"{self.describe(self.process_id)} has loaded {model.key}, process 0 renders with {model_key}",
+                 LOST_STATUS)
+        model = model.reading(source for source, _ in prepared.request.loras)
+        prepared = prepared.with_model(model, model.refiner)
 
         def on_step(done: int) -> bool:
             start = time.time()
@@ -401,7 +409,9 @@ class HostsRunner:
     def render(self, prepared, on_step: Callable[[int], bool], on_preview):
         import jax
 
-        self._send(self.hosts.renders, ("render", prepared, on_preview is not None))
+        # Without its loaded model (arrays on the devices): each follower renders with its own, loaded alike.
+        self._send(self.hosts.renders, ("render", prepared.with_model(None), prepared.model.key,
+                                        on_preview is not None))
 
         def step(done: int) -> bool:
             go_on = on_step(done) is not False
