@@ -182,17 +182,17 @@ def _controls(pictures: list[np.ndarray], n: int, width, height, scale, start, e
     return conditionings.per_image(CONTROLS, columns, n, "control_image")
 
 
-def _image_prompts(ip_adapter_image, n: int, scales: tuple) -> tuple | None:
-    """Each image's `ImagePrompt`s (one per IP-Adapter, `scales` theirs) from `ip_adapter_image`.
+def _image_prompts(pictures, n: int, scales: tuple) -> tuple | None:
+    """Each image's `ImagePrompt`s (one per IP-Adapter, `scales` theirs) from the argument's `pictures`.
 
     Raises:
       ValueError: a picture without adapters, or another count of pictures.
     """
-    if ip_adapter_image is None:
+    if pictures is None:
         return None
     if not scales:
         raise ValueError("ip_adapter_image needs an IP-Adapter: load one with pipe.load_ip_adapter(...)")
-    entries = conditionings.per_unit(IMAGE_PROMPTS, ip_adapter_image, len(scales), "ip_adapter_image")
+    entries = conditionings.per_unit(IMAGE_PROMPTS, pictures, len(scales), "ip_adapter_image")
     columns = [[ImagePrompt.of(picture, scale) for picture in (entry if isinstance(entry, list | tuple) else [entry])]
                for entry, scale in zip(entries, scales)]
     return conditionings.per_image(IMAGE_PROMPTS, columns, n, "ip_adapter_image")
