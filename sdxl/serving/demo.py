@@ -540,8 +540,8 @@ class DemoService:
         prompt = ImagePrompt.of(settings.ip_adapter_image, preset_scale(
             self.pipe.spec.unet, settings.ip_adapter_layers, settings.ip_adapter_scale))
         off = ImagePrompt(prompt.picture, 0.0)
-        return conditionings.per_image(IMAGE_PROMPTS, [prompt if label == chosen else off for label in labels], n,
-                                       "ip_adapter_image")
+        per_adapter = [prompt if label == chosen else off for label in labels]
+        return conditionings.per_image(IMAGE_PROMPTS, per_adapter, n, "the image prompt")
 
     def _controls(self, settings: Settings, width, height) -> tuple[Control, ...] | None:
         """The request's controls, one per launched ControlNet: none without pictures."""
