@@ -10,12 +10,14 @@ import numpy as np
 
 from . import bench, training
 from .checkpoints import CheckpointError, random_models
-from .engine import control_maps, images, infotext, memory
+from .engine import conditionings, control_maps, images, infotext, memory
 from .engine.checks import integer, number
 from .engine.control_maps import DEFAULT_CANNY_THRESHOLDS
-from .engine.controls import Control, default_control_scale
+from .engine.controls import CONTROLS, Control, default_control_scale
 from .engine.hires import DEFAULT_STRENGTH, DEFAULT_UPSCALER, IMAGE_UPSCALERS, Hires
-from .engine.image_prompts import IP_ADAPTER_SCALE, IP_ADAPTER_SCALE_RANGE, SCALE_PRESETS, ImagePrompt, preset_scale
+from .engine.image_prompts import (
+    IMAGE_PROMPTS, IP_ADAPTER_SCALE, IP_ADAPTER_SCALE_RANGE, SCALE_PRESETS, ImagePrompt, preset_scale,
+)
 from .engine.images import contact_sheet, image_count, save_png, to_pil
 from .engine.latent_upscale import LATENT_UPSCALERS
 from .engine.pipeline import NonFiniteImageError
@@ -193,7 +195,7 @@ def _controls(args: argparse.Namespace, pipe, request: Request) -> tuple:
             canny_thresholds=thresholds, scale=default_scale if scale is None else scale, start=args.control_start,
             end=args.control_end, mode=mode,
         ))
-    return (tuple(controls),) * len(request)
+    return conditionings.per_image(CONTROLS, controls, len(request), "--control-image")
 
 
 def _image_prompts(args: argparse.Namespace, pipe, request: Request) -> tuple:
@@ -207,7 +209,7 @@ def _image_prompts(args: argparse.Namespace, pipe, request: Request) -> tuple:
         path, scale = launch.split_scale(option)
         scale = preset_scale(pipe.spec.unet, args.ip_adapter_layers, IP_ADAPTER_SCALE if scale is None else scale)
         prompts.append(ImagePrompt.of(images.read_image(path), scale))
-    return (tuple(prompts),) * len(request)
+    return conditionings.per_image(IMAGE_PROMPTS, prompts, len(request), "--ip-adapter-image")
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

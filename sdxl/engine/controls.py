@@ -98,6 +98,36 @@ def _checked_mode(mode, controlnet) -> int | None:
     return index
 
 
+class ControlKind:
+    """The ControlNets' kind of conditioning (`sdxl.engine.conditionings.Kind`): per image, one
+    `Control` per loaded ControlNet (`Request.controls`)."""
+
+    field, units, unit_name, value_name = "controls", "controlnets", "ControlNet", "control image"
+    none_loaded = "no ControlNet is loaded to steer with a control image (start with --controlnet)"
+
+    def checked(self, control: Control, controlnet, height: int, width: int, spec) -> Control:
+        return control.checked(controlnet, height, width)
+
+    def host_arrays(self, controls: tuple[tuple[Control, ...], ...], program) -> dict:
+        """Each ControlNet's maps [N, H, W, C], and [N, K] each image's scales, starts and ends, and
+        where a ControlNet is a Union, modes."""
+        arrays = {
+            "control_images": tuple(images.stacked([c.map for c in column]) for column in zip(*controls)),
+            **{f"control_{name}s": np.array([[getattr(c, name) for c in per] for per in controls], np.float32)
+               for name in ("scale", "start", "end")},
+        }
+        if program.control_modes:  # a plain ControlNet's column is unread
+            arrays["control_modes"] = np.array([[0 if c.mode is None else c.mode for c in per] for per in controls],
+                                               np.int32)
+        return arrays
+
+    def placeholder(self, program) -> tuple[Control, ...]:
+        """A zero map per ControlNet: views of one zero, so that a large batch allocates nothing."""
+        return tuple(Control(np.broadcast_to(np.float32(0), (program.height, program.width, c.conditioning_channels)))
+                     for c in program.controlnets)
+
+
+CONTROLS = ControlKind()
 _maps = images.MadeFromPictures(MAPS_KEPT)
 
 

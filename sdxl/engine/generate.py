@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from . import images
-from .controls import Control, default_control_scale
+from . import conditionings, images
+from .controls import CONTROLS, Control, default_control_scale
 from .hires import Hires
-from .image_prompts import ImagePrompt
+from .image_prompts import IMAGE_PROMPTS, ImagePrompt
 from .request import DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_strength
 
 
@@ -177,39 +177,25 @@ def _controls(pictures: list[np.ndarray], n: int, width, height, scale, start, e
     k = len(pictures)
     settings = zip(_numbers(scale, k, "controlnet_conditioning_scale"), _numbers(start, k, "control_guidance_start"),
                    _numbers(end, k, "control_guidance_end"), (None,) * k if mode is None else _modes(mode, k))
-    columns = []  # per ControlNet, its Control for each image
-    for stack, (scale, start, end, mode) in zip(pictures, settings):
-        if len(stack) not in (1, n):
-            raise ValueError(f"control_image: give one image for every image, or one per image ({n}), got {len(stack)}")
-        made = [Control.of(picture, width, height, fit="resize", scale=scale, start=start, end=end, mode=mode)
-                for picture in stack]
-        columns.append(made * n if len(made) == 1 else made)
-    return tuple(zip(*columns))
+    columns = [[Control.of(picture, width, height, fit="resize", scale=scale, start=start, end=end, mode=mode)
+                for picture in stack] for stack, (scale, start, end, mode) in zip(pictures, settings)]
+    return conditionings.per_image(CONTROLS, columns, n, "control_image")
 
 
-def _image_prompts(ip_adapter_image, n: int, scales: tuple) -> tuple | None:
-    """Each image's `ImagePrompt`s (one per IP-Adapter, `scales` theirs) from `ip_adapter_image`.
+def _image_prompts(pictures, n: int, scales: tuple) -> tuple | None:
+    """Each image's `ImagePrompt`s (one per IP-Adapter, `scales` theirs) from the argument's `pictures`.
 
     Raises:
       ValueError: a picture without adapters, or another count of pictures.
     """
-    if ip_adapter_image is None:
+    if pictures is None:
         return None
-    k = len(scales)
-    if not k:
+    if not scales:
         raise ValueError("ip_adapter_image needs an IP-Adapter: load one with pipe.load_ip_adapter(...)")
-    entries = [ip_adapter_image] if k == 1 else ip_adapter_image
-    if k > 1 and (not isinstance(entries, list | tuple) or len(entries) != k):
-        raise ValueError(f"ip_adapter_image: give a list with one entry per IP-Adapter ({k})")
-    columns = []  # per adapter, its ImagePrompt for each image
-    for entry, scale in zip(entries, scales):
-        pictures = list(entry) if isinstance(entry, list | tuple) else [entry]
-        if len(pictures) not in (1, n):
-            raise ValueError(f"ip_adapter_image: give one picture for every image, or one per image ({n}), "
-                             f"got {len(pictures)}")
-        made = [ImagePrompt.of(picture, scale) for picture in pictures]
-        columns.append(made * n if len(made) == 1 else made)
-    return tuple(zip(*columns))
+    entries = conditionings.per_unit(IMAGE_PROMPTS, pictures, len(scales), "ip_adapter_image")
+    columns = [[ImagePrompt.of(picture, scale) for picture in (entry if isinstance(entry, list | tuple) else [entry])]
+               for entry, scale in zip(entries, scales)]
+    return conditionings.per_image(IMAGE_PROMPTS, columns, n, "ip_adapter_image")
 
 
 def _size_of(spec, image: np.ndarray | None, start_latents) -> tuple[int, int] | None:
@@ -240,11 +226,7 @@ def _per_controlnet(control_image, k: int) -> list:
         return []
     if not k:
         raise ValueError("control_image needs a ControlNet: load one with Pipeline.from_pretrained(controlnet=...)")
-    if k == 1:
-        return [control_image]
-    if not isinstance(control_image, list | tuple) or len(control_image) != k:
-        raise ValueError(f"control_image: give a list with one entry per ControlNet ({k})")
-    return list(control_image)
+    return conditionings.per_unit(CONTROLS, control_image, k, "control_image")
 
 
 def _numbers(value, k: int, label: str) -> tuple[float, ...]:

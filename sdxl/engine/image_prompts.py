@@ -195,6 +195,36 @@ class ImagePrompt:
                                    scales=scales)
 
 
+class ImagePromptKind:
+    """The IP-Adapters' kind of conditioning (`sdxl.engine.conditionings.Kind`): per image, one
+    `ImagePrompt` per loaded IP-Adapter (`Request.image_prompts`)."""
+
+    field, units, unit_name, value_name = "image_prompts", "ip_adapters", "IP-Adapter", "image prompt"
+    none_loaded = ("no IP-Adapter is loaded to take an image prompt (load one with load_ip_adapter, or start with "
+                   "--ip-adapter)")
+
+    def checked(self, prompt: ImagePrompt, adapter, height: int, width: int, spec) -> ImagePrompt:
+        return prompt.checked(adapter, spec.unet)
+
+    def host_arrays(self, prompts: tuple[tuple[ImagePrompt, ...], ...], program) -> dict:
+        """Each adapter's encoder inputs [N, S, S, 3], and each image's scales per adapter and layer [N, K, L]."""
+        return {
+            "image_prompt_pixels": tuple(images.stacked([p.pixels for p in column]) for column in zip(*prompts)),
+            "image_prompt_scales": np.array([[p.scales for p in per] for per in prompts], np.float32),
+        }
+
+    def placeholder(self, program) -> tuple[ImagePrompt, ...]:
+        """A zero picture per adapter: views of one zero, so that a large batch allocates nothing."""
+        layers = len(attention_layers(program.spec.unet))
+
+        def zeros(*shape):
+            return np.broadcast_to(np.float32(0), shape)
+
+        return tuple(ImagePrompt(zeros(1, 1, 3), pixels=zeros(c.encoder.image_size, c.encoder.image_size, 3),
+                                 scales=np.zeros(layers, np.float32)) for c in program.ip_adapters)
+
+
+IMAGE_PROMPTS = ImagePromptKind()
 _pixels = images.MadeFromPictures(PIXELS_KEPT)
 
 

@@ -168,6 +168,19 @@ def to_pil(images: np.ndarray) -> list[Image.Image]:
     return [Image.fromarray(image) for image in images]
 
 
+def unit(pixels: np.ndarray) -> np.ndarray:
+    """Images as float32 in [0, 1], from uint8 or already so."""
+    return pixels / np.float32(255) if pixels.dtype == np.uint8 else pixels
+
+
+def stacked(maps: list[np.ndarray]) -> np.ndarray:
+    """[N, H, W, C] float32 in [0, 1] of each image's map (`unit`); a view of one where all images share
+    it (a request's usual case, and a placeholder's)."""
+    if all(m is maps[0] for m in maps):
+        return np.broadcast_to(unit(maps[0])[None], (len(maps), *maps[0].shape))
+    return np.stack([unit(m) for m in maps])
+
+
 class MadeFromPictures:
     """The last `size` arrays made from pictures (a control map, an image encoder's input), kept by the
     picture's content and how each was made, so that asking again (another request of the same picture:

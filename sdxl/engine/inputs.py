@@ -11,12 +11,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..models.unet import attention_layers
 from ..prompts.tokens import Tokens
 from ..sampling import methods
-from . import mesh as meshes
-from .controls import Control
-from .image_prompts import ImagePrompt
+from . import conditionings, mesh as meshes
+from .images import unit
 from .prepared import PreparedRequest
 from .preparing import planned
 from .program import PER_CALL_INPUTS, GenerateProgram, Inputs
@@ -60,29 +58,11 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
     if program.start_from == "image":
         # diffusers' inpainting starts from noise alone at strength 1; its image-to-image never does.
         from_noise = request.masks is not None and request.strength == 1
-        start = {"image": per_image(_unit(request.images), np.float32), "from_noise": np.bool_(from_noise)}
+        start = {"image": per_image(unit(request.images), np.float32), "from_noise": np.bool_(from_noise)}
     elif program.start_from in ("clean_latents", "latents"):
         start = {"image": per_image(request.start_latents, np.float32)}
-    control = {}
-    if program.controlnets:
-        columns = list(zip(*request.controls))  # per ControlNet, each image's Control
-        settings = {name: [[getattr(c, name) for c in per] for per in request.controls]
-                    for name in ("scale", "start", "end")}
-        control = {
-            "control_images": tuple(per_image(_stacked([c.map for c in column]), np.float32) for column in columns),
-            **{f"control_{name}s": per_image(values, np.float32) for name, values in settings.items()},
-        }
-        if program.control_modes:  # a plain ControlNet's column is unread
-            modes = [[0 if c.mode is None else c.mode for c in per] for per in request.controls]
-            control["control_modes"] = per_image(modes, np.int32)
-    image_prompts = {}
-    if program.ip_adapters:
-        columns = list(zip(*request.image_prompts))  # per adapter, each image's ImagePrompt
-        image_prompts = {
-            "image_prompt_pixels": tuple(per_image(_stacked([p.pixels for p in column]), np.float32)
-                                         for column in columns),
-            "image_prompt_scales": per_image([[p.scales for p in per] for per in request.image_prompts], np.float32),
-        }
+    conditioned = {name: jax.tree.map(lambda a: per_image(a, a.dtype), arrays)  # each kind's (`conditionings`)
+                   for name, arrays in conditionings.host_arrays(request, program).items()}
     plan = prepared.plan
     layers = clip_layers(spec, request)
     return Inputs(
@@ -107,28 +87,14 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
         if program.given_step_noise else None,
         mask=per_image(request.masks[..., None], np.float32) if program.inpaint else None,
         **start,
-        **control,
-        **image_prompts,
+        **conditioned,
     )
-
-
-def _stacked(maps: list[np.ndarray]) -> np.ndarray:
-    """[N, H, W, C] float32 of each image's map; a view of one where all images share it (a request's
-    usual case, and the placeholder's)."""
-    if all(m is maps[0] for m in maps):
-        return np.broadcast_to(_unit(maps[0])[None], (len(maps), *maps[0].shape))
-    return np.stack([_unit(m) for m in maps])
 
 
 def _padded_draws(step_noise: np.ndarray, draws: int) -> np.ndarray:
     """[N, d, ...] noise draws as [N, draws, ...]: the padded ones, never read, hold zeros."""
     missing = draws - step_noise.shape[1]
     return np.pad(step_noise, [(0, 0), (0, missing)] + [(0, 0)] * (step_noise.ndim - 2)) if missing else step_noise
-
-
-def _unit(pixels: np.ndarray) -> np.ndarray:
-    """Images as float32 in [0, 1], from uint8 or already so."""
-    return pixels / np.float32(255) if pixels.dtype == np.uint8 else pixels
 
 
 def placed(inputs: Inputs, mesh: Mesh) -> Inputs:
@@ -167,17 +133,6 @@ def placeholder(program: GenerateProgram) -> PreparedRequest:
                     np.ones(n, bool), np.zeros((n, 2, 1), np.int32))
     guidance = 2.0 if program.guided else 1.0
     latents = zeros(n, *spec.latent_shape(program.height, program.width))
-    controls = None
-    if program.controlnets:
-        per_image = tuple(Control(zeros(program.height, program.width, c.conditioning_channels))
-                          for c in program.controlnets)
-        controls = (per_image,) * n
-    image_prompts = None
-    if program.ip_adapters:
-        layers = len(attention_layers(spec.unet))
-        per_image = tuple(ImagePrompt(zeros(1, 1, 3), pixels=zeros(c.encoder.image_size, c.encoder.image_size, 3),
-                                      scales=np.zeros(layers, np.float32)) for c in program.ip_adapters)
-        image_prompts = (per_image,) * n
     request = Request(
         ("",) * n, ("",) * n, (0,) * n, (0,) * n, (guidance,) * n, 1, program.height, program.width, program.sampler,
         schedule_type="Automatic" if program.a1111 else methods.DIFFUSERS,
@@ -187,7 +142,6 @@ def placeholder(program: GenerateProgram) -> PreparedRequest:
         masks=zeros(n, program.height, program.width) if program.inpaint else None,
         start_latents=latents if program.start_from in ("clean_latents", "latents") else None,
         denoising_start=0.5 if program.start_from == "latents" else None,
-        controls=controls,
-        image_prompts=image_prompts,
+        **conditionings.placeholders(program),
     )
     return PreparedRequest(request, tokens, program, planned(program, request, first_step=0))

@@ -16,6 +16,7 @@ import numpy as np
 from ..sampling import kdiffusion, methods, noise
 from ..sampling.brownian import BrownianNoise
 from ..sampling.schedulers import Schedule
+from . import conditionings
 from .model import LoadedModel
 from .prepared import Plan, PreparedRequest
 from .program import OUTPUT_TYPES, GenerateProgram
@@ -102,10 +103,8 @@ def _prepared(
         given_noise=drawn or request.noise is not None,
         given_step_noise=drawn and methods.loop(request.sampler, a1111).stochastic,
         chunks=tokens.num_chunks, conditionings=tokens.num_conditionings, preview_factors=model.preview_factors,
-        controlnets=tuple(c.config for c in model.controlnets) if request.controls else (),
         a1111=a1111, vae_tiling=model.tiles_vae(request.height, request.width),
-        ip_adapters=tuple(a.config for a in model.ip_adapters) if request.image_prompts else (),
-        embedding_rows=model.embedding_rows(tokens),
+        embedding_rows=model.embedding_rows(tokens), **conditionings.program_fields(request, model),
     )
     plan = planned(program, request, first_step if start is not None else None)
     if drawn and request.noise is None:
@@ -191,7 +190,7 @@ def _handoff(request: Request) -> tuple[Request, Request]:
     the base's."""
     base = dataclasses.replace(request, refine_from=None, denoising_end=request.refine_from)
     refining = dataclasses.replace(request, refine_from=None, images=None, masks=None,
-                                   denoising_start=request.refine_from, loras=(), controls=None, image_prompts=None)
+                                   denoising_start=request.refine_from, loras=(), **dict.fromkeys(conditionings.FIELDS))
     return base, refining
 
 

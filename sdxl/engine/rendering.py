@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from . import hires as hires_fix, inputs, mesh as meshes
+from . import conditionings, hires as hires_fix, inputs, mesh as meshes
 from .compiled import Executables, ProgressReports, run_in_stages
 from .latent_upscale import upscale_latents
 from .prepared import PreparedRequest
@@ -70,9 +70,9 @@ def _render_part(prepared: PreparedRequest, executables: Executables, on_step, o
     n = len(request)
     arrays = inputs.placed(inputs.host_inputs(prepared), model.mesh)
     params = model.params_with(request.loras)
-    # The ControlNets' and IP-Adapters' weights are the program's only when they steer this request.
-    unused = {name for name, used in (("controlnets", program.controlnets), ("ip_adapters", program.ip_adapters),
-                                      ("embeddings", program.embedding_rows)) if not used}
+    # The ControlNets', IP-Adapters' and embeddings' weights are the program's only where this request reads them.
+    used = {kind.units: getattr(program, kind.units) for kind in conditionings.KINDS}
+    unused = {name for name, used in {**used, "embeddings": program.embedding_rows}.items() if not used}
     params = {k: v for k, v in params.items() if k not in unused}
     if on_step is None and on_preview is None:
         images, finite = executables.compiled(program, "whole")(params, arrays)

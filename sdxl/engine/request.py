@@ -20,6 +20,7 @@ from ..prompts.syntax import EMPHASIS_MODES, lora_tags
 from ..sampling.noise import NOISE_SOURCES
 from ..sampling import samplers
 from ..sampling.methods import DIFFUSERS, sampler_name, schedule_type_for, steps_run
+from . import conditionings
 from .checks import choice, flag, fraction, integer, number, text
 from .controls import Control
 from .hires import Hires
@@ -214,24 +215,14 @@ class Request:
         return "noise" if self.images is None else "image"
 
     @property
-    def control_count(self) -> int:
-        """How many ControlNets steer the images (0 or all of the pipeline's)."""
-        return 0 if not self.controls else len(self.controls[0])
-
-    @property
-    def image_prompt_count(self) -> int:
-        """How many IP-Adapters steer the images (0 or all of the pipeline's)."""
-        return 0 if not self.image_prompts else len(self.image_prompts[0])
-
-    @property
     def call_settings(self) -> tuple:
         """What every image of one compiled call shares: requests with equal settings can render
         together (guidance, prompt lengths and embeddings aside: `PreparedRequest.batch_key`)."""
         return (
             self.height, self.width, self.steps, self.sampler, self.schedule_type, self.loras, self.start_from,
             self.masks is not None, self.strength, self.denoising_start, self.denoising_end, self.aesthetic_scores,
-            self.refine_from, self.emphasis, self.clip_skip, self.sdxl_clip_l_skip, self.control_count,
-            self.noise_source, self.noise is not None, self.hires, self.image_prompt_count,
+            self.refine_from, self.emphasis, self.clip_skip, self.sdxl_clip_l_skip, self.noise_source,
+            self.noise is not None, self.hires, *conditionings.counts(self),
         )
 
     @classmethod
@@ -248,7 +239,7 @@ class Request:
             if any(given) and not all(given):
                 raise ValueError(f"cannot merge requests with {name} and requests without")
             arrays[name] = np.concatenate([getattr(r, name) for r in requests]) if all(given) else None
-        per_image = [f for f in (*_PER_IMAGE, "controls", "image_prompts") if getattr(first, f) is not None]
+        per_image = [f for f in (*_PER_IMAGE, *conditionings.FIELDS) if getattr(first, f) is not None]
         return dataclasses.replace(
             first, **{f: tuple(v for r in requests for v in getattr(r, f)) for f in per_image}, **arrays,
             start_latents=None,
@@ -257,7 +248,8 @@ class Request:
     def validated(self, limits: Limits) -> "Request":
         """This request with every value checked against `limits` and converted to the type the
         program takes: its LoRAs those it names (or the active ones), with the ones its prompts' tags
-        name at their scales; each `Control` checked against its ControlNet.
+        name at their scales; each per-image conditioning (`conditionings.KINDS`: each `Control`, each
+        `ImagePrompt`) checked against the unit it steers through.
 
         Raises:
           ValueError: one sentence naming the first bad value and what is allowed.
@@ -322,8 +314,7 @@ class Request:
             strength=strength,
             aesthetic_scores=tuple(number(a, label, *AESTHETIC_SCORE_RANGE) for a, label in zip(
                 self.aesthetic_scores, ("aesthetic score", "negative aesthetic score"))),
-            controls=_controls(self.controls, n, limits.controlnets, height, width),
-            image_prompts=_image_prompts(self.image_prompts, n, limits.ip_adapters, spec),
+            **conditionings.validated(self, limits, height, width),
             hires=hires,
             **noise_settings,
         )
@@ -438,46 +429,3 @@ def _loras(loras, prompts: Sequence[str], limits: Limits) -> tuple[tuple[str, fl
         chosen[limits.loras[name]] = scale
     checked = {source: number(scale, f"LoRA scale of {source}", *LORA_SCALE_RANGE) for source, scale in chosen.items()}
     return tuple(sorted((source, scale) for source, scale in checked.items() if scale))
-
-
-def _controls(controls, n: int, controlnets: Sequence, height: int, width: int):
-    """Each image's controls checked against the loaded ControlNets (`Control.checked`): one per
-    ControlNet, or none at all."""
-    if controls is None:
-        return None
-    if not controlnets:
-        raise ValueError("no ControlNet is loaded to steer with a control image (start with --controlnet)")
-    if len(controls) != n:
-        raise ValueError(f"controls: need one per image ({n}), one Control per ControlNet each; got {len(controls)}")
-    names = ", ".join(c.name for c in controlnets)
-    checked = {}  # each Control once: a request usually gives the same to every image
-    for per_image in controls:
-        if len(per_image) != len(controlnets):
-            raise ValueError(f"{len(controlnets)} ControlNet(s) are loaded ({names}): give one control image for "
-                             f"each, not {len(per_image)}")
-        for control, controlnet in zip(per_image, controlnets):
-            if id(control) not in checked:
-                checked[id(control)] = control.checked(controlnet, height, width)
-    return tuple(tuple(checked[id(control)] for control in per_image) for per_image in controls)
-
-
-def _image_prompts(prompts, n: int, adapters: Sequence, spec):
-    """Each image's image prompts checked against the loaded IP-Adapters (`ImagePrompt.checked`): one per
-    adapter, or none at all."""
-    if prompts is None:
-        return None
-    if not adapters:
-        raise ValueError("no IP-Adapter is loaded to take an image prompt (load one with load_ip_adapter, or start "
-                         "with --ip-adapter)")
-    if len(prompts) != n:
-        raise ValueError(f"image prompts: need one per image ({n}), one per IP-Adapter each; got {len(prompts)}")
-    checked = {}  # each ImagePrompt once: a request usually gives the same to every image
-    for per_image in prompts:
-        if len(per_image) != len(adapters):
-            names = ", ".join(a.name for a in adapters)
-            raise ValueError(f"{len(adapters)} IP-Adapter(s) are loaded ({names}): give one image prompt for each, "
-                             f"not {len(per_image)}")
-        for prompt, adapter in zip(per_image, adapters):
-            if id(prompt) not in checked:
-                checked[id(prompt)] = prompt.checked(adapter, spec.unet)
-    return tuple(tuple(checked[id(prompt)] for prompt in per_image) for per_image in prompts)

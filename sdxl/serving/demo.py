@@ -16,12 +16,12 @@ import numpy as np
 from PIL import Image
 
 from ..checkpoints import lora
-from ..engine import hires as hires_fix, images, infotext
+from ..engine import conditionings, hires as hires_fix, images, infotext
 from ..engine.checks import choice, integer, number
 from ..engine.control_maps import DEFAULT_CANNY_THRESHOLDS
-from ..engine.controls import Control
+from ..engine.controls import CONTROLS, Control
 from ..engine.hires import DEFAULT_STRENGTH, DEFAULT_UPSCALER, Hires
-from ..engine.image_prompts import IP_ADAPTER_SCALE, ImagePrompt, preset_named, preset_scale
+from ..engine.image_prompts import IMAGE_PROMPTS, IP_ADAPTER_SCALE, ImagePrompt, preset_named, preset_scale
 from ..engine.pipeline import Pipeline
 from ..engine.prepared import PreparedRequest
 from ..engine.request import (
@@ -520,7 +520,8 @@ class DemoService:
             loras=tuple(zip(self.loras, self._lora_scales(settings))),
             refine_from=float(settings.refine_from) if settings.refine else None, emphasis=settings.emphasis,
             clip_skip=settings.clip_skip, sdxl_clip_l_skip=settings.sdxl_clip_l_skip,
-            controls=None if controls is None else (controls,) * n, noise_source=settings.noise_source,
+            controls=None if controls is None else conditionings.per_image(CONTROLS, controls, n, "controls"),
+            noise_source=settings.noise_source,
             ensd=settings.ensd, variation_seed=settings.variation_seed, variation_strength=settings.variation_strength,
             hires=Hires(**{field: getattr(settings, name) for name, field in HIRES_FIELDS.items()})
             if settings.hires else None, image_prompts=self._image_prompts(settings, n),
@@ -539,7 +540,8 @@ class DemoService:
         prompt = ImagePrompt.of(settings.ip_adapter_image, preset_scale(
             self.pipe.spec.unet, settings.ip_adapter_layers, settings.ip_adapter_scale))
         off = ImagePrompt(prompt.picture, 0.0)
-        return (tuple(prompt if label == chosen else off for label in labels),) * n
+        per_adapter = [prompt if label == chosen else off for label in labels]
+        return conditionings.per_image(IMAGE_PROMPTS, per_adapter, n, "the image prompt")
 
     def _controls(self, settings: Settings, width, height) -> tuple[Control, ...] | None:
         """The request's controls, one per launched ControlNet: none without pictures."""

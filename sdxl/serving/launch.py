@@ -18,9 +18,9 @@ import numpy as np
 
 from ..checkpoints import CheckpointError, HubUnavailableError, hub, shapes
 from ..checkpoints.weights import refuse_pickled
-from ..engine import memory
+from ..engine import conditionings, memory
 from ..engine.compilation import CompileCounter, enable_compilation_cache
-from ..engine.image_prompts import ImagePrompt
+from ..engine.image_prompts import IMAGE_PROMPTS, ImagePrompt
 from ..engine.images import model_label
 from ..engine.pipeline import Pipeline
 from ..engine.prepared import PreparedRequest
@@ -499,7 +499,9 @@ def _edits(pipe: Pipeline, warm_up: PreparedRequest) -> dict[str, PreparedReques
     pixels = np.zeros((len(request), request.height, request.width, 3), np.uint8)
     edits = {"image-to-image": dict(images=pixels), "inpainting": dict(images=pixels, masks=pixels[..., 0] == 0)}
     if pipe.ip_adapters:
-        edits["image prompts"] = dict(image_prompts=((ImagePrompt(pixels[0]),) * len(pipe.ip_adapters),) * len(request))
+        prompt = ImagePrompt(pixels[0])  # every adapter's, every image's
+        edits["image prompts"] = dict(image_prompts=conditionings.per_image(
+            IMAGE_PROMPTS, [prompt] * len(pipe.ip_adapters), len(request), "warm-up"))
     if pipe.refiner is not None:
         edits["refining"] = dict(refine_from=DEFAULT_REFINE_FROM)
     return {label: pipe.prepare(dataclasses.replace(request, **edit)) for label, edit in edits.items()}
