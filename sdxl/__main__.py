@@ -91,7 +91,8 @@ def generate_command(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     pictures = to_pil(result.images)
     for i, image in enumerate(pictures):
-        print(save_png(image, out / f"{args.seed}-{i}.png", infotext.png_parameters(pipe, request, i, model.label)))
+        parameters = infotext.png_parameters(prepared.model, request, i, model.label)
+        print(save_png(image, out / f"{args.seed}-{i}.png", parameters))
     contact_sheet(pictures).save(out / f"{args.seed}-grid.png")
     print(out / f"{args.seed}-grid.png")
 

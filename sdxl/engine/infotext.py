@@ -44,8 +44,9 @@ def _number(value) -> str:
 
 
 def png_parameters(pipe, request, i: int, model: str) -> str:
-    """The parameters of image `i` of a rendered request (on `pipe`, with its refiner), as the CLI and
-    the demo save them: the prompts as written, weights and LoRA tags included; webui's fields where it
+    """The parameters of image `i` of a rendered request, rendered with `pipe` (the `LoadedModel` it was
+    prepared against, its refiner included; or a `Pipeline`, for its current one), as the CLI and the
+    demo save them: the prompts as written, weights and LoRA tags included; webui's fields where it
     has them ("Schedule type", "Emphasis", "Lora hashes", "TI hashes": the embeddings the prompt, then the
     negative prompt, name), then ours. diffusers' samplers write their
     schedule type as "diffusers"."""

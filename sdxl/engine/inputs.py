@@ -15,8 +15,7 @@ from ..prompts.tokens import Tokens
 from ..sampling import methods
 from . import conditionings, mesh as meshes
 from .images import unit
-from .prepared import PreparedRequest
-from .preparing import planned
+from .prepared import PreparedRequest, planned
 from .program import PER_CALL_INPUTS, GenerateProgram, Inputs
 from .request import Request
 

@@ -1,16 +1,23 @@
-"""A request as the devices take it: `PreparedRequest`, made once by `Pipeline.prepare`.
+"""A request as the devices take it: `PreparedRequest`, made once by `sdxl.engine.preparing.prepare`, and
+the `Plan` of its run.
 
 Preparing is all the host's work before a request can be queued: its values checked against the
-loaded model (`Request.validated`), its prompts tokenized, and the programs it runs named. It is done
+loaded model (`Request.validated`), its prompts tokenized, the programs it runs named and its run
+planned (`planned`: the schedule, which holds its length, and the steps of it that run). It is done
 where the request is submitted (the demo's check, the CLI, `generate`), so the device queue, a
-runner for several hosts and `Pipeline.render` take it as it is. Requests the queue merges are
-prepared ones merged (`PreparedRequest.merged`): nothing is checked or tokenized twice.
+runner for several hosts and `Pipeline.render` take it as it is, with the loaded model it was prepared
+against. Requests the queue merges are prepared ones merged (`PreparedRequest.merged`): nothing is
+checked, tokenized or planned twice.
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
+import numpy as np
+
 from ..prompts.tokens import Tokens
+from ..sampling import methods
 from ..sampling.schedulers import Schedule
 from .program import GenerateProgram
 from .request import Request
@@ -34,6 +41,48 @@ class Plan:
     @property
     def steps_run(self) -> int:
         return self.stop - self.first
+
+
+def planned(program: GenerateProgram, request: Request, first_step: int | None = None) -> Plan:
+    """The plan of a validated request's run: its sampler's schedule on its schedule type, padded to the
+    program's `max_steps`, and the steps of it that run, as diffusers picks them (`first_step` given: from
+    there to the end, a hires pass's). A strength skips the first steps (`get_timesteps`),
+    `denoising_start` the steps at or above its timestep cutoff, and `denoising_end` stops before the
+    steps below its own. (On A1111's schedule types a request runs whole: `Request.validated`.)
+
+    Raises:
+      ValueError: no step is left to run.
+    """
+    schedule = padded_schedule(program.spec, request.sampler, request.schedule_type, request.steps,
+                               program.max_steps)
+    steps = int(schedule.num_steps)
+    if first_step is not None:
+        return Plan(schedule, first_step, steps)
+    timesteps = np.asarray(schedule.timesteps)[:steps]
+    train_steps = program.spec.scheduler.num_train_timesteps
+
+    def cutoff(fraction: float) -> int:
+        return int(round(train_steps - fraction * train_steps))
+
+    first, stop = 0, steps
+    if request.start_from == "image":
+        first = steps - min(int(steps * request.strength), steps)
+    elif request.denoising_start is not None:
+        first = steps - int((timesteps < cutoff(request.denoising_start)).sum())
+    if request.denoising_end is not None:
+        stop = first + int((timesteps[first:] >= cutoff(request.denoising_end)).sum())
+    if stop <= first:
+        raise ValueError(
+            f"denoising_start {request.denoising_start} and denoising_end {request.denoising_end} leave none of "
+            f"the {steps} steps to run; move them apart or add steps"
+        )
+    return Plan(schedule, first, stop)
+
+
+@functools.lru_cache(maxsize=256)
+def padded_schedule(spec, sampler: str, schedule_type: str, steps: int, max_steps: int) -> Schedule:
+    """The noise schedule of a sampler, schedule type and step count, padded to `max_steps`; each made once."""
+    return methods.schedule(spec.scheduler, sampler, schedule_type, steps, max_steps, is_sdxl=spec.is_sdxl)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -9,16 +9,14 @@ which renders it as it is.
 """
 
 import dataclasses
-import functools
 
 import numpy as np
 
 from ..sampling import kdiffusion, methods, noise
 from ..sampling.brownian import BrownianNoise
-from ..sampling.schedulers import Schedule
 from . import conditionings
 from .model import LoadedModel
-from .prepared import Plan, PreparedRequest
+from .prepared import Plan, PreparedRequest, planned
 from .program import OUTPUT_TYPES, GenerateProgram
 from .request import Limits, Request
 
@@ -110,48 +108,6 @@ def _prepared(
     if drawn and request.noise is None:
         request = with_drawn_noise(request, program, plan)
     return PreparedRequest(request, tokens, program, plan, model)
-
-
-def planned(program: GenerateProgram, request: Request, first_step: int | None = None) -> Plan:
-    """The plan of a validated request's run: its sampler's schedule on its schedule type, padded to the
-    program's `max_steps`, and the steps of it that run, as diffusers picks them (`first_step` given: from
-    there to the end, a hires pass's). A strength skips the first steps (`get_timesteps`),
-    `denoising_start` the steps at or above its timestep cutoff, and `denoising_end` stops before the
-    steps below its own. (On A1111's schedule types a request runs whole: `Request.validated`.)
-
-    Raises:
-      ValueError: no step is left to run.
-    """
-    schedule = padded_schedule(program.spec, request.sampler, request.schedule_type, request.steps,
-                               program.max_steps)
-    steps = int(schedule.num_steps)
-    if first_step is not None:
-        return Plan(schedule, first_step, steps)
-    timesteps = np.asarray(schedule.timesteps)[:steps]
-    train_steps = program.spec.scheduler.num_train_timesteps
-
-    def cutoff(fraction: float) -> int:
-        return int(round(train_steps - fraction * train_steps))
-
-    first, stop = 0, steps
-    if request.start_from == "image":
-        first = steps - min(int(steps * request.strength), steps)
-    elif request.denoising_start is not None:
-        first = steps - int((timesteps < cutoff(request.denoising_start)).sum())
-    if request.denoising_end is not None:
-        stop = first + int((timesteps[first:] >= cutoff(request.denoising_end)).sum())
-    if stop <= first:
-        raise ValueError(
-            f"denoising_start {request.denoising_start} and denoising_end {request.denoising_end} leave none of "
-            f"the {steps} steps to run; move them apart or add steps"
-        )
-    return Plan(schedule, first, stop)
-
-
-@functools.lru_cache(maxsize=256)
-def padded_schedule(spec, sampler: str, schedule_type: str, steps: int, max_steps: int) -> Schedule:
-    """The noise schedule of a sampler, schedule type and step count, padded to `max_steps`; each made once."""
-    return methods.schedule(spec.scheduler, sampler, schedule_type, steps, max_steps, is_sdxl=spec.is_sdxl)
 
 
 def with_drawn_noise(request: Request, program: GenerateProgram, plan: Plan) -> Request:

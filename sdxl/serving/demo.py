@@ -449,7 +449,7 @@ class DemoService:
             return str(e)
 
     def png_parameters(self, prepared: PreparedRequest, i: int) -> str:
-        return infotext.png_parameters(self.pipe, prepared.request, i, self.model_label)
+        return infotext.png_parameters(prepared.model, prepared.request, i, self.model_label)
 
     def control_map(self, picture, preprocessor, canny_low, canny_high, width, height) -> np.ndarray:
         """The map a ControlNet panel's picture (an upload) makes at the chosen size, as the request will
