@@ -19,7 +19,7 @@ import a1111_reference as ref
 from reference import sd_pipeline, sdxl_pipeline
 from sdxl import Pipeline
 from sdxl.engine.inputs import clip_layers
-from sdxl.engine.program import emphasized, encode_text
+from sdxl.engine.text_encoding import emphasized, encode_text
 from sdxl.engine.request import Request
 from sdxl.models import clip
 from sdxl.prompts import syntax as ps

@@ -18,7 +18,7 @@ from sdxl.engine.infotext import infotext_quote
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.inputs import clip_layers
 from sdxl.engine.prepared import PreparedRequest
-from sdxl.engine.program import encode_text
+from sdxl.engine.text_encoding import encode_text
 from sdxl.engine.request import Request
 
 

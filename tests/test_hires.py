@@ -13,7 +13,7 @@ from sdxl.checkpoints.random_models import BUILTIN_CONFIGS
 from sdxl.checkpoints.spec import ModelSpec
 from sdxl.engine.hires import Hires, upscaled_pictures
 from sdxl.engine.pipeline import Pipeline
-from sdxl.engine.program import unscaled_latents
+from sdxl.engine.latents import unscaled_latents
 from sdxl.engine.request import Request
 from sdxl.models import vae
 

@@ -14,7 +14,7 @@ from reference import diffusers_images, random_latents, sd_pipeline, sdxl_pipeli
 from sdxl.checkpoints import lora
 from sdxl.engine.compilation import CompileCounter
 from sdxl.engine.pipeline import Pipeline
-from sdxl.engine.program import emphasized
+from sdxl.engine.text_encoding import emphasized
 from sdxl.engine.request import Request
 from sdxl.prompts import syntax as prompt_syntax
 

@@ -22,7 +22,7 @@ from .request import Request
 
 def clip_layers(spec, request: Request) -> tuple[tuple[int, bool], ...]:
     """Per text encoder, the hidden state its context is, counted back from its last layer's output
-    (1), and whether the final layer norm follows (`program.chosen_state`), as webui reads them:
+    (1), and whether the final layer norm follows (`text_encoding.chosen_state`), as webui reads them:
     - SD 1.x: clip skip N gives (N, True); the default 1 the last hidden state.
     - SD 2.x: always (1, True): webui reads its OpenCLIP encoder through a class that ignores clip skip.
     - SDXL: both encoders' penultimate states, (2, False); with `sdxl_clip_l_skip`, CLIP-L's is

@@ -7,6 +7,7 @@ with no communication. The same code runs on one device, many, and several hosts
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -47,3 +48,12 @@ def fetch(array: jax.Array) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(array, tiled=True))
     return np.asarray(array)
+
+
+def interleave(negative: jax.Array, positive: jax.Array) -> jax.Array:
+    """[B, ...] x2 -> [2B, ...] as (neg_0, pos_0, neg_1, pos_1, ...).
+
+    Keeping each image's two guidance branches adjacent keeps them on the same device, so the
+    batched CFG call needs no cross-device traffic.
+    """
+    return jnp.stack([negative, positive], axis=1).reshape(-1, *negative.shape[1:])

@@ -24,9 +24,8 @@ Where the loop starts (`GenerateProgram.start_from`), as diffusers' SDXL pipelin
 - "latents": the second expert of a base-plus-refiner run, from another run's latents as they are.
 
 ControlNets (`GenerateProgram.controlnets`) steer the UNet at every step with the residuals they
-compute from a control image, each image's scaled by its own scale between its own start and end:
-inputs, so that changing them never recompiles. A ControlNet Union (`sdxl.models.controlnet_union`) also
-reads each image's control mode, an input too.
+compute from a control image, each image's scaled by its own scale between its own start and end
+(`sdxl.engine.controlnet_steps`).
 
 IP-Adapters (`GenerateProgram.ip_adapters`) add a picture to the text: its image encoder's features,
 projected to tokens, which every cross-attention layer also attends to at each image's scale there.
@@ -35,7 +34,6 @@ The pictures and scales are inputs; the adapters' tokens are computed once, befo
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,12 +42,15 @@ from flax import struct, traverse_util
 
 from ..checkpoints import ModelSpec
 from ..checkpoints.ip_adapters import IPAdapterConfig
-from ..models import clip, clip_vision, controlnet, controlnet_union, ip_adapter, previews, unet, vae
+from ..models import clip_vision, controlnet, controlnet_union, ip_adapter, previews, unet, vae
 from ..models.layers import STEP_INVARIANTS, ImagePromptTokens
 from ..sampling import methods
 from ..sampling.samplers import Sampler, add_noise, denoised_from_model_output, run_steps
 from ..sampling.schedulers import Schedule
-from .mesh import BATCH_AXIS
+from . import controlnet_steps
+from .latents import one_image_per_device_at_a_time, scaled_latents, unscaled_latents
+from .mesh import interleave
+from .text_encoding import encode_text
 
 
 # The stages, by their method names: the whole generation, or its three parts for progress reports.
@@ -147,114 +148,6 @@ class Known:
     masked_latents: jax.Array | None  # [B, h, w, C] the kept pixels' latents (9-channel inpainting UNets' input)
 
 
-def encode_text(
-    spec: ModelSpec, params: dict, ids: jax.Array, weights: jax.Array, rescale: jax.Array, clip_layer: jax.Array,
-    clip_norm: jax.Array, dtype,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Text conditioning as webui computes it chunk by chunk; for an unweighted prompt of one chunk,
-    as the diffusers pipelines do.
-
-    Args:
-      params: with "embeddings", one [R, C_e] table per encoder of the textual-inversion vectors that ids
-        past its vocabulary select (`sdxl.models.clip.CLIPTextEmbeddings`).
-      ids, weights: [B, E, K * 77] token ids and their weights, one row per text encoder, K chunks.
-      rescale: [B] bool, whether weighted chunks keep their mean (`emphasized`).
-      clip_layer, clip_norm: [B, E] which hidden state of each encoder is read, and whether normed
-        (`chosen_state`; `Inputs.clip_layer`).
-
-    Returns:
-      context: [B, K * 77, D] cross-attention states, the chunks' side by side, of every encoder,
-        concatenated. By default SDXL's encoders give their penultimate hidden states; SD 1.x/2.x's
-        its last (final-normed) one.
-      pooled: [B, P] the last encoder's projected pooled output of the first chunk, unweighted (SDXL), else None.
-    """
-    batch, _, length = ids.shape
-    chunks = length // spec.max_tokens
-    per_chunk = jnp.repeat(rescale, chunks)
-    states, pooled = [], None
-    extra_tokens = params.get("embeddings", (None,) * len(spec.text_encoders))
-    for e, (name, config) in enumerate(zip(spec.text_encoder_names, spec.text_encoders)):
-        encoder = clip.CLIPTextModel(config, dtype=dtype)
-        out = encoder.apply({"params": params[name]}, ids[:, e].reshape(batch * chunks, -1), extra_tokens[e])
-        hidden = chosen_state(config, params[name], out.hidden_states, jnp.repeat(clip_layer[:, e], chunks),
-                              jnp.repeat(clip_norm[:, e], chunks), dtype)  # [B * K, 77, D_e]
-        weighted = emphasized(hidden, weights[:, e].reshape(batch * chunks, -1), per_chunk)
-        states.append(weighted.reshape(batch, length, -1))
-        if out.text_embeds is not None:
-            pooled = out.text_embeds.reshape(batch, chunks, -1)[:, 0]
-    return jnp.concatenate(states, axis=-1), (pooled if spec.is_sdxl else None)
-
-
-def chosen_state(
-    config: clip.CLIPTextConfig, params: dict, hidden_states: tuple[jax.Array, ...], layer: jax.Array,
-    norm: jax.Array, dtype,
-) -> jax.Array:
-    """Each row's hidden state `layer` back from the last layer's output (1), through the encoder's
-    final layer norm where `norm`: with (1, True) its last hidden state, and webui's clip skip N
-    (N, True) on SD 1.x. A layer beyond the encoder's depth reads its embeddings (webui's deepest
-    skip, 12, is within every real encoder; the tiny random ones are shallower).
-
-    Args: hidden_states: the encoder's embeddings and layer outputs, [C, 77, D] each; layer [C] int32;
-      norm [C] bool.
-    """
-    layer, state = jnp.minimum(layer, len(hidden_states)), hidden_states[-1]
-    for back in range(2, len(hidden_states) + 1):
-        state = jnp.where((layer == back)[:, None, None], hidden_states[-back], state)
-    return jnp.where(norm[:, None, None], clip.final_layer_norm(config, params, state, dtype), state)
-
-
-def emphasized(hidden: jax.Array, weights: jax.Array, rescale: jax.Array) -> jax.Array:
-    """webui's emphasis: each token's states times its weight, then, where `rescale` ("original"; not
-    "no-norm"), the chunk scaled so that its mean over every token and feature, BOS and padding
-    included, is what it was. "none" is all weights 1 (`sdxl.prompts.syntax.prompt_pieces`).
-
-    Args: hidden [C, 77, D] one chunk per row; weights [C, 77]; rescale [C] bool.
-    """
-    weighted = hidden * weights[..., None].astype(hidden.dtype)
-    mean, weighted_mean = (x.astype(jnp.float32).mean(axis=(1, 2)) for x in (hidden, weighted))
-    factor = jnp.where(rescale, mean / weighted_mean, 1.0)
-    return weighted * factor[:, None, None].astype(hidden.dtype)
-
-
-def one_image_per_device_at_a_time(fn, images: jax.Array):
-    """`fn` of a batch, applied to one image per device at a time, in turn.
-
-    The VAE's activations at full resolution are the largest a program holds: 4 images of 1024x1024
-    decoded at once need 14 GiB of temporaries per chip, more than a v5e's 16 GiB leaves beside SDXL's
-    weights. Taking one image per device each turn keeps every device busy, and no image moves: the
-    batch axis is split over the mesh in blocks, and each turn takes one image of each block.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    devices = 1 if mesh.empty else mesh.shape[BATCH_AXIS]
-    per_device = images.shape[0] // devices
-    if per_device <= 1:
-        return fn(images)
-    turns = images.reshape(devices, per_device, *images.shape[1:]).swapaxes(0, 1)  # [per_device, devices, ...]
-    out = jax.lax.map(fn, turns)
-    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(images.shape[0], *x.shape[2:]), out)
-
-
-def unscaled_latents(spec: ModelSpec, latents: jax.Array) -> jax.Array:
-    """The VAE's latents from the diffusion model's, [B, h, w, C], as the diffusers pipelines undo the
-    scaling: SDXL with the VAE's per-channel `latents_mean` and `latents_std` where it has them
-    (Playground v2.5), else (and SD 1.x/2.x always) dividing by `scaling_factor`."""
-    mean, std = _latent_statistics(spec)
-    return latents * std / spec.vae.scaling_factor + mean
-
-
-def scaled_latents(spec: ModelSpec, latents: jax.Array) -> jax.Array:
-    """The diffusion model's latents from the VAE's: `unscaled_latents` undone."""
-    mean, std = _latent_statistics(spec)
-    return (latents - mean) * spec.vae.scaling_factor / std
-
-
-def _latent_statistics(spec: ModelSpec) -> tuple:
-    config = spec.vae
-    if spec.is_sdxl and config.latents_mean is not None and config.latents_std is not None:
-        return jnp.asarray(config.latents_mean), jnp.asarray(config.latents_std)
-    return 0.0, 1.0
-
-
 def per_image_keys(seeds: jax.Array, image_index: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The PRNG keys of each image, from its (seed, index) alone.
 
@@ -268,15 +161,6 @@ def per_image_keys(seeds: jax.Array, image_index: jax.Array) -> tuple[jax.Array,
     noise_keys = jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys)
     sampler_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys)
     return noise_keys, sampler_keys
-
-
-def _interleave(negative: jax.Array, positive: jax.Array) -> jax.Array:
-    """[B, ...] x2 -> [2B, ...] as (neg_0, pos_0, neg_1, pos_1, ...).
-
-    Keeping each image's two guidance branches adjacent keeps them on the same device, so the
-    batched CFG call needs no cross-device traffic.
-    """
-    return jnp.stack([negative, positive], axis=1).reshape(-1, *negative.shape[1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,8 +243,8 @@ class GenerateProgram:
         spec = self.spec
         if self.guided:  # [2B]: (negative, positive) pairs, a zeroed negative where asked
             rows = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])  # noqa: E731
-            keep = _interleave(~inputs.zero_negative, jnp.ones_like(inputs.zero_negative))
-            both = lambda x: _interleave(x, x)  # noqa: E731
+            keep = interleave(~inputs.zero_negative, jnp.ones_like(inputs.zero_negative))
+            both = lambda x: interleave(x, x)  # noqa: E731
         else:  # [B]: the prompts alone
             rows = lambda x: None if x is None else x[:, 1]  # noqa: E731
             keep, both = jnp.ones(inputs.ids.shape[0], bool), lambda x: x  # noqa: E731
@@ -448,7 +332,7 @@ class GenerateProgram:
                 zero = features(jnp.zeros_like(pixels[:1])) if config.projection.reads_hidden_states else (
                     jnp.zeros_like(positive[:1]))
                 negative = jnp.broadcast_to(tokens(zero), states.shape)
-                states, scales = _interleave(negative, states), _interleave(scales, scales)
+                states, scales = interleave(negative, states), interleave(scales, scales)
             prompts.append(ImagePromptTokens(states, scales))
         return tuple(prompts)
 
@@ -494,13 +378,7 @@ class GenerateProgram:
         _, unet_invariants = self._unet().apply(
             {"params": self._unet_params(params)}, x_in, zeros, **cond, mutable=[STEP_INVARIANTS]
         )
-        x_in = jnp.zeros((batch, h, w, self.spec.vae.latent_channels), self.dtype)
-        controlnet_invariants = tuple(
-            model.apply({"params": p}, x_in, zeros, conditioning_scale=zeros, **steering,
-                        **_controlnet_cond(cond), mutable=[STEP_INVARIANTS])[1]
-            for model, p, steering in zip(self._controlnets(), params.get("controlnets", ()), self._steering(inputs))
-        )
-        invariants = {"unet": unet_invariants, "controlnets": controlnet_invariants}
+        invariants = {"unet": unet_invariants, "controlnets": controlnet_steps.invariants(self, params, inputs, cond)}
         if self.conditionings > 1:  # the text's keys and values change with the step's text: computed per step
             invariants = _without_text_invariants(invariants)
         return state, invariants
@@ -519,57 +397,6 @@ class GenerateProgram:
                 flat[(*path[:-2], f"{path[-2]}.{k}", path[-1])] = weight
         return traverse_util.unflatten_dict(flat)
 
-    def _controlnets(self) -> list:
-        return [config.model(self.dtype) for config in self.controlnets]
-
-    def _steering(self, inputs: Inputs) -> list[dict]:
-        """Each ControlNet's own inputs as the model's batch holds them (both halves with guidance):
-        its control images, and a Union's control modes (and how many rows each image has)."""
-        pair = (lambda x: _interleave(x, x)) if self.guided else (lambda x: x)  # noqa: E731
-        steering = []
-        for k, (config, image) in enumerate(zip(self.controlnets, inputs.control_images or ())):
-            steering.append({"controlnet_cond": pair(image.astype(self.dtype))})
-            if isinstance(config, controlnet_union.ControlNetUnionConfig):
-                rows = 2 if self.guided else 1
-                steering[-1].update(control_mode=pair(inputs.control_modes[:, k]), rows_per_image=rows)
-        return steering
-
-    def _control(self, params, invariants: dict, inputs: Inputs) -> Callable[..., dict]:
-        """`control(x_in, t, step, cond)`: the UNet's extra inputs from the ControlNets at loop iteration
-        `step`, given its conditioning `cond`: their residuals, each scaled by its image's scale where
-        `step` lies between its start and end, and summed (as diffusers' MultiControlNet). {} without
-        ControlNets.
-
-        diffusers' keep mask: a ControlNet steers the i-th of the n model evaluations that run unless
-        i / n < start or (i + 1) / n > end (n counts to the schedule's end, past a `denoising_end`).
-        """
-        if not self.controlnets:
-            return lambda x_in, t, step, cond: {}
-        evaluations = self.method.evaluations
-        first = evaluations(inputs.first_step)
-        count = (evaluations(inputs.schedule.num_steps) - first).astype(jnp.float32)
-        steering = self._steering(inputs)
-        models = self._controlnets()
-        step_invariants = invariants.get("controlnets") or ({},) * len(models)  # none in `whole`: XLA hoists them
-        variables = [{"params": p, **i} for p, i in zip(params["controlnets"], step_invariants)]
-
-        def control(x_in, t, step, cond) -> dict:
-            done = (step - first).astype(jnp.float32)
-            keep = ~((done / count < inputs.control_starts) | ((done + 1) / count > inputs.control_ends))  # [B, K]
-            scales = inputs.control_scales * keep
-            x_control = x_in[..., : self.spec.vae.latent_channels]  # without an inpainting UNet's extra channels
-            down, mid = None, None
-            for k, model in enumerate(models):
-                scale = _interleave(scales[:, k], scales[:, k]) if self.guided else scales[:, k]
-                residuals, middle = model.apply(
-                    variables[k], x_control, t, conditioning_scale=scale, **steering[k], **_controlnet_cond(cond)
-                )
-                down = residuals if down is None else [a + b for a, b in zip(down, residuals)]
-                mid = middle if mid is None else mid + middle
-            return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
-
-        return control
-
     def denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop) -> tuple[Any, jax.Array]:
         """Sampler iterations start..stop-1 (one model evaluation each; `Sampler.evaluations` of the
         step count in all) with the guided UNet as the denoiser. Returns the new carry, and [B, h, w, 3]
@@ -583,19 +410,19 @@ class GenerateProgram:
         """The denoising loop over iterations start..stop-1: the new carry (and given `denoised`, the
         last denoised prediction: `sampling.run_steps`)."""
         model, variables = self._unet(), {"params": self._unet_params(params), **invariants.get("unet", {})}
-        control = self._control(params, invariants, inputs)
+        control = controlnet_steps.control(self, params, invariants, inputs)
         g = inputs.guidance_scale[:, None, None, None]
         known = state.known
         extra = None  # a 9-channel inpainting UNet's mask and masked-image latents, after the latents
         if known is not None and known.masked_latents is not None:
             extra = jnp.concatenate([known.mask, known.masked_latents], axis=-1)
-            extra = _interleave(extra, extra) if self.guided else extra
+            extra = interleave(extra, extra) if self.guided else extra
 
         def denoiser(x, sigma, timestep, step):
             batch = x.shape[0]
             x_in = x / jnp.sqrt(sigma**2 + 1)
             if self.guided:
-                x_in = _interleave(x_in, x_in)
+                x_in = interleave(x_in, x_in)
             if extra is not None:
                 x_in = jnp.concatenate([x_in, extra], axis=-1)
             x_in = x_in.astype(self.dtype)
@@ -661,12 +488,6 @@ def _without_text_invariants(invariants: dict) -> dict:
         return traverse_util.unflatten_dict({path: v for path, v in flat.items() if path[-1] not in ("key", "value")})
 
     return {"unet": kept(invariants["unet"]), "controlnets": tuple(kept(i) for i in invariants["controlnets"])}
-
-
-def _controlnet_cond(cond: dict) -> dict:
-    """What a ControlNet reads of the UNet's conditioning: all but an LCM UNet's guidance embedding and
-    the IP-Adapters' image prompts (diffusers' ControlNets take neither)."""
-    return {name: value for name, value in cond.items() if name not in ("timestep_cond", "image_prompts")}
 
 
 def _blending_known(method: Sampler, known: Known, stop) -> Sampler:

@@ -2,7 +2,7 @@
 
 Host-side only (Python and numpy): the text becomes weighted pieces, the pieces' tokens are packed into
 chunks of 75, and each chunk becomes the 77 ids an encoder reads and one weight per position. The
-compiled program then weighs each chunk's hidden states (`sdxl.engine.program.emphasized`).
+compiled program then weighs each chunk's hidden states (`sdxl.engine.text_encoding.emphasized`).
 
 The reading, as webui 1.10 does it:
 
