@@ -24,11 +24,12 @@ from sdxl.engine import images
 from sdxl.engine.image_prompts import IP_ADAPTER_SCALE_RANGE
 from sdxl.engine.request import CLIP_SKIP_RANGE
 from sdxl.serving import endpoints, launch, results
-from sdxl.serving.demo import (
-    COMPARE_PROMPTS, COMPARE_SEEDS, IP_ADAPTER_FIELDS, UPSCALE_RANGE, ControlForm, DemoService, Settings, Submission,
-    path_of, picture_and_mask,
+from sdxl.serving.demo import UPSCALE_RANGE, DemoService, Submission
+from sdxl.serving.forms import (
+    COMPARE_PROMPTS, COMPARE_SEEDS, IP_ADAPTER_FIELDS, ControlForm, Settings, path_of, picture_and_mask,
 )
 from sdxl.serving.http_errors import HttpErrors, owner, route
+from sdxl.serving.options import demo_parser
 from sdxl.serving.queue import QueueFullError
 
 # Uploads decode to at most this many pixels: PIL refuses twice as many, and warns above it.
@@ -652,7 +653,7 @@ def _mcp_images() -> None:
 
 
 def main() -> None:
-    parser = launch.demo_parser(__doc__.splitlines()[0])
+    parser = demo_parser(__doc__.splitlines()[0])
     options = parser.parse_args()
     try:
         service = launch.demo_service(options)

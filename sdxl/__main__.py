@@ -29,6 +29,7 @@ from .models.controlnet_union import control_mode, describe_modes
 from .sampling.noise import NOISE_SOURCES
 from .sampling.methods import SAMPLER_NAMES, SCHEDULE_TYPES, schedule_type_for
 from .serving import launch
+from .serving.options import add_shared_options, split_scale
 
 
 def generate_command(args: argparse.Namespace) -> None:
@@ -134,7 +135,7 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     for mode in args.control_mode:
         control_mode(mode)
     for option in args.ip_adapter_image:
-        scale = launch.split_scale(option)[1]
+        scale = split_scale(option)[1]
         if scale is not None:
             number(scale, "--ip-adapter-image's scale", *IP_ADAPTER_SCALE_RANGE)
     if args.mask is not None and args.image is None:
@@ -190,7 +191,7 @@ def _controls(args: argparse.Namespace, pipe, request: Request) -> tuple:
     modes = args.control_mode or [None] * len(args.control_image)
     controls = []
     for option, mode in zip(args.control_image, modes):
-        path, scale = launch.split_scale(option)
+        path, scale = split_scale(option)
         controls.append(Control.of(
             images.read_image(path), request.width, request.height, preprocessor=preprocessor,
             canny_thresholds=thresholds, scale=default_scale if scale is None else scale, start=args.control_start,
@@ -207,14 +208,14 @@ def _image_prompts(args: argparse.Namespace, pipe, request: Request) -> tuple:
         raise ValueError(f"give one --ip-adapter-image per --ip-adapter ({k}), or one for all; got {len(given)}")
     prompts = []
     for option in given * (k if len(given) == 1 else 1):
-        path, scale = launch.split_scale(option)
+        path, scale = split_scale(option)
         scale = preset_scale(pipe.spec.unet, args.ip_adapter_layers, IP_ADAPTER_SCALE if scale is None else scale)
         prompts.append(ImagePrompt.of(images.read_image(path), scale))
     return conditionings.per_image(IMAGE_PROMPTS, prompts, len(request), "--ip-adapter-image")
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    launch.add_shared_options(parser)
+    add_shared_options(parser)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--negative-prompt", default="")
     parser.add_argument("--seed", type=int, default=0)

@@ -108,7 +108,8 @@ def test_a_refiner_that_cannot_continue_the_model_exits_nonzero_with_one_line_re
 
 @pytest.mark.cli
 def test_an_empty_prompt_is_refused_with_the_demos_sentence():
-    from sdxl.serving.demo import DemoService, Settings
+    from sdxl.serving.demo import DemoService
+    from sdxl.serving.forms import Settings
 
     with pytest.raises(ValueError) as refused:
         DemoService._styled(Settings(prompt=""))

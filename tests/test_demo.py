@@ -11,7 +11,8 @@ from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.request import MAX_SEED
 from sdxl.prompts.styles import STYLES
 from sdxl.serving import results
-from sdxl.serving.demo import COMPARE_SEEDS, DemoService, Settings, fit_to_sizes, lora_parameters
+from sdxl.serving.demo import DemoService
+from sdxl.serving.forms import COMPARE_SEEDS, Settings, fit_to_sizes, lora_parameters
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The demo's ControlNet panel as requests (`sdxl.serving.demo.ControlForm`), without a server: maps made at the
+"""The demo's ControlNet panel as requests (`sdxl.serving.forms.ControlForm`), without a server: maps made at the
 output's size, settings per image, grids over the scale in one call, PNG parameters as A1111's
 ControlNet extension writes them, and bad input refused with a sentence."""
 
@@ -14,7 +14,8 @@ from sdxl.engine import images, infotext
 from sdxl.engine.control_maps import canny
 from sdxl.engine.pipeline import Pipeline
 from sdxl.serving import grid
-from sdxl.serving.demo import ControlForm, DemoService, Settings, control_parameters
+from sdxl.serving.demo import DemoService
+from sdxl.serving.forms import ControlForm, Settings, control_parameters
 
 
 @pytest.fixture(scope="module")

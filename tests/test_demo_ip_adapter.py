@@ -10,7 +10,8 @@ from sdxl.checkpoints.random_models import write_ip_adapter
 from sdxl.engine import infotext
 from sdxl.engine.pipeline import Pipeline
 from sdxl.serving import grid
-from sdxl.serving.demo import DemoService, Settings
+from sdxl.serving.demo import DemoService
+from sdxl.serving.forms import Settings
 
 
 @pytest.fixture(scope="module")

@@ -361,6 +361,7 @@ def test_the_cli_refuses_pickled_or_missing_embeddings_before_loading(capsys, tm
 
 def test_the_demo_lists_the_embeddings_loaded_at_launch_with_their_token_counts(tmp_path):
     from sdxl.serving import launch
+    from sdxl.serving.options import demo_parser
     from sdxl.serving.choices import choices_of
     from sdxl.serving.demo import DemoService
 
@@ -370,7 +371,7 @@ def test_the_demo_lists_the_embeddings_loaded_at_launch_with_their_token_counts(
     write_sdxl_embedding(tmp_path / "folder/b-neg.safetensors", 2, 1, widths)
     write_sdxl_embedding(tmp_path / "folder/a-style.safetensors", 1, 2, widths)
     write_sdxl_embedding(tmp_path / "solo.safetensors", 3, 3, widths)
-    options = launch.demo_parser("SDXL on JAX").parse_args(
+    options = demo_parser("SDXL on JAX").parse_args(
         ["--model", "tiny", "--dtype", "float32", "--cache-dir", str(tmp_path / "xla"),
          "--embedding", str(tmp_path / "solo.safetensors"), "--embedding", str(tmp_path / "folder")])
     pipe = launch.load(options).pipe

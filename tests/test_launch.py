@@ -6,13 +6,14 @@ import pytest
 
 from sdxl.checkpoints import shapes
 from sdxl.serving import launch
+from sdxl.serving.options import add_shared_options, demo_parser, source_and_scale
 from tests.fake_hub import hub_at
 
 
 def test_the_demos_help_names_each_options_environment_variable(monkeypatch):
     for name in ("SDXL_MODEL", "SDXL_DTYPE", "SDXL_PORT"):
         monkeypatch.delenv(name, raising=False)
-    parser = launch.demo_parser("SDXL on JAX")
+    parser = demo_parser("SDXL on JAX")
     for action in parser._actions:
         if action.dest not in ("help", "lora", "upscaler", "embedding"):  # the repeatable ones have no variable
             assert re.search(r"\[env: SDXL_[A-Z_]+", action.help or ""), action.option_strings
@@ -21,14 +22,14 @@ def test_the_demos_help_names_each_options_environment_variable(monkeypatch):
     assert "'shapes' (built in" in text and "[env: SDXL_MAX_IMAGES_PER_CORE]" in text
     # The CLI reads no variable, and its help names none.
     cli = argparse.ArgumentParser()
-    launch.add_shared_options(cli)
+    add_shared_options(cli)
     assert "env:" not in cli.format_help()
 
 
 def test_a_bad_environment_variable_gets_argparses_message(monkeypatch, capsys):
     monkeypatch.setenv("SDXL_DTYPE", "fp16")
     with pytest.raises(SystemExit) as exit:
-        launch.demo_parser("SDXL on JAX").parse_args([])
+        demo_parser("SDXL on JAX").parse_args([])
     assert exit.value.code == 2
     assert "argument --dtype: must be one of float32, bfloat16, got 'fp16'" in capsys.readouterr().err
 
@@ -37,7 +38,7 @@ def test_the_shapes_models_notice_says_it_knows_only_its_english_words(tmp_path,
     """Offline, the demo serves the built-in model in place of the one asked for, and says that other
     words (another language) give blobs unrelated to the prompt, listing the words it knows."""
     parser = argparse.ArgumentParser()
-    launch.add_shared_options(parser)
+    add_shared_options(parser)
     options = parser.parse_args(["--model", "nobody/no-model", "--cache-dir", str(tmp_path / "xla")])
     with hub_at(None, tmp_path / "hf", monkeypatch):
         model = launch.load(options, fallback=True)
@@ -61,7 +62,7 @@ def test_the_demo_refuses_an_images_per_core_that_does_not_fit_before_it_serves(
 
     monkeypatch.setattr(memory, "device_memory", lambda pipe: (1000 + 250, 1000))
     monkeypatch.setattr(memory, "bytes_needed", needed)
-    options = launch.demo_parser("SDXL on JAX").parse_args(
+    options = demo_parser("SDXL on JAX").parse_args(
         ["--model", "tiny", "--max-images-per-core", "4", "--cache-dir", str(tmp_path / "xla")])
     with pytest.raises(memory.DoesNotFitError, match=r"^--max-images-per-core 4 needs 0.00 GiB on each cpu, which "
                        r"holds 0.00 GiB; 2 per device fit: --max-images-per-core 2$"):
@@ -82,7 +83,7 @@ def test_without_a_count_asked_for_the_demo_serves_the_most_images_per_core_that
     monkeypatch.setattr(memory, "bytes_needed", needed)
     monkeypatch.setattr(launch, "_compiled_in_background", lambda *args: {})  # the other batches: not here
     monkeypatch.delenv("SDXL_MAX_IMAGES_PER_CORE", raising=False)
-    options = launch.demo_parser("SDXL on JAX").parse_args(["--model", "tiny", "--cache-dir", str(tmp_path / "xla")])
+    options = demo_parser("SDXL on JAX").parse_args(["--model", "tiny", "--cache-dir", str(tmp_path / "xla")])
     service = launch.demo_service(options)
     assert service.max_images_per_core == 2 and service.queue.max_batch_images == 2 * service.pipe.num_devices
     assert service.launch_notes == [
@@ -118,7 +119,8 @@ def test_the_launch_says_whether_a_hires_fix_at_the_forms_default_fits(monkeypat
     what fits said, not refused."""
     from sdxl.engine import memory
     from sdxl.engine.pipeline import Pipeline
-    from sdxl.serving.demo import DemoService, Settings
+    from sdxl.serving.demo import DemoService
+    from sdxl.serving.forms import Settings
 
     measured = []
 
@@ -150,7 +152,7 @@ def test_the_launch_says_whether_a_hires_fix_at_the_forms_default_fits(monkeypat
     ("owner/repo:.5", ("owner/repo", 0.5)),
 ])
 def test_a_source_and_its_scale(text, expected):
-    assert launch.source_and_scale(text) == expected
+    assert source_and_scale(text) == expected
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -187,7 +189,7 @@ def test_a_local_ip_adapter_reads_its_folder_as_the_hubs_layout(tmp_path):
 ])
 def test_a_bad_ip_adapter_is_refused_in_one_sentence_before_the_model_loads(text, message, tmp_path):
     parser = argparse.ArgumentParser()
-    launch.add_shared_options(parser)
+    add_shared_options(parser)
     options = parser.parse_args(["--model", "nobody/no-model", "--ip-adapter", text])
     with pytest.raises(launch.CheckpointError, match=message):
         launch.load(options)  # no Hub is asked for the model: it would say so
@@ -200,7 +202,7 @@ def test_the_demo_loads_the_ip_adapter_its_variable_names(tmp_path, monkeypatch)
     write_ip_adapter(tmp_path / "ip", Pipeline.from_pretrained("tiny", dtype="float32").spec.unet,
                      kinds=("plain", "plus"))
     monkeypatch.setenv("SDXL_IP_ADAPTER", str(tmp_path / "ip/sdxl_models/ip-adapter.safetensors"))
-    options = launch.demo_parser("SDXL on JAX").parse_args(
+    options = demo_parser("SDXL on JAX").parse_args(
         ["--model", "tiny", "--dtype", "float32", "--cache-dir", str(tmp_path / "xla"),
          "--ip-adapter", str(tmp_path / "ip/sdxl_models/ip-adapter-plus.safetensors")])
     pipe = launch.load(options).pipe
@@ -224,7 +226,7 @@ def test_with_ip_adapters_the_launch_checks_the_program_with_an_image_prompt(tmp
 
     monkeypatch.setattr(memory, "device_memory", lambda pipe: (1000 + 50, 1000))
     monkeypatch.setattr(memory, "bytes_needed", needed)
-    options = launch.demo_parser("SDXL on JAX").parse_args(
+    options = demo_parser("SDXL on JAX").parse_args(
         ["--model", "tiny", "--max-images-per-core", "1", "--cache-dir", str(tmp_path / "xla"),
          "--ip-adapter", str(tmp_path / "ip/sdxl_models/ip-adapter.safetensors")])
     with pytest.raises(memory.DoesNotFitError):

@@ -1,4 +1,4 @@
-"""The demo's requests: what a visitor chose in the form (`Settings`), made into prepared requests
+"""The demo's requests: what a visitor chose in the form (`sdxl.serving.forms.Settings`), made into prepared requests
 for each tab by `DemoService`. No Gradio here: `app.py` builds the page around a service.
 
 Values arrive as the browser sent them; every one is checked where the request is prepared
@@ -7,7 +7,6 @@ Values arrive as the browser sent them; every one is checked where the request i
 
 import collections
 import dataclasses
-import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -18,153 +17,32 @@ from PIL import Image
 from ..checkpoints import lora
 from ..engine import conditionings, hires as hires_fix, images, infotext
 from ..engine.checks import choice, integer, number
-from ..engine.control_maps import DEFAULT_CANNY_THRESHOLDS
 from ..engine.controls import CONTROLS, Control
-from ..engine.hires import DEFAULT_STRENGTH, DEFAULT_UPSCALER, Hires
-from ..engine.image_prompts import IMAGE_PROMPTS, IP_ADAPTER_SCALE, ImagePrompt, preset_named, preset_scale
+from ..engine.hires import Hires
+from ..engine.image_prompts import IMAGE_PROMPTS, ImagePrompt, preset_named, preset_scale
 from ..engine.pipeline import Pipeline
 from ..engine.prepared import PreparedRequest
 from ..engine.request import (
-    DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED,
-    MAX_SIZE, Limits, Request, required_prompt,
+    MAX_SEED,
+    Limits, Request, required_prompt,
 )
-from ..prompts.styles import NO_STYLE, STYLES
+from ..prompts.styles import STYLES
 from ..prompts.syntax import EMPHASIS_MODES
 from . import grid
 from .choices import choices_of
+from .forms import (
+    COMPARE_PROMPTS, COMPARE_SEEDS, HIRES_FIELDS, REUSED, ControlForm, Settings, control_parameters, fit_to_sizes,
+    lora_parameters, read_upload, size_presets,
+)
 from .grid import GridPlan
 from .known import Recommended
 from .queue import DeviceQueue, Runner
 from .results import size_label
 
-# SDXL's training buckets (width, height); other models get them scaled to their native size.
-SDXL_SIZES = ((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344))
-# The Compare tab's two ways, as the page names them.
-COMPARE_PROMPTS, COMPARE_SEEDS = "One prompt per line, same seed", "One prompt, consecutive seeds"
 TABS = ("generate", "image_to_image", "compare", "grid")  # what each tab's button submits (`DemoService.submission`)
 CHECKED_KEPT = 64  # checked submissions waiting for their handler (`DemoService.check`), at most
 UPSCALE_RANGE = (1.0, 4.0)  # the Upscale tab's factors
 MAX_UPSCALED_SIDE = 8192  # the Upscale tab's largest picture: a 2048 one, 4x
-
-
-@dataclasses.dataclass(frozen=True)
-class ControlForm:
-    """One ControlNet's part of the form: the picture that steers it, how it becomes the control map,
-    and how strongly and between which fractions of the steps it steers, as the browser sent them.
-    `control` makes it the request's `Control`."""
-
-    picture: Image.Image | None = None  # None: no control image (then no ControlNet steers)
-    preprocessor: str = "none"  # one of `control_maps.PREPROCESSORS`
-    canny_low: int = DEFAULT_CANNY_THRESHOLDS[0]
-    canny_high: int = DEFAULT_CANNY_THRESHOLDS[1]
-    scale: float = 1.0
-    start: float = 0.0
-    end: float = 1.0
-    mode: str | int | None = None  # a ControlNet Union's control mode (`controlnet_union.CONTROL_MODES`)
-
-    def control(self, width, height) -> Control:
-        """The request's control at the output's size: the picture centre-cropped to its aspect ratio and
-        resized (A1111's "Crop and Resize"), then its map (edges drawn at the output's own resolution).
-
-        Raises:
-          ValueError: no picture, or a size, preprocessor or threshold out of range.
-        """
-        if self.picture is None:
-            raise ValueError("no control image was given")
-        width, height = (integer(value, label, 1, MAX_SIZE) for value, label in ((width, "width"), (height, "height")))
-        return Control.of(self.picture, width, height, preprocessor=self.preprocessor,
-                          canny_thresholds=(self.canny_low, self.canny_high), scale=self.scale, start=self.start,
-                          end=self.end, mode=self.mode)
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The form's fields that every tab shares, as the browser sent them."""
-
-    prompt: str = ""
-    negative_prompt: str = ""
-    style: str = NO_STYLE
-    seed: int = 0
-    guidance_scale: float = DEFAULT_GUIDANCE_SCALE
-    steps: int = DEFAULT_STEPS
-    width: int | None = None  # None: the model's first size
-    height: int | None = None
-    images_per_core: int = 1
-    sampler: str | None = None  # None: the model's own
-    schedule_type: str = ""  # "": the sampler's own (`Request.schedule_type` None)
-    emphasis: str = "original"  # how prompts' weights apply (`sdxl.prompts.syntax.EMPHASIS_MODES`)
-    clip_skip: int = 1  # webui's "Clip skip" (`Request.clip_skip`), and its SDXL setting
-    sdxl_clip_l_skip: bool = False
-    refine: bool = False  # finish with the refiner, from `refine_from` of the noise
-    refine_from: float = DEFAULT_REFINE_FROM
-    lora_scales: tuple[float, ...] | None = None  # one per launched LoRA (`DemoService.loras`); None: their own
-    controls: tuple[ControlForm, ...] = ()  # one per launched ControlNet (`Pipeline.controlnets`), or none
-    # Where the noise comes from (`Request.noise_source`), and A1111's seed settings for its sources.
-    noise_source: str = "jax"
-    ensd: int = 0
-    variation_seed: int = 0
-    variation_strength: float = 0.0
-    # The hires fix (`sdxl.engine.hires`), for the text-to-image tabs: on or off, and its settings.
-    hires: bool = False
-    hires_upscaler: str = DEFAULT_UPSCALER
-    hires_scale: float = 1.5  # what SDXL's shared infotexts use most; webui's default 2 quadruples the work
-    hires_steps: int = 0  # 0: the first pass's
-    hires_strength: float = DEFAULT_STRENGTH
-    # The image prompt (IP-Adapter), for every tab: its picture (None: none), the adapter that takes it
-    # (by its label, `choices.ip_adapter_labels`; None: the first), its scale, and on which layers.
-    ip_adapter_image: Image.Image | None = None
-    ip_adapter: str | None = None
-    ip_adapter_scale: float = IP_ADAPTER_SCALE
-    ip_adapter_layers: str = "all"  # one of `image_prompts.SCALE_PRESETS`
-
-
-# Each `ControlForm` field's name in the form (and the API) for the first ControlNet; the others' add "_2", ...
-CONTROL_PARAMETERS = {"picture": "control_image", "preprocessor": "control_preprocessor", "canny_low": "canny_low",
-                      "canny_high": "canny_high", "scale": "control_scale", "start": "control_start",
-                      "end": "control_end", "mode": "control_mode"}
-
-
-# The fields `DemoService.reused` fills in besides the prompts, and how its sentence names them.
-REUSED = {"seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
-          "schedule_type": "schedule type", "emphasis": "emphasis", "size": "size", "noise_source": "noise",
-          "ensd": "ENSD", "variation_seed": "variation seed", "variation_strength": "variation strength",
-          "clip_skip": "clip skip", "sdxl_clip_l_skip": "SDXL's CLIP-L clip skip", "hires": "hires fix"}
-# A hires fix's settings the form has, by its `Settings` field: its `Hires` field.
-HIRES_FIELDS = {"hires_upscaler": "upscaler", "hires_scale": "scale", "hires_steps": "steps",
-                "hires_strength": "strength"}
-# The image prompt's fields, by their names in every form (and the API), after the others.
-IP_ADAPTER_FIELDS = ("ip_adapter_image", "ip_adapter", "ip_adapter_scale", "ip_adapter_layers")
-
-
-def control_parameters(count: int) -> list[dict[str, str]]:
-    """For each of `count` ControlNets, its `ControlForm` fields' names in the form: {field: name}."""
-    return [{field: name + (f"_{k + 1}" if k else "") for field, name in CONTROL_PARAMETERS.items()}
-            for k in range(count)]
-
-
-def lora_parameters(sources: Sequence[str]) -> list[str]:
-    """The form's (and the API's) name of each launched LoRA's scale: `lora_<file stem>`."""
-    names = ["lora_" + re.sub(r"\W", "_", lora.display_name(source)) for source in sources]
-    return [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
-
-
-def size_presets(pipe: Pipeline) -> list[tuple[int, int]]:
-    """The model's native aspect-ratio presets as (width, height), native square first."""
-    scale = pipe.spec.native_size / 1024
-    f = pipe.spec.latent_factor
-    presets = [(max(f, round(w * scale / f) * f), max(f, round(h * scale / f) * f)) for w, h in SDXL_SIZES]
-    return list(dict.fromkeys(presets))
-
-
-def fit_to_sizes(picture: Image.Image, sizes: Sequence[tuple[int, int]]) -> tuple[Image.Image, tuple[int, int]]:
-    """`picture` at the size of `sizes` (width, height) whose aspect ratio is nearest its own:
-    centre-cropped to that ratio, then resized (Lanczos). Returns it and the size chosen."""
-    width, height = picture.size
-    target = min(sizes, key=lambda size: abs(np.log(size[0] / size[1]) - np.log(width / height)))
-    if (width, height) == target:
-        return picture, target
-    box = images.crop_box(width, height, *target)
-    return picture.resize(target, Image.Resampling.LANCZOS, box=box), target
 
 
 @dataclasses.dataclass
@@ -175,38 +53,6 @@ class Submission:
     calls: list[PreparedRequest]
     note: str | None = None
     grid: GridPlan | None = None
-
-
-def path_of(file) -> str:
-    """The server-side path of an uploaded file as a handler receives it (Gradio's FileData, a dict
-    from an API client, or a path)."""
-    return file if isinstance(file, str) else (file["path"] if isinstance(file, dict) else file.path)
-
-
-def read_upload(upload, what: str = "image") -> Image.Image:
-    """An upload (an image the editor holds, or a file), read (`images.read_image`). Raises ValueError
-    naming `what` where it is not "image" (whose sentences say so already)."""
-    if isinstance(upload, Image.Image):
-        return upload
-    try:
-        return images.read_image(path_of(upload))
-    except (TypeError, KeyError, AttributeError) as e:
-        raise ValueError(f"the {what} must be an uploaded image file, got {upload!r:.80}") from e
-    except ValueError as e:
-        if what == "image":
-            raise
-        raise ValueError(f"the {what}: {e}") from e
-
-
-def picture_and_mask(editor) -> tuple[Image.Image | None, Image.Image | None]:
-    """The picture an image editor holds and, where a layer is painted, a mask (white where painted)."""
-    if not editor or editor.get("background") is None:
-        return None, None
-    background = editor["background"]
-    painted = [np.asarray(layer.convert("RGBA"))[..., 3] > 0 for layer in editor.get("layers") or []]
-    if not painted or not np.any(painted):
-        return background, None
-    return background, Image.fromarray(np.any(painted, axis=0).astype(np.uint8) * 255)
 
 
 class DemoService:
@@ -232,7 +78,7 @@ class DemoService:
         self.lora_parameters = lora_parameters(list(self.loras))
         self.control_parameters = control_parameters(len(pipe.controlnets))
         self.max_images_per_core = max_images_per_core
-        self.sizes = list(recommended.sizes) if recommended.sizes else size_presets(pipe)
+        self.sizes = list(recommended.sizes) if recommended.sizes else size_presets(pipe.spec)
         self.queue = DeviceQueue(pipe, max_batch_images=self.max_images, max_queued=max_queued,
                                  max_per_owner=max_per_owner, runner=runner)
         self.choices = choices_of(self)
