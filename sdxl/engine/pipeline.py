@@ -292,18 +292,8 @@ class Pipeline:
     # Requests: each is prepared once (checked, tokenized, its programs named, its run planned), then rendered.
 
     def prepare(self, request: Request, *, limits: Limits | None = None, output_type: str = "pil") -> PreparedRequest:
-        """`request` as the devices take it, against the current snapshot, which it keeps and renders with:
-        checked against `limits` (default the snapshot's: the demo narrows them to its sizes), its LoRAs
-        read, its prompts tokenized, its programs named, its run planned (`sdxl.engine.preparing.prepare`).
-
-        Args:
-          output_type: "pil" for uint8 images, "np" for float32 in [0, 1], or "latent": the sampler's
-            latents [N, h, w, C], undecoded and left on the devices, for a refiner to continue.
-
-        Raises:
-          ValueError: a value of the request is out of range, in one sentence.
-          CheckpointError: a LoRA file it names cannot be read.
-        """
+        """`request` as the devices take it, prepared against the current snapshot, which it keeps and
+        renders with (`sdxl.engine.preparing.prepare` says what it does, and takes and raises)."""
         return prepare(self._model, request, limits=limits, output_type=output_type)
 
     def programs_for(self, request: Request, num_images: int | None = None) -> tuple[GenerateProgram, ...]:

@@ -40,12 +40,13 @@ def prepare(model: LoadedModel, request: Request, *, limits: Limits | None = Non
     request = request.validated(limits or model.limits)
     model = model.reading(source for source, _ in request.loras)
     if request.hires is not None:
+        edit_steps = _edit_steps(request, request.steps)
         first = _prepared(model, dataclasses.replace(request, hires=None),
-                          "latent" if request.hires.in_latents else "np")
+                          "latent" if request.hires.in_latents else "np", edit_steps=(edit_steps, None))
         drawn = dict(noise=first.request.noise, step_noise=first.request.step_noise)
         # The request as asked (its PNG parameters name the hires fix): its arrays are its first pass's.
         return dataclasses.replace(first, request=dataclasses.replace(request, **drawn),
-                                   hires=_second_pass(model, request, output_type))
+                                   hires=_second_pass(model, request, output_type, edit_steps))
     if request.refine_from is None:
         return _prepared(model, request, output_type)
     base, refining = _handoff(request)
@@ -57,10 +58,11 @@ def prepare(model: LoadedModel, request: Request, *, limits: Limits | None = Non
     return dataclasses.replace(base, request=dataclasses.replace(request, **drawn), refined=refined)
 
 
-def _second_pass(model: LoadedModel, request: Request, output_type: str) -> PreparedRequest:
+def _second_pass(model: LoadedModel, request: Request, output_type: str, edit_steps: int) -> PreparedRequest:
     """A validated request's hires pass (`sdxl.engine.hires`): its first pass's settings but for what
     the hires fix changes, its noise drawn afresh at the new size, its schedule's last steps run, and
-    the start (upscaled latents or pictures) left to fill when the first pass has rendered."""
+    the start (upscaled latents or pictures) left to fill when the first pass has rendered. Its prompts'
+    edits count its own steps on from the first pass's `edit_steps` (webui's hires scheduling)."""
     hires, n = request.hires, len(request)
     total, first = hires.second_pass_steps(request.steps)
     height, width = hires.size(request.height, request.width, model.spec)
@@ -71,10 +73,9 @@ def _second_pass(model: LoadedModel, request: Request, output_type: str) -> Prep
         request, steps=total, height=height, width=width, sampler=hires.sampler,
         schedule_type=hires.schedule_type, noise=None, step_noise=None, hires=None, **given,
     )
-    # Its prompts' edits count its own steps on from the first pass's (webui's hires scheduling).
-    edit_steps = (_edit_steps(request, request.steps), _edit_steps(second, total - first))
     start = "clean_latents" if hires.in_latents else "image"
-    return _prepared(model, second, output_type, start=start, first_step=first, edit_steps=edit_steps)
+    return _prepared(model, second, output_type, start=start, first_step=first,
+                     edit_steps=(edit_steps, _edit_steps(second, total - first)))
 
 
 def _prepared(
@@ -85,7 +86,7 @@ def _prepared(
     (`with_drawn_noise`). A hires pass gives its `start` (where it starts from) and `first_step`, and
     runs to its schedule's end; `edit_steps` are the (first pass, hires pass) step counts its prompts'
     edits are scheduled over."""
-    steps, hires_steps = edit_steps or (_edit_steps(request, request.steps), None)
+    steps, hires_steps = edit_steps or (_edit_steps(request, request.steps), None)  # a hires fix's: given
     spec = model.spec
     tokens = model.prompts.tokens(
         request.prompts, request.negative_prompts, request.emphasis, steps=steps, hires_steps=hires_steps
