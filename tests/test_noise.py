@@ -155,7 +155,12 @@ def test_image_noise_is_a1111s(case):
     assert draws[0].shape == (3, *shape)
     if options.get("subseed_strength"):  # slerp: ours in float64, theirs in float32
         assert draws[0].dtype == np.float32
-        np.testing.assert_allclose(draws[0], expected[0].numpy(), rtol=0, atol=2e-6)
+        # 4.8e-7 apart, an ulp of values near 4, where torch's normals are ours to the bit; elsewhere those
+        # differ by up to 4e-6 (`assert_same_as_torch`) and the slerp's weights, at most sqrt(2) together,
+        # carry that through (1.8e-6 measured with ATEN_CPU_CAPABILITY=default).
+        exact = torch.backends.cpu.get_cpu_capability() == "AVX2"
+        atol = 2e-6 if exact else 2e-6 + math.sqrt(2) * 4e-6
+        np.testing.assert_allclose(draws[0], expected[0].numpy(), rtol=0, atol=atol)
     else:
         assert_same_as_torch(draws[0], expected[0])
     for ours_later, theirs_later in zip(draws[1:], expected[1:]):

@@ -224,6 +224,9 @@ def test_an_edit_that_never_switches_draws_the_plain_prompts_images(pipe):
     assert pipe.prepare(edited).program.conditionings == 2
     kwargs["output_type"] = "np"
     plain = pipe.generate("a cat", "blurry", **kwargs)
-    np.testing.assert_allclose(pipe.generate("[a cat:a dog:4]", "[blurry:noisy:4]", **kwargs), plain, atol=1e-6)
+    # Two programs: the edit's encodes twice the texts in one batch, which XLA's CPU kernels may block otherwise
+    # on some hosts (as tests/test_infotext.py's batch of one); these pictures move 1.4e-6 between XLA built for
+    # AVX-512 and for SSE4.2. An edit read at the wrong step moves them by 1e-3 and more.
+    np.testing.assert_allclose(pipe.generate("[a cat:a dog:4]", "[blurry:noisy:4]", **kwargs), plain, atol=1e-5)
     switched = pipe.generate("[a cat:a dog:3]", "[blurry:noisy:3]", **kwargs)
     assert np.abs(switched - plain).max() > 1e-3
