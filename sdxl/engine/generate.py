@@ -14,6 +14,8 @@ from . import conditionings, images
 from .controls import CONTROLS, Control, default_control_scale
 from .hires import Hires
 from .image_prompts import IMAGE_PROMPTS, ImagePrompt
+from .loading import ip_adapter_scales
+from .preparing import prepare
 from .request import DEFAULT_AESTHETIC_SCORES, DEFAULT_GUIDANCE_SCALE, DEFAULT_STEPS, Request, default_strength
 
 
@@ -129,25 +131,26 @@ def generate(
             "padding_mask_crop is not implemented: crop the image and the mask around the masked region "
             "(plus a margin) to a size the model renders, inpaint that, and paste the result back"
         )
+    model = pipe.model  # one snapshot throughout, whatever another thread loads meanwhile
     start_latents = None
-    if isinstance(image, jax.Array) and image.ndim == 4 and image.shape[-1] == pipe.spec.vae.latent_channels:
+    if isinstance(image, jax.Array) and image.ndim == 4 and image.shape[-1] == model.spec.vae.latent_channels:
         start_latents, image = image, None
     image, mask_image = _per_image(image, images.pixels), _per_image(mask_image, images.mask)
-    pictures = [_per_image(entry, images.pixels) for entry in _per_controlnet(control_image, len(pipe.controlnets))]
+    pictures = [_per_image(entry, images.pixels) for entry in _per_controlnet(control_image, len(model.controlnets))]
     if num_images is None:
         lists = [p for p in (prompt, negative_prompt) if not isinstance(p, str)]
         given = [len(a) for a in (latents, start_latents, image, *pictures) if a is not None and len(a) > 1]
-        num_images = len(lists[0]) if lists else (given[0] if given else pipe.num_devices)
+        num_images = len(lists[0]) if lists else (given[0] if given else model.num_devices)
     image, mask_image = (_repeated(a, num_images) for a in (image, mask_image))
-    size = _size_of(pipe.spec, image, start_latents) or _fitting(pipe.spec, pictures) or (pipe.spec.native_size,) * 2
+    size = _size_of(model.spec, image, start_latents) or _fitting(model.spec, pictures) or (model.spec.native_size,) * 2
     height, width = size[0] if height is None else height, size[1] if width is None else width
     if control_mode is not None and not pictures:
         raise ValueError("control_mode says what a ControlNet Union's control image is: give control_image too")
     if controlnet_conditioning_scale is None:
         controlnet_conditioning_scale = default_control_scale(
-            pipe.spec, image=image is not None, inpainting=mask_image is not None)
+            model.spec, image=image is not None, inpainting=mask_image is not None)
     if strength is None:
-        strength = default_strength(pipe.spec, inpainting=mask_image is not None)
+        strength = default_strength(model.spec, inpainting=mask_image is not None)
     request = Request.from_prompt(
         prompt, negative_prompt, num_images=num_images, seed=seed, guidance_scale=guidance_scale, steps=steps,
         height=height, width=width, sampler=sampler,
@@ -162,9 +165,9 @@ def generate(
         hires=hires,
         controls=_controls(pictures, num_images, width, height, controlnet_conditioning_scale, control_guidance_start,
                            control_guidance_end, control_mode),
-        image_prompts=_image_prompts(ip_adapter_image, num_images, pipe.ip_adapter_scales(ip_adapter_scale)),
+        image_prompts=_image_prompts(ip_adapter_image, num_images, ip_adapter_scales(model, ip_adapter_scale)),
     )
-    result = pipe.render(pipe.prepare(request, output_type=output_type))
+    result = pipe.render(prepare(model, request, output_type=output_type))
     result.raise_if_not_finite()
     return images.to_pil(result.images) if output_type == "pil" else result.images
 
