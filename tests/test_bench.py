@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from sdxl.bench import report, speed, topology
+from sdxl.bench import report, speed, topology, workload
 from sdxl.checkpoints import BUILTIN_CONFIGS, ModelSpec, random_models
 from sdxl.config import config_from_dict
 from sdxl.engine.hires import Hires
@@ -217,7 +217,7 @@ def test_flops_are_the_models_work_whatever_the_attention_kernel_and_device_coun
     monkeypatch.setenv("SDXL_ATTENTION", "splash")
     assert speed.unet_flops(config, 2, 16, 16, 77, dtype=jnp.bfloat16) == xla
     monkeypatch.delenv("SDXL_ATTENTION")
-    request = speed.batch_request(4, 32, 32, 3)
+    request = workload.batch_request(4, 32, 32, 3)
     one, four = (Pipeline.from_pretrained("tiny", max_steps=4, devices=jax.devices()[:n]) for n in (1, 4))
     assert speed.generation_flops(one, request) == speed.generation_flops(four, request) > 0
 
@@ -247,12 +247,12 @@ def test_the_topology_benchs_hires_programs_are_the_pipelines_second_pass(guidan
 @pytest.mark.compiles
 def test_compile_counter_sees_a_new_size_or_chunk_count_but_not_new_prompts_weights_seeds_guidance_or_steps():
     pipe = Pipeline.from_pretrained("tiny", max_steps=4, devices=jax.devices()[:1])
-    long_prompt = speed.prompt_of_chunks(pipe.prompts, speed.LONG_PROMPT_CHUNKS)
+    long_prompt = workload.prompt_of_chunks(pipe.prompts, workload.LONG_PROMPT_CHUNKS)
     assert pipe.prompts.read(long_prompt)[0].shape[-1] == 3 * 77
-    assert speed.count_compilations(pipe, [speed.batch_request(1, 16, 16, 1)]) >= 1
-    assert speed.count_compilations(pipe, [speed.batch_request(1, 16, 16, 1, prompt=long_prompt)]) >= 1
-    assert speed.count_compilations(pipe, speed.sweep_requests(1, 16, 16, 1, long_prompt)) == 0
-    assert speed.count_compilations(pipe, [speed.batch_request(1, 32, 16, 1)]) >= 1
+    assert workload.count_compilations(pipe, [workload.batch_request(1, 16, 16, 1)]) >= 1
+    assert workload.count_compilations(pipe, [workload.batch_request(1, 16, 16, 1, prompt=long_prompt)]) >= 1
+    assert workload.count_compilations(pipe, workload.sweep_requests(1, 16, 16, 1, long_prompt)) == 0
+    assert workload.count_compilations(pipe, [workload.batch_request(1, 32, 16, 1)]) >= 1
 
 
 def test_write_checkpoint_streams_a_loadable_float16_checkpoint(tmp_path):

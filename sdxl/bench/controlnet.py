@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..checkpoints import controlnets as controlnet_checkpoints
+from ..checkpoints import controlnets as controlnet_checkpoints, random_models
 from ..checkpoints.spec import ModelSpec
 from ..checkpoints.weights import flatten
 from ..engine.controls import Control
@@ -21,6 +21,7 @@ from ..engine.request import Request
 from ..models import controlnet, unet
 from ..models.layers import STEP_INVARIANTS
 from . import counting
+from .workload import batch_request
 
 
 def with_controlnet(pipe: Pipeline, folder: Path) -> Pipeline:
@@ -116,3 +117,25 @@ def step_flops(
     if compiled:
         return counting.flops(jax.jit(step).lower(params, invariants, inputs).compile())
     return counting.flops(counting.lowered(step, params, invariants, inputs))
+
+
+def first_run(pipe, scratch: Path, request: Request, dtype: str) -> tuple:
+    """The model steered by a random ControlNet of its UNet's shape (`random_models.write_controlnet`), the
+    benchmark's batch with a control image per image, and what the ControlNet adds: its compile
+    time, its parameters' bytes per device, and the FLOPs of one guided step with it over without
+    (from the lowered programs). Returns (pipeline, request, that)."""
+    folder = random_models.write_controlnet(scratch / "controlnet", pipe.spec, dtype=dtype)
+    steered = with_controlnet(pipe, folder)
+    controlled = steered.prepare(steered_request(
+        batch_request(len(request), request.height, request.width, request.steps)))
+    compile_s = steered.compile(controlled.programs)
+    steered.render(controlled)
+    rows = pipe.padded_batch(len(request)) * 2  # with guidance, each image is two rows of the model's batch
+    config = steered.controlnets[0].config
+    step = [step_flops(pipe.spec, c, rows, request.height, request.width, pipe.dtype) for c in (None, config)]
+    return steered, controlled, dict(
+        controlnet_compile_s=compile_s,
+        controlnet_param_bytes_per_device=param_bytes_per_device(steered),
+        controlnet_step_flops=step[1],
+        controlnet_step_flops_ratio=step[1] / step[0],
+    )

@@ -9,15 +9,22 @@ tokens, `ip-adapter-plus_sdxl_vit-h` resamples ViT-H's 1280-wide penultimate sta
 cross-attention width.
 """
 
+import dataclasses
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..checkpoints import random_models
 from ..checkpoints.ip_adapters import IPAdapterConfig, abstract_params
 from ..checkpoints.spec import ModelSpec
 from ..config import config_from_dict
+from ..engine.image_prompts import ImagePrompt
+from ..engine.request import Request
 from ..models.clip_vision import CLIPVisionConfig
 from ..models.ip_adapter import ImageProjectionConfig
+from .workload import batch_request
 
 VIT_H = CLIPVisionConfig(hidden_size=1280, intermediate_size=5120, projection_dim=1024, num_hidden_layers=32,
                          num_attention_heads=16, image_size=224, patch_size=14, hidden_act="gelu")
@@ -52,3 +59,23 @@ def param_bytes(config: IPAdapterConfig, spec: ModelSpec, dtype) -> dict[str, in
     tree = abstract_params(config, spec.abstract_params()["unet"])
     return {part: jnp.dtype(dtype).itemsize * sum(leaf.size for leaf in jax.tree.leaves(tree[part]))
             for part in ("image_encoder", "image_proj", "unet")}
+
+
+def first_run(pipe, scratch: Path, request: Request) -> tuple:
+    """The benchmark's batch with an image prompt per image, through a random Plus IP-Adapter of the
+    model's UNet shape (`random_models.write_ip_adapter`: its image encoder is a tiny one, so what is
+    timed is the adapter's work at every step), loaded into `pipe`; and what the adapter adds: its
+    compile time and its parameters' bytes per device. Returns (prepared request, that)."""
+    folder = random_models.write_ip_adapter(scratch / "ip-adapter", pipe.spec.unet, kinds=("plus",))
+    pipe.load_ip_adapter(str(folder), subfolder="sdxl_models", weight_name=random_models.IP_ADAPTER_FILES["plus"])
+    picture = ImagePrompt.of(np.full((request.height, request.width, 3), 128, np.uint8))
+    prompted = pipe.prepare(dataclasses.replace(
+        batch_request(len(request), request.height, request.width, request.steps),
+        image_prompts=((picture,),) * len(request)))
+    compile_s = pipe.compile(prompted.programs)
+    pipe.render(prompted)
+    return prompted, dict(
+        ip_adapter_compile_s=compile_s,
+        ip_adapter_param_bytes_per_device=sum(a.addressable_shards[0].data.nbytes
+                                              for a in jax.tree.leaves(pipe.params["ip_adapters"])),
+    )
