@@ -30,11 +30,9 @@ def with_controlnet(pipe: Pipeline, folder: Path) -> Pipeline:
     `Pipeline.from_pretrained(..., controlnet=folder)` loads it."""
     checkpoint = controlnet_checkpoints.resolve(str(folder), pipe.spec, dtype=pipe.dtype)
     params = checkpoint.load(pipe.dtype, lambda a: place(a, replicated(pipe.mesh)))
-    return Pipeline(
-        pipe.spec, {**pipe.params, "controlnets": (params,)}, pipe.prompts.tokenizers, mesh=pipe.mesh,
-        dtype=pipe.dtype, max_steps=pipe.max_steps, name=f"{pipe.name} + {folder.name}",
-        preview_factors=pipe.preview_factors, controlnets=[checkpoint],
-    )
+    model = pipe.model.replace(params={**pipe.params, "controlnets": (params,)}, controlnets=(checkpoint,),
+                               name=f"{pipe.name} + {folder.name}")
+    return Pipeline(model, pipe.executables)
 
 
 def param_bytes_per_device(pipe: Pipeline) -> int:

@@ -15,15 +15,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from .. import checkpoints
-from ..checkpoints import ModelSpec
-from ..checkpoints.controlnets import ControlNetCheckpoint
-from ..models.previews import factors_for
-from ..prompts.tokens import Prompts
 from . import loading
 from .checks import number
 from .compiled import Executables
@@ -48,31 +42,13 @@ class Pipeline:
 
     generate = generate
 
-    def __init__(
-        self, spec: ModelSpec, params: dict, tokenizers: Sequence, *, mesh: Mesh, dtype, max_steps: int = 100,
-        name: str = "", preview_factors: tuple | None = None, controlnets: Sequence[ControlNetCheckpoint] = (),
-        executables: Executables | None = None, vae_name: str | None = None, vae_tiling: bool = False,
-    ):
-        """`vae_name`: the separate VAE loaded in place of the checkpoint's, None for its own.
-        `vae_tiling`: see `from_pretrained`.
-        `executables`: the compiled programs to use, shared with other pipelines on the same mesh
-        (each program names its model, so one cache serves several); default a cache of its own."""
-        model = LoadedModel(spec, params, Prompts(spec, tokenizers), mesh, jnp.dtype(dtype), max_steps=max_steps,
-                            name=name, vae_name=vae_name, vae_tiling=vae_tiling,
-                            preview_factors=preview_factors or factors_for(spec), controlnets=tuple(controlnets))
-        self._use(model, executables)
-
-    def _use(self, model: LoadedModel, executables: Executables | None = None) -> None:
+    def __init__(self, model: LoadedModel, executables: Executables | None = None):
+        """A pipeline whose current snapshot is `model` (`sdxl.engine.loading.load`'s, or another's
+        `replace`d). `executables`: the compiled programs to use, shared with other pipelines on the same
+        mesh (each program names its model, so one cache serves several); default a cache of its own."""
         self._model = model
         self._lock = threading.RLock()  # over replacing `_model`: one setter at a time
         self.executables = executables or Executables(model.mesh)
-
-    @classmethod
-    def from_model(cls, model: LoadedModel, executables: Executables | None = None) -> "Pipeline":
-        """A pipeline whose current snapshot is `model` (`sdxl.engine.loading.load`'s)."""
-        pipe = cls.__new__(cls)
-        pipe._use(model, executables)
-        return pipe
 
     @classmethod
     def from_pretrained(
@@ -121,7 +97,7 @@ class Pipeline:
         """
         model = loading.load(path_or_repo_id, dtype=dtype, max_steps=max_steps, devices=devices, config=config,
                              scheduler=scheduler, unet=unet, vae=vae, controlnet=controlnet, vae_tiling=vae_tiling)
-        return cls.from_model(model, executables)
+        return cls(model, executables)
 
     # The current snapshot, and what it holds
 
