@@ -15,7 +15,7 @@ from ..checkpoints import controlnets as controlnet_checkpoints, random_models
 from ..checkpoints.spec import ModelSpec
 from ..checkpoints.weights import flatten
 from ..engine.controls import Control
-from ..engine.mesh import place, replicated
+from ..engine.mesh import placing_replicated
 from ..engine.pipeline import Pipeline
 from ..engine.request import Request
 from ..models import controlnet, unet
@@ -29,7 +29,7 @@ def with_controlnet(pipe: Pipeline, folder: Path) -> Pipeline:
     parameter arrays (the base model is not loaded twice) and the ControlNet's, loaded as
     `Pipeline.from_pretrained(..., controlnet=folder)` loads it."""
     checkpoint = controlnet_checkpoints.resolve(str(folder), pipe.spec, dtype=pipe.dtype)
-    params = checkpoint.load(pipe.dtype, lambda a: place(a, replicated(pipe.mesh)))
+    params = checkpoint.load(pipe.dtype, placing_replicated(pipe.mesh))
     model = pipe.model.replace(params={**pipe.params, "controlnets": (params,)}, controlnets=(checkpoint,),
                                name=f"{pipe.name} + {folder.name}")
     return Pipeline(model, pipe.executables)

@@ -42,7 +42,7 @@ def load(
     controlnets = [controlnet_checkpoints.resolve(source, checkpoint.spec, dtype=dtype) for source in sources]
     tokenizers = [load_tokenizer(checkpoint.folder / name) for name in checkpoint.spec.tokenizer_names]
     mesh = meshes.batch_mesh(devices)
-    put = _placing(mesh)
+    put = meshes.placing_replicated(mesh)
     params = checkpoint.load(dtype, put)
     if controlnets:
         params["controlnets"] = tuple(c.load(dtype, put) for c in controlnets)
@@ -119,7 +119,7 @@ def with_ip_adapters(
     """
     found = ip_adapter_checkpoints.resolve(source, subfolder, weight_name, model.spec.unet,
                                            image_encoder_folder=image_encoder_folder)
-    put = _placing(model.mesh)
+    put = meshes.placing_replicated(model.mesh)
     if found.image_encoder is not None:
         encoder_config, encoder_params = found.image_encoder.config, found.image_encoder.load(model.dtype, put)
     elif model.ip_adapters:  # the loaded one's
@@ -176,13 +176,7 @@ def with_embeddings(model: LoadedModel, paths: Sequence[str | os.PathLike],
         embedding = embeddings.read(path, model.spec, name)
         loaded.pop(embedding.name, None)
         loaded[embedding.name] = embedding
-    put = _placing(model.mesh)
+    put = meshes.placing_replicated(model.mesh)
     tables = tuple(put(table.astype(model.dtype)) for table in embeddings.table(list(loaded.values()), model.spec))
     return model.replace(prompts=model.prompts.with_embeddings(list(loaded.values())),
                          params={**model.params, "embeddings": tables})
-
-
-def _placing(mesh):
-    """A host array placed on every device of `mesh`."""
-    replicated = meshes.replicated(mesh)
-    return lambda array: meshes.place(array, replicated)

@@ -41,6 +41,12 @@ def place(array, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
+def placing_replicated(mesh: Mesh):
+    """`place` for arrays every device of `mesh` holds whole (parameters), as one function of the array."""
+    sharding = replicated(mesh)
+    return lambda array: place(array, sharding)
+
+
 def fetch(array: jax.Array) -> np.ndarray:
     """A global array's values on this host, all of them (every process gets every image)."""
     if jax.process_count() > 1:

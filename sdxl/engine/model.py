@@ -52,8 +52,7 @@ class LoraCache:
         with self._lock:
             kept, base, result = self._applied
             if kept != loras or base is not params:
-                replicated = meshes.replicated(mesh)
-                result = jax.block_until_ready(lora.apply(params, layers, lambda a: meshes.place(a, replicated)))
+                result = jax.block_until_ready(lora.apply(params, layers, meshes.placing_replicated(mesh)))
                 self._applied = (loras, params, result)
             return result
 
