@@ -93,8 +93,15 @@ class Handlers:
 
     upscale.__doc__ = endpoints.docstring("upscale", ["picture", "upscaler", "factor"])
 
-    def prompt_length(self, text, emphasis, negative: bool = False) -> str:
-        return self.service.prompt_length(text, emphasis, negative=negative)
+    def prompt_length(self, text, emphasis, model=None, negative: bool = False) -> str:
+        return self.service.prompt_length(text, emphasis, negative=negative, model=model)
+
+    def model_defaults(self, name):
+        """The size, steps, guidance and sampler the page starts a model with: its first size and its own."""
+        model = self.service.model(name)
+        labels = [results.size_label(*size) for size in model.sizes]
+        return (gr.Dropdown(choices=labels, value=labels[0]), model.settings.steps, model.settings.guidance_scale,
+                model.pipe.spec.default_sampler)
 
     def control_map(self, picture, *settings):
         """The map a ControlNet panel's picture makes at the chosen size, as the request will make it."""
@@ -182,7 +189,8 @@ def _length_line(elem_id: str) -> gr.Markdown:
 
 def _header(service: DemoService) -> None:
     recommended = service.recommended
-    gr.Markdown(f"# SDXL on JAX\n`{service.model_label}` on {service.pipe.device_description}: one image per core.")
+    models = ", ".join(f"`{model.label}`" for model in service.models)
+    gr.Markdown(f"# SDXL on JAX\n{models} on {service.pipe.device_description}: one image per core.")
     defaults = (f"{recommended.note}: the defaults below are {recommended.steps} step(s) at guidance "
                 f"{recommended.guidance_scale:g}." if recommended.note else "")
     if service.notice:  # one line above the controls; the reason and the way to real models behind it
@@ -194,6 +202,13 @@ def _header(service: DemoService) -> None:
         gr.Markdown(defaults, elem_id="model-settings")
     if service.launch_notes:
         gr.Markdown("\n\n".join(service.launch_notes), elem_id="launch-notes", elem_classes="prompt-length")
+
+
+def _model_choice(service: DemoService) -> gr.Dropdown:
+    """The model every tab draws with, as A1111's checkpoint selector: shown where several are served."""
+    choices = service.choices.models
+    return gr.Dropdown(choices, value=choices[0][1], label="Model", elem_id="model", visible=len(choices) > 1,
+                       info="the models served; they share their compiled programs, so switching is instant")
 
 
 def _generate_tab(service: DemoService) -> dict:
@@ -430,11 +445,11 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
     # Generated images are served from Gradio's cache: clear what is older than an hour, every 10 minutes.
     with gr.Blocks(title="SDXL on JAX", delete_cache=CACHE_EXPIRY) as blocks:
         _header(service)
+        page = {"model": _model_choice(service)}
         # The tabs and, under them, the panels on the left, the gallery on the right: on a laptop
         # screen the prompt, the button and the pictures are all in view. On a phone the columns stack
         # in this order, the gallery right under the tabs' buttons (style.css, #layout).
         with gr.Row(equal_height=False, elem_id="layout"):
-            page = {}
             with gr.Column(scale=1, min_width=380, elem_id="tabs-column"):
                 with gr.Tabs() as page["tabs"]:
                     for tab in (_generate_tab, _image_tab, _compare_tab, _grid_tab, _upscale_tab):
@@ -484,20 +499,21 @@ def _forms(service: DemoService, page: dict, controls: list[dict]) -> dict[str, 
     prompts = {"negative_prompt": p["negative"], "style": p["style"]}
     a1111 = {name: p[name] for name in A1111_FIELDS}
     hires = {name: p[name] for name in HIRES_FIELDS}
-    image_prompt = {name: p[name] for name in IP_ADAPTER_FIELDS if name in p}  # with IP-Adapters: last of all
+    image_prompt = {name: p[name] for name in IP_ADAPTER_FIELDS if name in p}  # with IP-Adapters: after the others
+    model = {"model": p["model"]}  # last of all
     return {
         "generate": {"prompt": p["prompt"], **prompts, **common, **size, "images_per_core": p["per_core"], **options,
-                     **refining, **loras, **control, **a1111, **hires, **image_prompt},
+                     **refining, **loras, **control, **a1111, **hires, **image_prompt, **model},
         "image_to_image": {"prompt": p["image_prompt"], **prompts, **common, "image": p["image_in"],
                            "mask": p["mask_in"], "strength": p["strength"], "images_per_core": p["per_core"],
-                           **options, **refining, **loras, **control, **a1111, **image_prompt},
+                           **options, **refining, **loras, **control, **a1111, **image_prompt, **model},
         "compare": {"mode": p["mode"], "prompts": p["compare_prompts"], "negative_prompt": p["compare_negative"],
                     "style": p["compare_style"], "seed": p["seed"], "num_seeds": p["num_seeds"],
                     "guidance_scale": p["guidance"], "steps": p["steps"], **size, **options, **loras, **control,
-                    **a1111, **hires, **image_prompt},
+                    **a1111, **hires, **image_prompt, **model},
         "grid": {"prompt": p["grid_prompt"], **prompts, **common, **size, **options, "x_axis": p["x_axis"],
                  "x_values": p["x_values"], "y_axis": p["y_axis"], "y_values": p["y_values"], **loras, **control,
-                 **a1111, **hires, **image_prompt},
+                 **a1111, **hires, **image_prompt, **model},
     }
 
 
@@ -545,13 +561,19 @@ def _wire_submits(handlers: Handlers, p: dict, forms: dict[str, dict]) -> None:
 
 def _wire_live(handlers: Handlers, p: dict, controls: list[dict]) -> None:
     """What follows the form as it is filled in: the size's numbers, each prompt's length, the control maps."""
-    sizes = handlers.service.choices.sizes
+    service = handlers.service
+    sizes = {results.size_label(*size): size for model in service.models for size in model.sizes}  # every model's
     p["size"].change(lambda label: list(sizes[label]), p["size"], [p["width"], p["height"]], api_name=False)
+    # A model chosen by hand brings its own sizes and defaults (one chosen by reusing a picture's settings brings
+    # the picture's).
+    p["model"].input(handlers.model_defaults, p["model"], [p["size"], p["steps"], p["guidance"], p["sampler"]],
+                     api_name=False, queue=False, show_progress="hidden")
     for box, line, negative in ((p["prompt"], p["prompt_length"], False), (p["negative"], p["negative_length"], True),
                                 (p["image_prompt"], p["image_prompt_length"], False),
                                 (p["grid_prompt"], p["grid_prompt_length"], False)):
-        gr.on([box.change, p["emphasis"].change], functools.partial(handlers.prompt_length, negative=negative),
-              [box, p["emphasis"]], line, api_name=False, queue=False, show_progress="hidden")
+        gr.on([box.change, p["emphasis"].change, p["model"].change],
+              functools.partial(handlers.prompt_length, negative=negative), [box, p["emphasis"], p["model"]], line,
+              api_name=False, queue=False, show_progress="hidden")
     for fields in controls:
         map_inputs = [fields[name] for name in ("picture", "preprocessor", "canny_low", "canny_high")]
         changes = [fields["picture"].change, fields["preprocessor"].change, fields["canny_low"].release,
@@ -597,7 +619,7 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
                                                     [p["ip_adapter_image"], p["ip_adapter_panel"]], api_name=False,
                                                     queue=False)
     # The image prompt's fields but its picture, which no PNG holds; with IP-Adapters only.
-    fields = {"prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
+    fields = {"model": p["model"], "prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
               "guidance_scale": p["guidance"], "steps": p["steps"], "sampler": p["sampler"],
               "emphasis": p["emphasis"], "size": p["size"],
               **{name: p[name] for name in (*A1111_FIELDS, *HIRES_FIELDS, *IP_ADAPTER_FIELDS[1:]) if name in p}}
@@ -606,6 +628,9 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
         """The fields a PNG fills in, a fixed seed where it has one, and Advanced opened to show them."""
         found = handlers.reuse(png)
         fixed = {p["randomize"]: False} if "seed" in found else {}
+        if "model" in found:  # the size among that model's
+            labels = [results.size_label(*size) for size in handlers.service.model(found["model"]).sizes]
+            found["size"] = gr.Dropdown(choices=labels, value=found.get("size", labels[0]))
         return {fields[name]: value for name, value in found.items()} | fixed | (
             {p["advanced"]: gr.Accordion(open=True)} if found else {}) | (
             {p["hires_panel"]: gr.Accordion(open=True)} if found.get("hires") else {}) | (

@@ -30,6 +30,7 @@ from gradio_client.utils import Status, StatusUpdate
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 
+from sdxl.serving.models import Model
 from sdxl.bench.soak import free_port, running_app
 from sdxl.checkpoints import lora, resolve
 from sdxl.checkpoints.random_models import write_checkpoint, write_controlnet, write_ip_adapter, write_upscaler
@@ -1023,6 +1024,6 @@ def test_the_page_builds_for_one_image_a_call():
     from sdxl.engine.pipeline import Pipeline
 
     pipe = Pipeline.from_pretrained("tiny", devices=jax.devices()[:1])
-    blocks = app.create_demo(app.Handlers(DemoService(pipe, model_label="tiny", max_images_per_core=1)))
+    blocks = app.create_demo(app.Handlers(DemoService([Model("tiny", pipe)], max_images_per_core=1)))
     hidden = {getattr(c, "label", None) for c in blocks.blocks.values() if getattr(c, "visible", True) is False}
     assert {"Images per core", "Seeds"} <= hidden

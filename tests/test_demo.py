@@ -5,6 +5,7 @@ import pytest
 import safetensors.numpy
 from PIL import Image
 
+from sdxl.serving.models import Model
 from sdxl.checkpoints import lora
 from sdxl.engine.hires import Hires
 from sdxl.engine.pipeline import Pipeline
@@ -25,7 +26,7 @@ def service(pipe, tmp_path_factory):
     folder = tmp_path_factory.mktemp("loras")
     loras = {str(lora.write_random(folder / name, pipe.spec, seed=i)): scale
              for i, (name, scale) in enumerate((("ink.safetensors", 0.8), ("glow.safetensors", 1.0)))}
-    return DemoService(pipe, model_label="tiny", max_images_per_core=2, loras=loras)
+    return DemoService([Model("tiny", pipe, loras=loras)], max_images_per_core=2)
 
 
 def test_form_fields_arrive_by_name_and_lora_scales_by_their_parameters(service):
@@ -231,7 +232,7 @@ def test_the_compile_message_names_the_kind_of_prompt_a_program_is_for(tmp_path)
     vectors = {key: np.full((2, width), 0.01, np.float32) for key in ("clip_l", "clip_g")}
     safetensors.numpy.save_file(vectors, str(tmp_path / "softblue.safetensors"))
     pipe.load_textual_inversion(tmp_path / "softblue.safetensors")
-    service = DemoService(pipe, model_label="tiny", max_images_per_core=1)
+    service = DemoService([Model("tiny", pipe)], max_images_per_core=1)
     assert results.prompt_shape(service.images(Settings(prompt="a fox"))) == "prompts of one chunk"
     edited = service.images(Settings(prompt="a [fox|cat] BREAK softblue"))
     assert results.prompt_shape(edited) == "prompts of up to 2 chunks, 2 texts each (prompt editing), with embeddings"

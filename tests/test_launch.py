@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from sdxl.serving.models import Model
 from sdxl.checkpoints import shapes
 from sdxl.serving import launch
 from sdxl.serving.options import add_shared_options, demo_parser, source_and_scale
@@ -130,7 +131,7 @@ def test_the_launch_says_whether_a_hires_fix_at_the_forms_default_fits(monkeypat
 
     monkeypatch.setattr(memory, "device_memory", lambda pipe: (1000 + 250, 1000))
     monkeypatch.setattr(memory, "bytes_needed", needed)
-    service = DemoService(Pipeline.from_pretrained("tiny"), model_label="tiny", max_images_per_core=4)
+    service = DemoService([Model("tiny", Pipeline.from_pretrained("tiny"))], max_images_per_core=4)
     settings = Settings(prompt="warm-up", steps=2)
     launch._report_hires_fit(service, settings)
     first_pass = service.images(settings).request

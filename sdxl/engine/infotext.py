@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoints import lora
+from ..checkpoints import hashes, lora
 from ..models.controlnet_union import CONTROL_MODES
 from ..prompts import syntax as prompt_syntax
 from ..prompts.syntax import A1111_EMPHASIS_NAMES
@@ -55,7 +55,9 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
     return parameters_text(request.prompts[i], request.negative_prompts[i], {
         "Steps": request.steps, "Sampler": SAMPLER_NAMES[request.sampler], "Schedule type": request.schedule_type,
         "CFG scale": float(request.guidance_scales[i]), **_seed_fields(request, i),
-        "Size": f"{request.width}x{request.height}", "Model": model, "VAE": pipe.vae_name,
+        "Size": f"{request.width}x{request.height}",
+        "Model hash": None if pipe.weights_file is None else hashes.model_hash(pipe.weights_file), "Model": model,
+        "VAE": pipe.vae_name,
         **_noise_fields(request, i),
         "Denoising strength": None if request.images is None else float(request.strength),
         **clip_skip_infotext(request, pipe.spec),
@@ -229,19 +231,8 @@ def read_parameters(text: str, pipe=None) -> dict:
 def read_infotext(text: str, pipe=None) -> tuple[dict, tuple[str, ...]]:
     """`read_parameters`' arguments, and the settings it leaves out: their names, or for a "Model" or
     "VAE" that `pipe` (given) has not loaded, what the text names and what is loaded. Raises ValueError."""
-    lines = text.strip().split("\n")
-    settings_line = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Steps: ")), None)
-    if settings_line is None:
-        raise ValueError("no generation parameters in this image (no 'Steps:' line)")
-    prompt_lines, negative = lines[:settings_line], ""
-    for i, line in enumerate(prompt_lines):
-        if line.startswith("Negative prompt: "):
-            negative = "\n".join([line[len("Negative prompt: "):], *prompt_lines[i + 1:]])
-            prompt_lines = prompt_lines[:i]
-            break
-    fields = {key: json.loads(value) if value.startswith('"') else value
-              for key, value in _SETTING.findall(lines[settings_line])}
-    found, used = {"prompt": "\n".join(prompt_lines), "negative_prompt": negative}, set(_METADATA)
+    prompt, negative, fields = _parts(text)
+    found, used = {"prompt": prompt, "negative_prompt": negative}, set(_METADATA)
     for key, (name, parse) in _SETTINGS.items():
         if key in fields:
             try:
@@ -284,21 +275,44 @@ def read_infotext(text: str, pipe=None) -> tuple[dict, tuple[str, ...]]:
         others[key] for key in others if key not in fields)
 
 
+def settings_of(text: str) -> dict[str, str]:
+    """A "parameters" text's settings line, by field ("Model": ..., "Model hash": ...). Raises ValueError."""
+    return _parts(text)[2]
+
+
+def _parts(text: str) -> tuple[str, str, dict[str, str]]:
+    """A "parameters" text's prompt, negative prompt and settings by field. Raises ValueError."""
+    lines = text.strip().split("\n")
+    settings_line = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Steps: ")), None)
+    if settings_line is None:
+        raise ValueError("no generation parameters in this image (no 'Steps:' line)")
+    prompt_lines, negative = lines[:settings_line], ""
+    for i, line in enumerate(prompt_lines):
+        if line.startswith("Negative prompt: "):
+            negative = "\n".join([line[len("Negative prompt: "):], *prompt_lines[i + 1:]])
+            prompt_lines = prompt_lines[:i]
+            break
+    fields = {key: json.loads(value) if value.startswith('"') else value
+              for key, value in _SETTING.findall(lines[settings_line])}
+    return "\n".join(prompt_lines), negative, fields
+
+
 def _not_loaded(fields: dict, pipe) -> dict[str, str]:
     """For a text's "Model" and "VAE" (webui writes a separate VAE's file name; none: the model's own)
-    that name another than `pipe` has loaded, a sentence saying both, by field. Names compare by their
-    last part without an extension ("sdxl_vae.safetensors" is the VAE "madebyollin/sdxl_vae")."""
-
-    def named(name: str | None) -> str | None:
-        return None if name is None else Path(str(name).rstrip("/")).name.removesuffix(".safetensors")
-
+    that name another than `pipe` has loaded, a sentence saying both, by field."""
     found = {}
-    if "Model" in fields and named(fields["Model"]) != named(pipe.name):
-        found["Model"] = f"Model {fields['Model']} (loaded: {named(pipe.name)})"
-    if named(fields.get("VAE")) != named(pipe.vae_name):
+    if "Model" in fields and file_stem(fields["Model"]) != file_stem(pipe.name):
+        found["Model"] = f"Model {fields['Model']} (loaded: {file_stem(pipe.name)})"
+    if file_stem(fields.get("VAE")) != file_stem(pipe.vae_name):
         own = "the model's own"
-        found["VAE"] = f"VAE {fields.get('VAE', own)} (loaded: {named(pipe.vae_name) or own})"
+        found["VAE"] = f"VAE {fields.get('VAE', own)} (loaded: {file_stem(pipe.vae_name) or own})"
     return found
+
+
+def file_stem(name: str | None) -> str | None:
+    """How a text's "Model" or "VAE" compares with a loaded one: by its last part without an extension
+    ("sdxl_vae.safetensors" is the VAE "madebyollin/sdxl_vae")."""
+    return None if name is None else Path(str(name).rstrip("/")).name.removesuffix(".safetensors")
 
 
 def _embeddings_not_loaded(ti_hashes: str, pipe) -> dict[str, str]:

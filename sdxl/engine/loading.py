@@ -48,7 +48,8 @@ def load(
         params["controlnets"] = tuple(c.load(dtype, put) for c in controlnets)
     return LoadedModel(
         checkpoint.spec, params, Prompts(checkpoint.spec, tokenizers), mesh, dtype, max_steps=max_steps,
-        name=str(path_or_repo_id), vae_name=None if checkpoint.vae is None else checkpoint.vae.name,
+        name=str(path_or_repo_id), weights_file=checkpoint.single_file,
+        vae_name=None if checkpoint.vae is None else checkpoint.vae.name,
         vae_tiling=vae_tiling, preview_factors=checkpoint.preview_factors or factors_for(checkpoint.spec),
         controlnets=tuple(controlnets),
     )
@@ -64,18 +65,28 @@ def with_refiner(base: LoadedModel, refiner: LoadedModel) -> tuple[LoadedModel, 
       CheckpointError: the refiner cannot continue the base's latents.
     """
     _check_refiner(base, refiner)
-    equal = {}
-    for name, theirs in refiner.params.items():
-        mine = base.params.get(name)
-        if name in ("controlnets", "ip_adapters", "embeddings") or mine is None or mine is theirs:
-            continue
-        shapes = [jax.tree.map(lambda a: (a.shape, a.dtype), tree) for tree in (mine, theirs)]
-        if jax.tree.structure(mine) != jax.tree.structure(theirs) or shapes[0] != shapes[1]:
-            continue
-        if bool(_all_equal(mine, theirs)):
-            equal[name] = mine
-    holding = refiner.replace(params={**refiner.params, **equal})
+    holding = held_once(refiner, [base])
     return base.replace(refiner=holding), holding
+
+
+def held_once(model: LoadedModel, others: Sequence[LoadedModel]) -> LoadedModel:
+    """`model` holding the arrays of `others` in place of its components equal to theirs (a text encoder,
+    a VAE, a UNet, compared on the devices, value for value), so that the devices hold each once: two
+    fine-tunes of one base often share their text encoders and VAE, 1.6 GiB per device in bfloat16."""
+    equal = {}
+    for name, theirs in model.params.items():
+        if name in ("controlnets", "ip_adapters", "embeddings"):
+            continue
+        for other in others:
+            mine = other.params.get(name)
+            if mine is None or mine is theirs:
+                continue
+            shapes = [jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), tree) for tree in (mine, theirs)]
+            if jax.tree.structure(mine) == jax.tree.structure(theirs) and shapes[0] == shapes[1] and bool(
+                    _all_equal(mine, theirs)):
+                equal[name] = mine
+                break
+    return model.replace(params={**model.params, **equal}) if equal else model
 
 
 def _check_refiner(base: LoadedModel, refiner: LoadedModel) -> None:

@@ -118,6 +118,7 @@ class Pipeline:
     dtype = property(lambda self: self._model.dtype)
     max_steps = property(lambda self: self._model.max_steps)
     name = property(lambda self: self._model.name)
+    weights_file = property(lambda self: self._model.weights_file)
     vae_name = property(lambda self: self._model.vae_name)
     vae_tiling = property(lambda self: self._model.vae_tiling)
     preview_factors = property(lambda self: self._model.preview_factors)
@@ -154,6 +155,15 @@ class Pipeline:
             return
         with self._lock, refiner._lock:
             self._model, refiner._model = loading.with_refiner(self._model, refiner._model)
+
+    def hold_once(self, others: Sequence["Pipeline"]) -> list[str]:
+        """Holds the arrays of `others`' components in place of this model's equal ones (by value: two
+        fine-tunes of one base often share a VAE and text encoders), so that the devices hold them once;
+        returns the components now shared."""
+        models = [other.model for other in others]
+        self._replace_model(lambda model: loading.held_once(model, models))
+        return [name for name, tree in self._model.params.items()
+                if any(model.params.get(name) is tree for model in models)]
 
     def add_upscaler(self, source: str) -> str:
         """Reads a model upscaler (ESRGAN, Real-ESRGAN: `sdxl.engine.upscaler`) from a local file or a Hub

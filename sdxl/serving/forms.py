@@ -63,6 +63,7 @@ class Settings:
     prompt: str = ""
     negative_prompt: str = ""
     style: str = NO_STYLE
+    model: str | None = None  # a served model's name (`--model`); None: the first
     seed: int = 0
     guidance_scale: float = DEFAULT_GUIDANCE_SCALE
     steps: int = DEFAULT_STEPS
@@ -104,7 +105,7 @@ CONTROL_PARAMETERS = {"picture": "control_image", "preprocessor": "control_prepr
 
 
 # The fields `DemoService.reused` fills in besides the prompts, and how its sentence names them.
-REUSED = {"seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
+REUSED = {"model": "model", "seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
           "schedule_type": "schedule type", "emphasis": "emphasis", "size": "size", "noise_source": "noise",
           "ensd": "ENSD", "variation_seed": "variation seed", "variation_strength": "variation strength",
           "clip_skip": "clip skip", "sdxl_clip_l_skip": "SDXL's CLIP-L clip skip", "hires": "hires fix"}

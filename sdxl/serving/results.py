@@ -102,12 +102,14 @@ def pictures(service, prepared: PreparedRequest, result: Generation) -> list[Ima
     return found
 
 
-def caption(prepared: PreparedRequest, i: int, device: str) -> str:
-    """Image i's caption: what tells it from the others (its prompt where prompts differ, as when
-    comparing prompts), its seed, its image index where those differ, and the core it ran on."""
+def caption(prepared: PreparedRequest, i: int, device: str, model: str | None = None) -> str:
+    """Image i's caption: its model (where several are served), what tells it from the others (its prompt
+    where prompts differ, as when comparing prompts), its seed, its image index where those differ, and
+    the core it ran on."""
     request = prepared.request
     prompt = request.prompts[i]
     parts = [
+        model,
         (prompt if len(prompt) <= 40 else prompt[:39] + "…") if len(set(request.prompts)) > 1 else None,
         f"seed {request.seeds[i]}",
         f"image {request.image_index[i]}" if len(set(request.image_index)) > 1 else None,
@@ -130,7 +132,8 @@ def prompt_shape(prepared: PreparedRequest) -> str:
 
 def answer(service, prepared: PreparedRequest, ticket: Ticket, result: Generation, note: str | None) -> tuple:
     """(gallery, status) of a finished request: its images captioned, and what it took."""
-    gallery = [(picture, caption(prepared, i, result.devices[i]))
+    model = service.label_of(prepared) if len(service.models) > 1 else None
+    gallery = [(picture, caption(prepared, i, result.devices[i], model))
                for i, picture in enumerate(pictures(service, prepared, result))]
     notes = [note] if note else []
     if ticket.batch_images > len(prepared):
