@@ -72,7 +72,8 @@ class Handlers:
                 submission = self.service.checked(tab, _owner(request), form)
             yield from _routed(request, self._rendered(submission, _owner(request), progress))
 
-        optional = ["mask", "ip_adapter_image", *(names["picture"] for names in self.service.control_parameters)]
+        optional = ["mask", "ip_adapter_image", "model", "width", "height",
+                    *(names["picture"] for names in self.service.control_parameters)]
         return _described(handler, tab, fields, optional)
 
     def reuse(self, png) -> dict[str, object]:
@@ -410,7 +411,8 @@ def _advanced(service: DemoService) -> dict:
         c["loras"] = [gr.Slider(*choices.lora_scale_range, value=scale, step=0.05, label=label,
                                 info="0 turns it off; changing LoRAs never recompiles")
                       for label, scale in choices.loras]
-        c["width"], c["height"] = (gr.Number(value=v, precision=None, visible=False) for v in choices.sizes[first])
+        # None until a size is chosen: a request then takes its model's first size (the API's default too).
+        c["width"], c["height"] = (gr.Number(value=None, precision=None, visible=False) for _ in "wh")
     return c
 
 

@@ -116,6 +116,14 @@ def shapes_server(tmp_path_factory, cache_dir):
         yield running
 
 
+@pytest.fixture(scope="module")
+def models_server(tmp_path_factory, cache_dir):
+    """The demo serving two models, as users compare checkpoints: the built-in shapes model (the default) and
+    the random tiny one."""
+    with serve(tmp_path_factory.mktemp("models-app"), cache_dir, "--model", "shapes", "--model", "tiny") as running:
+        yield running
+
+
 @pytest.fixture(autouse=True)
 def _server_log_on_failure(request):
     """Prints the servers' output after a failed test (pytest shows it with the failure)."""
@@ -143,6 +151,34 @@ def _generate(client: Client, **kwargs) -> tuple[list[dict], str]:
 
 def _pixels(gallery: list[dict]) -> list[np.ndarray]:
     return [np.asarray(Image.open(item["image"]).convert("RGB")) for item in gallery]
+
+
+@pytest.mark.server
+def test_several_models_each_draw_as_their_demo_alone(models_server, client, downloads):
+    """`model` names the model a request draws with; a grid over it puts each model's cells in calls of their own,
+    each cell image 0 of /generate with that model and seed."""
+    several = Client(models_server.url, verbose=False, download_files=downloads)
+    assert "model" in several.view_api(print_info=False, return_format="dict")["named_endpoints"]["/generate"][
+        "parameters"][-1]["parameter_name"]
+    same = dict(seed=1, guidance_scale=5, sampler="euler")  # the API's defaults are the page's: the first model's
+    tiny, status = _generate(several, model="tiny", **same)
+    assert status.startswith("4 images in "), status
+    assert Image.open(tiny[0]["image"]).info["parameters"].count("Model: tiny") == 1
+    assert tiny[0]["caption"].startswith("tiny · seed 1")
+    alone, _ = _generate(client, **same)  # the demo of tiny (with other things loaded, none of them in use)
+    for ours, theirs in zip(_pixels(tiny), _pixels(alone)):
+        np.testing.assert_array_equal(ours, theirs)
+    shapes, _ = _generate(several, seed=1)
+    assert _pixels(shapes)[0].shape == (64, 64, 3), "no model named: the first, at its own size"
+    with pytest.raises(AppError, match="no model 'sdxl' is loaded; the loaded ones are shapes, tiny"):
+        _generate(several, model="sdxl")
+    sheet, cells, status = several.submit(**FAST, x_axis="model", x_values="shapes, tiny", y_axis="seed",
+                                          y_values="1, 2", api_name="/grid").result(timeout=CALL_TIMEOUT)
+    assert "4 images" in status and "2 device calls" in status, status
+    for (model, seed), cell in zip([("shapes", 1), ("tiny", 1), ("shapes", 2), ("tiny", 2)], _pixels(cells)):
+        single, _ = _generate(several, seed=seed, model=model)
+        np.testing.assert_array_equal(cell, _pixels(single)[0])
+    _generate(several, seed=3)  # switching back: the first model's own again
 
 
 def _assert_serving(client: Client) -> None:
@@ -1012,6 +1048,40 @@ def test_browser_first_five_minutes(shapes_server, tmp_path):
         gallery = box("#gallery")
         assert -10 <= gallery["y"] <= 844 - 100, gallery  # on screen (scrolled to its top, to a pixel)
         page.screenshot(path=str(_artifacts() / "app-phone.png"), full_page=True)
+
+
+@pytest.mark.browser
+def test_browser_model_grid(models_server, tmp_path):
+    """Two models compared as A1111 users compare checkpoints: the Model choice at the top, and a model x seed
+    grid, on a laptop's window and a phone's."""
+    from playwright.sync_api import expect
+
+    with _browser(tmp_path) as browser:
+        page = browser.new_page()
+        page.goto(models_server.url, wait_until="load")
+        expect(page.locator("#model")).to_be_visible(timeout=30_000)
+        page.get_by_label("Model", exact=True).click()
+        page.get_by_role("option", name="tiny", exact=True).click()
+        page.get_by_text("Advanced").click()
+        expect(page.get_by_label("Size")).to_have_value("128×128")  # its sizes came with it
+        page.get_by_label("Model", exact=True).click()
+        page.get_by_role("option", name="shapes", exact=True).click()
+        expect(page.get_by_label("Size")).to_have_value("64×64")
+        page.get_by_role("tab", name="Grid").click()
+        page.locator("#grid-prompt textarea").fill("a red circle on a blue background")
+        for axis, name in (("X axis", "model"), ("Y axis", "seed")):
+            page.get_by_label(axis).click()
+            page.get_by_role("option", name=name, exact=True).click()
+            expect(page.get_by_role("option")).to_have_count(0)
+        page.get_by_label("X values").fill("shapes, tiny")
+        page.get_by_label("Y values").fill("1, 2")
+        page.locator("#grid-run").click()
+        expect(page.locator("#status")).to_contain_text("4 images", timeout=CALL_TIMEOUT * 1000)
+        expect(page.locator("#status")).to_contain_text("2 device calls")
+        expect(page.locator("#gallery")).to_contain_text("model tiny")
+        page.screenshot(path=str(_artifacts() / "model-grid.png"), full_page=True)
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.screenshot(path=str(_artifacts() / "model-grid-phone.png"), full_page=True)
 
 
 def test_the_page_builds_for_one_image_a_call():

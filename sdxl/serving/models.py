@@ -58,12 +58,3 @@ def union(models: Sequence[Model], of) -> dict:
         for name, value in of(model).items():
             found.setdefault(name, value)
     return found
-
-
-def holding(models: Sequence[Model], of) -> Mapping[str, list[str]]:
-    """For each name `of(model)` gives, the names of the models that hold it."""
-    found: dict[str, list[str]] = {}
-    for model in models:
-        for name in of(model):
-            found.setdefault(name, []).append(model.name)
-    return found
