@@ -124,7 +124,8 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
     try:
         scheduler = recommended(options.model, options.unet, loras=tuple(loras)).scheduler
         pipe = load(options.model, config=options.config, scheduler=scheduler, unet=options.unet,
-                    vae=options.vae, controlnet=options.controlnet)
+                    vae=options.vae, controlnet=options.controlnet, prediction_type=options.prediction_type,
+                    rescale_betas_zero_snr=options.zero_terminal_snr or None)
         name, notice = options.model, None
     except HubUnavailableError as e:
         if not fallback:  # the CLI: a script gets the model it asked for, or a reason and what to do
@@ -222,8 +223,8 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
     warm_start = time.perf_counter()
     service.queue.wait(service.queue.submit(warm_up))
     ready = time.perf_counter()
-    print(f"model {model.label} ({pipe.dtype.name}) on {pipe.device_description}; compilation cache "
-          f"{jax.config.jax_compilation_cache_dir}")
+    print(f"model {model.label} ({pipe.dtype.name}, {pipe.spec.sampling}) on {pipe.device_description}; "
+          f"compilation cache {jax.config.jax_compilation_cache_dir}")
     print(f"startup: load {loaded - start:.1f} s, compile {compile_seconds:.1f} s ({compiles.cached} of "
           f"{compiles.count} programs from the cache), warm-up {ready - warm_start:.1f} s, total {ready - start:.1f} s",
           flush=True)
