@@ -65,6 +65,7 @@ class Settings:
     style: str = NO_STYLE
     seed: int = 0
     guidance_scale: float = DEFAULT_GUIDANCE_SCALE
+    guidance_rescale: float = 0.0  # CFG rescale (`Request.guidance_rescales`)
     steps: int = DEFAULT_STEPS
     width: int | None = None  # None: the model's first size
     height: int | None = None
