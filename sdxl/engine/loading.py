@@ -17,7 +17,9 @@ from ..checkpoints.ip_adapters import IPAdapterConfig
 from ..checkpoints.tokenizer import load_tokenizer
 from ..models.previews import factors_for
 from ..prompts.tokens import Prompts
+from ..sampling.schedulers import PREDICTION_TYPES, ZERO_TERMINAL_SNR
 from . import mesh as meshes
+from .checks import choice
 from .image_prompts import IPAdapter, layer_scales
 from .model import LoadedModel
 
@@ -53,6 +55,25 @@ def load(
         vae_tiling=vae_tiling, preview_factors=checkpoint.preview_factors or factors_for(checkpoint.spec),
         controlnets=tuple(controlnets),
     )
+
+
+def scheduler_overrides(
+    scheduler: dict | None, prediction_type: str | None, rescale_betas_zero_snr: bool | None
+) -> dict | None:
+    """The scheduler fields a caller replaces (`Pipeline.from_pretrained`'s `scheduler`), with its
+    prediction type and zero-terminal-SNR switch among them; None where it replaces none.
+
+    Raises:
+      ValueError: an unknown prediction type.
+    """
+    fields = dict(scheduler or {})
+    if prediction_type is not None:
+        fields["prediction_type"] = choice(prediction_type, "prediction type", PREDICTION_TYPES)
+    if rescale_betas_zero_snr:
+        fields = ZERO_TERMINAL_SNR | fields  # a timestep_spacing the caller gives wins
+    if rescale_betas_zero_snr is not None:
+        fields["rescale_betas_zero_snr"] = bool(rescale_betas_zero_snr)
+    return fields or None
 
 
 def with_refiner(base: LoadedModel, refiner: LoadedModel) -> tuple[LoadedModel, LoadedModel]:

@@ -65,6 +65,8 @@ class Pipeline:
         controlnet: str | Sequence[str] | None = None,
         executables: Executables | None = None,
         vae_tiling: bool = False,
+        prediction_type: str | None = None,
+        rescale_betas_zero_snr: bool | None = None,
     ) -> "Pipeline":
         """Loads an SDXL or SD 1.x/2.x checkpoint: a diffusers folder or Hub repo, or a single file.
 
@@ -94,7 +96,15 @@ class Pipeline:
             sample_size squared: SDXL's 1024x1024) in overlapping tiles, as diffusers' pipelines after
             `enable_vae_tiling()` (`sdxl.models.vae.tiled_decode`), so that a 2048x2048 picture needs
             the VAE memory of a 1024x1024 one. The tiles' blending changes such pictures a little.
+          prediction_type: what the UNet predicts, "epsilon", "v_prediction" or "sample", for a checkpoint
+            that does not say (a diffusers folder says it in its scheduler config; a single file with a
+            `v_pred` key, or its model spec metadata); default what it says, else epsilon.
+          rescale_betas_zero_snr: True for a model trained with zero terminal SNR whose checkpoint does not
+            say (a single file's `ztsnr` key does): Lin et al.'s rescaled noise schedule, with "trailing"
+            steps unless `scheduler` gives another timestep_spacing (`sampling.schedulers.ZERO_TERMINAL_SNR`);
+            False: the checkpoint's schedule as trained without it.
         """
+        scheduler = loading.scheduler_overrides(scheduler, prediction_type, rescale_betas_zero_snr)
         model = loading.load(path_or_repo_id, dtype=dtype, max_steps=max_steps, devices=devices, config=config,
                              scheduler=scheduler, unet=unet, vae=vae, controlnet=controlnet, vae_tiling=vae_tiling)
         return cls(model, executables)

@@ -415,6 +415,7 @@ class DemoService:
             ensd=settings.ensd, variation_seed=settings.variation_seed, variation_strength=settings.variation_strength,
             hires=Hires(**{field: getattr(settings, name) for name, field in HIRES_FIELDS.items()})
             if settings.hires else None, image_prompts=self._image_prompts(settings, model, n),
+            guidance_rescales=(settings.guidance_rescale,) * n,
         )
 
     def _image_prompts(self, settings: Settings, model: Model, n: int) -> tuple | None:

@@ -66,6 +66,7 @@ class Settings:
     model: str | None = None  # a served model's name (`--model`); None: the first
     seed: int = 0
     guidance_scale: float = DEFAULT_GUIDANCE_SCALE
+    guidance_rescale: float = 0.0  # CFG rescale (`Request.guidance_rescales`)
     steps: int = DEFAULT_STEPS
     width: int | None = None  # None: the model's first size
     height: int | None = None

@@ -20,14 +20,14 @@ from ..engine.checks import integer, number
 from ..engine.controls import CONTROL_SCALE_RANGE
 from ..engine.image_prompts import IP_ADAPTER_SCALE_RANGE
 from ..engine.prepared import PreparedRequest
-from ..engine.request import LORA_SCALE_RANGE, MAX_SEED, guidance_scale
+from ..engine.request import LORA_SCALE_RANGE, MAX_SEED, guidance_rescale, guidance_scale
 from ..prompts.styles import STYLES
 from ..sampling.methods import SAMPLER_NAMES, sampler_name, schedule_type_named
 
 MAX_CELLS = 64
 # The axes, by the request setting each varies; a LoRA's scale is "lora:<name>".
-AXES = ("prompt", "negative_prompt", "style", "seed", "guidance_scale", "steps", "sampler", "schedule_type",
-        "hires_strength", "hires_upscaler")
+AXES = ("prompt", "negative_prompt", "style", "seed", "guidance_scale", "guidance_rescale", "steps", "sampler",
+        "schedule_type", "hires_strength", "hires_upscaler")
 # With ControlNets: every ControlNet's scale, or end (the fraction of the steps after which it stops).
 CONTROL_AXES = {"control_scale": CONTROL_SCALE_RANGE, "control_end": (0.0, 1.0)}
 # With IP-Adapters: the image prompt's scale (an input of the program: one call, never a recompile).
@@ -112,6 +112,8 @@ def _value(name: str, text: str, max_steps: int, loras: Sequence[str], models: S
         return integer(text, "seed", 0, MAX_SEED)
     if name == "guidance_scale":
         return guidance_scale(text)
+    if name == "guidance_rescale":
+        return guidance_rescale(text)
     if name == "steps":
         return integer(text, "steps", 1, max_steps)
     if name == "sampler":

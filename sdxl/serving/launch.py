@@ -99,10 +99,10 @@ def load_ip_adapters(pipe: Pipeline, files: list[IPAdapterFile]) -> None:
 
 
 def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int = 100) -> Model:
-    """The model `add_shared_options` named (the CLI's one `--model`; the demo's first), with the compilation cache on, its
-    LoRAs applied (each file read and checked now, not at a first request), its IP-Adapters loaded and
-    its refiner set. With `fallback`, a Hub model that cannot be fetched is replaced by the built-in
-    `shapes` model, with a notice that says why.
+    """The model `add_shared_options` named (the CLI's one `--model`; the demo's first), with the
+    compilation cache on, its LoRAs applied (each file read and checked now, not at a first request), its
+    IP-Adapters loaded and its refiner set. With `fallback`, a Hub model that cannot be fetched is replaced
+    by the built-in `shapes` model, with a notice that says why.
 
     Raises:
       CheckpointError: a file is missing or corrupt, or the model cannot run; in one line.
@@ -147,7 +147,8 @@ def load_models(options: argparse.Namespace, *, fallback: bool = False,
         start = time.perf_counter()
         try:
             pipe = load(name, config=options.config, scheduler=scheduler, unet=options.unet, vae=options.vae,
-                        controlnet=controlnets.get(name, options.controlnet), **shared)
+                        controlnet=controlnets.get(name, options.controlnet), prediction_type=options.prediction_type,
+                        rescale_betas_zero_snr=options.zero_terminal_snr or None, **shared)
         except CheckpointError as e:
             if len(names) == 1 and not (fallback and isinstance(e, HubUnavailableError)):
                 if isinstance(e, HubUnavailableError):  # the CLI: the model it asked for, or what to do
@@ -331,8 +332,8 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
         service.queue.wait(service.queue.submit(warm))
     ready = time.perf_counter()
     for each in models:
-        print(f"model {each.label} ({each.pipe.dtype.name}) on {each.pipe.device_description}"
-              + (f", model hash {each.hash}" if each.pipe.weights_file is not None else ""))
+        print(f"model {each.label} ({each.pipe.dtype.name}, {each.pipe.spec.sampling}) on "
+              f"{each.pipe.device_description}" + (f", model hash {each.hash}" if each.pipe.weights_file else ""))
     for name, why in failed.items():
         print(f"model {name} did not load: {why}")
     print(f"compilation cache {jax.config.jax_compilation_cache_dir}")

@@ -3,7 +3,7 @@ recommended settings and the LoRAs loaded with it. A demo serves one or several,
 is the default."""
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from ..checkpoints import hashes
 from ..engine.pipeline import Pipeline

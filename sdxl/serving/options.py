@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from ..engine.request import DEFAULT_MODEL
 from ..prompts.syntax import EMPHASIS_MODES
+from ..sampling.schedulers import PREDICTION_TYPES
 from . import hosts as multihost
 
 FALLBACK_MODEL = "shapes"  # trained here, shipped in assets/: it draws what it is told, offline
@@ -88,6 +89,18 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] |
     )
     # String defaults go through `type` (choices do not check them), so a bad environment variable gets
     # argparse's message.
+    parser.add_argument(
+        "--prediction-type", default=variable.get("SDXL_PREDICTION_TYPE"), type=_one_of(PREDICTION_TYPES),
+        choices=PREDICTION_TYPES, help="what the model predicts, for a checkpoint that does not say, as ComfyUI's "
+        "ModelSamplingDiscrete node (default: what its scheduler config, its v_pred key or its model spec says, else "
+        "epsilon)" + variable.named("SDXL_PREDICTION_TYPE"),
+    )
+    parser.add_argument(
+        "--zero-terminal-snr", action="store_true", default=variable.get("SDXL_ZERO_TERMINAL_SNR") == "1",
+        help="the model was trained with zero terminal SNR but its checkpoint does not say (a single file's ztsnr "
+        "key does), as A1111's Noise schedule setting: the rescaled noise schedule, its steps trailing"
+        + variable.named("SDXL_ZERO_TERMINAL_SNR=1"),
+    )
     dtypes = ("float32", "bfloat16")
     parser.add_argument("--dtype", default=variable.get("SDXL_DTYPE"), type=_one_of(dtypes), choices=dtypes,
                         help="default: bfloat16 on accelerators, float32 on CPU" + variable.named("SDXL_DTYPE"))
