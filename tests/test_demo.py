@@ -190,8 +190,41 @@ def test_an_a1111_text_fills_in_the_noise_and_says_what_it_leaves_out(service):
     plain, _ = service.reused("a fox\nSteps: 20, Seed: 3")
     assert (plain["noise_source"], plain["ensd"], plain["variation_strength"], plain["hires"]) == (
         "nv", 0, 0.0, False), "no RNG: A1111's GPU source; no ENSD: none; no hires fix: off"
-    unknown, said = service.reused("a fox\nSteps: 20, Hires upscale: 1.5, Hires upscaler: 4x-UltraSharp")
-    assert unknown["hires"] is False and said.endswith("Not used: the hires fix (4x-UltraSharp)"), said
+
+
+# A typical text pasted from Civitai: a LoRA and an embedding this demo has not loaded, a hires fix by an
+# upscaler it has not loaded, and a size that is not the model's.
+CIVITAI = ("masterpiece, a fox in the snow <lora:detail_tweaker:0.5>\nNegative prompt: easynegative, blurry\n"
+           "Steps: 30, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 6, Seed: 1234, Size: 832x1216, "
+           "Model hash: 31e35c80fc, Model: juggernautXL_v9, Denoising strength: 0.4, Hires upscale: 1.5, "
+           "Hires steps: 10, Hires upscaler: 4x-UltraSharp, Lora hashes: \"detail_tweaker: 3b4e5f6a7b8c\", "
+           "TI hashes: \"easynegative: c74b4e810b03\", Version: v1.9.4")
+
+
+def test_a_pasted_civitai_text_fills_in_what_can_be_drawn_and_says_what_it_replaces(service):
+    fields, said = service.reused(CIVITAI)
+    assert (fields["seed"], fields["steps"], fields["sampler"], fields["schedule_type"]) == (
+        1234, 30, "dpmpp_2m", "Karras")
+    assert (fields["hires"], fields["hires_upscaler"], fields["hires_scale"], fields["hires_steps"]) == (
+        True, "Lanczos", 1.5, 10), "the hires fix, with the nearest upscaler loaded"
+    assert fields["size"] == "112×144", "the model's size of the nearest aspect ratio"
+    for sentence in ("the hires upscaler 4x-UltraSharp is not loaded: Lanczos in its place",
+                     "size 832x1216 is not this model's: its nearest, 112x144, in its place",
+                     "the LoRA detail_tweaker is not loaded: the picture is drawn without it",
+                     "Not used: Model juggernautXL_v9 (loaded: tiny)", "easynegative"):
+        assert sentence in said, said
+    submission = service.submission("generate", fields)
+    assert submission.left_out == "Failed to find networks: detail_tweaker"
+    prepared = submission.calls[0]
+    assert prepared.request.prompts[0] == "masterpiece, a fox in the snow ", "drawn without the LoRA's tag"
+    assert 'Left out: "Failed to find networks: detail_tweaker"' in service.png_parameters(prepared, 0,
+                                                                                         submission.left_out)
+
+
+def test_a_prompt_box_holding_a_parameters_text_offers_to_read_it(service):
+    assert service.prompt_length(CIVITAI).startswith("This holds a picture's settings")
+    assert service.prompt_length("a fox").endswith("1 chunk")
+    assert service.prompt_length(CIVITAI, negative=True) != service.prompt_length(CIVITAI)
 
 
 def test_clip_skip_reaches_the_request_and_reuse_fills_it_in(service):

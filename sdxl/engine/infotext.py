@@ -43,14 +43,15 @@ def _number(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def png_parameters(pipe, request, i: int, model: str) -> str:
+def png_parameters(pipe, request, i: int, model: str, left_out: str | None = None) -> str:
     """The parameters of image `i` of a rendered request, rendered with `pipe` (the `LoadedModel` it was
     prepared against, its refiner included; or a `Pipeline`, for its current one), as the CLI and the
     demo save them: the prompts as written, weights and LoRA tags included; webui's fields where it
     has them ("Schedule type", "Emphasis", "Lora hashes", "TI hashes": the embeddings the prompt, then the
     negative prompt, name; "Noise Schedule" for a zero-terminal-SNR model, "CFG Rescale" as webui's CFG
     Rescale extension writes it), then ours. diffusers' samplers write their
-    schedule type as "diffusers"."""
+    schedule type as "diffusers". `left_out`: what the settings named that the picture is drawn without
+    (a demo's "Failed to find networks: ..."), as the field "Left out", which webui ignores."""
     loras = request.loras or ()
     readable = [prompt_syntax.lora_tags(request.prompts[i])[0], request.negative_prompts[i]]
     rescale = request.guidance_rescales[i] if request.guidance_rescales else 0.0
@@ -79,6 +80,7 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
             for embedding in pipe.prompts.embeddings_in(text, request.emphasis, negative=negative)
         ) or None,
         **controlnet_infotext(pipe, request, i),
+        "Left out": left_out,
     })
 
 
@@ -415,7 +417,7 @@ _SETTINGS = {
 }
 ZERO_TERMINAL_SNR = "Zero Terminal SNR"  # webui's "Noise schedule" setting for a rescaled schedule
 # What names files or programs rather than settings: nothing to apply, so never reported as unused.
-_METADATA = ("Version", "Model hash", "VAE hash", "Lora hashes", "TI hashes", "LoRAs")
+_METADATA = ("Version", "Model hash", "VAE hash", "Lora hashes", "TI hashes", "LoRAs", "Left out")
 # The noise sources by webui's RNG names (and ours, JAX); webui's GPU source on NVIDIA cards is its NV.
 RNG_NAMES = {"jax": "JAX", "nv": "NV", "cpu": "CPU"}
 _RNG_SOURCES = {name: source for source, name in RNG_NAMES.items()} | {"GPU": "nv"}

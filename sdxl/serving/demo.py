@@ -7,6 +7,7 @@ Values arrive as the browser sent them; every one is checked where the request i
 
 import collections
 import dataclasses
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,8 @@ from ..checkpoints import lora
 from ..engine import conditionings, hires as hires_fix, images, infotext
 from ..engine.checks import choice, integer, number
 from ..engine.controls import CONTROLS, Control
-from ..engine.hires import Hires
+from ..engine.hires import IMAGE_UPSCALERS, Hires
+from ..engine.latent_upscale import LATENT_UPSCALERS
 from ..engine.image_prompts import IMAGE_PROMPTS, ImagePrompt, preset_named, preset_scale
 from ..engine.prepared import PreparedRequest
 from ..engine.request import (
@@ -26,12 +28,13 @@ from ..engine.request import (
     Limits, Request, required_prompt,
 )
 from ..prompts.styles import STYLES
+from ..prompts import syntax as prompt_syntax
 from ..prompts.syntax import EMPHASIS_MODES
 from . import grid
 from .choices import choices_of, ip_adapter_labels
 from .forms import (
     COMPARE_PROMPTS, COMPARE_SEEDS, HIRES_FIELDS, REUSED, ControlForm, Settings, control_parameters, fit_to_sizes,
-    lora_parameters, read_upload,
+    lora_parameters, nearest_size, read_upload,
 )
 from .grid import GridPlan
 from .models import Model, named, union
@@ -40,6 +43,8 @@ from .results import size_label
 
 TABS = ("generate", "image_to_image", "compare", "grid")  # what each tab's button submits (`DemoService.submission`)
 CHECKED_KEPT = 64  # checked submissions waiting for their handler (`DemoService.check`), at most
+# A pasted parameters text's settings line (webui's, and ours): "Steps: 20, Sampler: ..." on a line of its own.
+PARAMETERS_LINE = re.compile(r"^Steps: \d+, ", re.MULTILINE)
 UPSCALE_RANGE = (1.0, 4.0)  # the Upscale tab's factors
 MAX_UPSCALED_SIDE = 8192  # the Upscale tab's largest picture: a 2048 one, 4x
 
@@ -52,6 +57,9 @@ class Submission:
     calls: list[PreparedRequest]
     note: str | None = None
     grid: GridPlan | None = None
+    # What the settings name that is not loaded and was left out, as webui says it ("Failed to find networks:
+    # ..."): on the page beside the result, and in each picture's parameters.
+    left_out: str | None = None
 
 
 class DemoService:
@@ -146,18 +154,29 @@ class DemoService:
             names["picture"]: "control image" for names in self.control_parameters}
         form = {k: read_upload(v, pictures[k]) if k in pictures and v is not None else v for k, v in form.items()}
         settings = self.settings(form)
+        texts = (form.get("prompts") if tab == "compare" else settings.prompt, settings.negative_prompt)
+        left_out = self.left_out(settings, texts)
         if tab == "generate":
-            return Submission([self.images(settings)])
+            return Submission([self.images(settings)], left_out=left_out)
         if tab == "image_to_image":
             prepared, note = self.image_edit(settings, form.get("image"), form.get("mask"), form.get("strength"))
-            return Submission([prepared], note)
+            return Submission([prepared], note, left_out=left_out)
         if tab == "compare":
-            return Submission([self.comparison(settings, form.get("mode"), form.get("prompts"), form.get("num_seeds"))])
+            return Submission([self.comparison(settings, form.get("mode"), form.get("prompts"), form.get("num_seeds"))],
+                              left_out=left_out)
         if tab == "grid":
             plan = self.grid(settings, form.get("x_axis") or None, form.get("x_values"), form.get("y_axis") or None,
                              form.get("y_values"))
-            return Submission(plan.requests, grid=plan)
+            return Submission(plan.requests, grid=plan, left_out=left_out)
         raise ValueError(f"no tab {tab!r}; the tabs are {', '.join(TABS)}")
+
+    def left_out(self, settings: Settings, texts) -> str | None:
+        """What a request of these settings draws without, as a sentence: the LoRAs its prompts (`texts`) name
+        that are not loaded with its model (`_request` leaves their tags out); None for nothing."""
+        names = self._lora_names(self.model(settings.model))
+        missing = [name for text in texts if isinstance(text, str) for name in prompt_syntax.without_loras(
+            text, names)[1]]
+        return f"Failed to find networks: {', '.join(dict.fromkeys(missing))}" if missing else None
 
     def images(self, settings: Settings) -> PreparedRequest:
         """One prompt, `images_per_core` images on every core: images (seed, 0), (seed, 1), ..."""
@@ -209,8 +228,10 @@ class DemoService:
         styled = [self._styled(dataclasses.replace(settings, prompt=p)) for p in prompts]
         n, model = len(styled), self.model(settings.model)
         request = self._request(settings, model, styled[0], (settings.seed,) * n, (0,) * n)
+        names = self._lora_names(model)
         return self.prepare(dataclasses.replace(
-            request, prompts=tuple(p for p, _ in styled), negative_prompts=tuple(q for _, q in styled)), model)
+            request, prompts=tuple(prompt_syntax.without_loras(p, names)[0] for p, _ in styled),
+            negative_prompts=tuple(prompt_syntax.without_loras(q, names)[0] for _, q in styled)), model)
 
     def seed_comparison(self, settings: Settings, num_seeds) -> PreparedRequest:
         """One prompt from `num_seeds` consecutive seeds, side by side."""
@@ -309,13 +330,16 @@ class DemoService:
         (a name; None: the default) reads it; or why it cannot be read."""
         if not isinstance(text, str) or emphasis not in EMPHASIS_MODES:
             return ""
+        if not negative and PARAMETERS_LINE.search(text):
+            return "This holds a picture's settings (a parameters text): ↙ Read them fills the form in"
         try:
             return self.model(model).pipe.prompts.length_text(text, emphasis, negative=negative)
         except ValueError as e:
             return str(e)
 
-    def png_parameters(self, prepared: PreparedRequest, i: int) -> str:
-        return infotext.png_parameters(prepared.model, prepared.request, i, self.label_of(prepared))
+    def png_parameters(self, prepared: PreparedRequest, i: int, left_out: str | None = None) -> str:
+        """Image `i`'s parameters text, with what its settings named that was `left_out` (`Submission.left_out`)."""
+        return infotext.png_parameters(prepared.model, prepared.request, i, self.label_of(prepared), left_out)
 
     def label_of(self, prepared: PreparedRequest) -> str:
         """How results name the model a request was prepared for."""
@@ -338,13 +362,16 @@ class DemoService:
         if len(self.models) > 1:  # the page's Model choice follows the text
             found["model"] = model.name
         unused = tuple(unused_model if entry.startswith("Model ") and unused_model else entry for entry in unused)
-        hires = found.pop("hires", None)
-        if hires is not None and hires.by_scale and hires.upscaler in dict(map(reversed, self.choices.hires_upscalers)):
-            found |= {"hires": True, **{name: getattr(hires, field) for name, field in HIRES_FIELDS.items()}}
-        elif hires is not None:
-            found["hires"] = False
-            unused = (f"the hires fix ({hires.upscaler}" + ("" if hires.by_scale else
-                      f", to {hires.resize_width}x{hires.resize_height}") + ")", *unused)
+        hires, replaced = found.pop("hires", None), []
+        if hires is not None:
+            found |= {"hires": True, **self._reused_hires(hires, found.get("width"), found.get("height"), replaced)}
+        if "width" in found and (found["width"], found["height"]) not in model.sizes:
+            width, height = nearest_size(found["width"], found["height"], model.sizes)
+            replaced.append(f"size {found['width']}x{found['height']} is not this model's: its nearest, "
+                            f"{width}x{height}, in its place")
+            found["width"], found["height"] = width, height
+        missing = prompt_syntax.without_loras(found["prompt"], self._lora_names(model))[1]
+        replaced += [f"the LoRA {name} is not loaded: the picture is drawn without it" for name in missing]
         label = size_label(found.get("width"), found.get("height"))
         fields = {"prompt": found["prompt"], "negative_prompt": found["negative_prompt"],
                   **{name: found[name] for name in (*REUSED, *HIRES_FIELDS) if name in found},
@@ -356,15 +383,37 @@ class DemoService:
                          for name, word in REUSED.items() if name in fields and name != "hires")
         if fields.get("hires"):
             filled += f", the hires fix ({fields['hires_upscaler']}, {fields['hires_scale']:g}x)"
+        filled += "".join(f"; {sentence}" for sentence in replaced)
         if "ip_adapter" in fields:
             filled += f", the image prompt's {fields['ip_adapter']} at {fields['ip_adapter_scale']:g} (not its picture)"
-        if "width" in found and "size" not in fields:
-            unused = (f"Size {found['width']}x{found['height']}", *unused)
         said = f"Filled in: the prompts{filled}" + (f". Not used: {', '.join(unused)}" if unused else "")
         # A1111's settings a text leaves out are off in it: one reused before must not stay.
         left_out = {"ensd": 0, "variation_seed": 0, "variation_strength": 0.0, "clip_skip": 1,
                     "sdxl_clip_l_skip": False, "hires": False}
         return left_out | fields, said
+
+    def _reused_hires(self, hires: Hires, width, height, replaced: list[str]) -> dict:
+        """The hires fix's form fields a text's `hires` fills in: a resize to a size as its scale (of the first
+        pass's `width` and `height`), and an upscaler that is not loaded as the nearest that is, said in
+        `replaced`."""
+        upscalers = [value for _, value in self.choices.hires_upscalers]
+        upscaler = hires.upscaler
+        if upscaler not in upscalers:
+            models = [name for name in upscalers if name not in (*LATENT_UPSCALERS, *IMAGE_UPSCALERS)]
+            upscaler = "Latent" if upscaler.startswith("Latent") else models[0] if models else "Lanczos"
+            replaced.append(f"the hires upscaler {hires.upscaler} is not loaded: {upscaler} in its place")
+        scale = hires.scale
+        if not hires.by_scale and width:
+            scale = round(max(hires.resize_width / width, hires.resize_height / (height or 1)) * 20) / 20
+            replaced.append(f"the hires fix's resize to {hires.resize_width}x{hires.resize_height} as a scale "
+                            f"of {scale:g}")
+        return {name: getattr(hires, field) for name, field in HIRES_FIELDS.items()} | {
+            "hires_upscaler": upscaler, "hires_scale": min(max(scale, 1.0), 4.0)}
+
+    @staticmethod
+    def _lora_names(model: Model) -> set[str]:
+        """The names prompts' LoRA tags may give the model's LoRAs (their files' stems)."""
+        return {lora.display_name(source) for source in model.pipe.lora_files}
 
     def _model_of_text(self, settings: Mapping[str, str]) -> tuple[Model, str | None]:
         """The served model a text's settings name by "Model hash" (its file's), else by "Model" (its name),
@@ -399,7 +448,8 @@ class DemoService:
                  controls: tuple[Control, ...] | None = None) -> Request:
         """The request of `model` for images of `seeds` and `image_index`, with the settings' size, sampler,
         guidance, LoRAs (those loaded with it), refiner and ControlNets (`controls` where made already)."""
-        n = len(seeds)
+        n, names = len(seeds), self._lora_names(model)
+        styled = tuple(prompt_syntax.without_loras(text, names)[0] for text in styled)  # said by `left_out`
         width, height = self._size(settings, model)
         if controls is None:
             controls = self._controls(settings, model, width, height)

@@ -137,11 +137,16 @@ def size_presets(spec) -> list[tuple[int, int]]:
     return list(dict.fromkeys(presets))
 
 
+def nearest_size(width: int, height: int, sizes: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """Of `sizes` (width, height), the one whose aspect ratio is nearest `width` x `height`'s."""
+    return min(sizes, key=lambda size: abs(np.log(size[0] / size[1]) - np.log(width / height)))
+
+
 def fit_to_sizes(picture: Image.Image, sizes: Sequence[tuple[int, int]]) -> tuple[Image.Image, tuple[int, int]]:
     """`picture` at the size of `sizes` (width, height) whose aspect ratio is nearest its own:
     centre-cropped to that ratio, then resized (Lanczos). Returns it and the size chosen."""
     width, height = picture.size
-    target = min(sizes, key=lambda size: abs(np.log(size[0] / size[1]) - np.log(width / height)))
+    target = nearest_size(width, height, sizes)
     if (width, height) == target:
         return picture, target
     box = images.crop_box(width, height, *target)
