@@ -27,7 +27,7 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from gradio_client.utils import Status, StatusUpdate
-from PIL import Image
+from PIL import Image, PngImagePlugin
 from safetensors.numpy import load_file, save_file
 
 from sdxl.serving.models import Model
@@ -1033,8 +1033,7 @@ def test_browser_first_five_minutes(shapes_server, tmp_path):
         expect(page.locator("#history .thumbnail-item")).to_have_count(8, timeout=30_000)
         page.locator("#history .thumbnail-item").first.click()
         page.get_by_role("button", name="Reuse the selected result's settings").click()
-        expect(page.locator(".toast-body").filter(has_text="Filled in: the prompts, seed 1")).to_have_count(1,
-                                                                                                    timeout=30_000)
+        expect(page.locator("#reuse-report")).to_contain_text("Filled in: the prompts, seed 1", timeout=30_000)
         expect(page.get_by_label("Seed", exact=True)).to_be_visible()  # Advanced opened
         expect(page.get_by_label("Seed", exact=True)).to_have_value("1")
         # On a phone the results come right under the tabs, and Generate scrolls them into view (issue 44).
@@ -1082,6 +1081,75 @@ def test_browser_model_grid(models_server, tmp_path):
         page.screenshot(path=str(_artifacts() / "model-grid.png"), full_page=True)
         page.set_viewport_size({"width": 390, "height": 844})
         page.screenshot(path=str(_artifacts() / "model-grid-phone.png"), full_page=True)
+
+
+@pytest.mark.browser
+def test_browser_a_civitai_picture_draws_what_it_can(shapes_server, tmp_path):
+    """A PNG from Civitai names a LoRA, an upscaler and a size this demo lacks: it draws anyway, and says what it left
+    out, beside the picture and in its info. A pasted parameters text fills the form. A lone picture shows whole.
+    A picture too big for the image editor is refused in seconds, and the next request is served."""
+    from playwright.sync_api import expect
+
+    civitai = tmp_path / "civitai.png"
+    text = ("a red circle on a blue background <lora:detail_tweaker:0.5>\nNegative prompt: blurry\nSteps: 12, "
+            "Sampler: Euler, CFG scale: 2.5, Seed: 7, Size: 832x1216, Model: juggernautXL_v9, Denoising strength: 0.4, "
+            "Hires upscale: 1.5, Hires upscaler: 4x-UltraSharp, Lora hashes: \"detail_tweaker: 3b4e5f6a7b8c\"")
+    info = PngImagePlugin.PngInfo()
+    info.add_text("parameters", text)
+    Image.new("RGB", (832, 1216), (30, 40, 200)).save(civitai, pnginfo=info)
+    big = tmp_path / "big.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (3200, 3200, 3), dtype=np.uint8)).save(big)
+    assert big.stat().st_size > 20 * 2**20
+    with _browser(tmp_path) as browser:
+        page = browser.new_page()
+        page.goto(shapes_server.url, wait_until="load")
+        expect(page.locator("#generate")).to_be_visible(timeout=30_000)
+        page.locator("#reuse-png input[type=file]").set_input_files(str(civitai))
+        report = page.locator("#reuse-report")
+        expect(report).to_contain_text("the LoRA detail_tweaker is not loaded", timeout=30_000)
+        expect(report).to_contain_text("the hires upscaler 4x-UltraSharp is not loaded: Lanczos in its place")
+        expect(report).to_contain_text("size 832x1216 is not this model's: its nearest, 64x64, in its place")
+        page.locator("#generate").click()
+        expect(page.locator("#status")).to_contain_text("Failed to find networks: detail_tweaker",
+                                                        timeout=CALL_TIMEOUT * 1000)
+        expect(page.locator("#gallery img")).to_have_count(4)
+        expect(report).to_contain_text("the LoRA detail_tweaker is not loaded")  # it stays
+        expect(page.locator("#generation-info textarea")).to_have_value(re.compile(
+            r"Seed: 7,.*Hires upscaler: Lanczos.*Left out: \"Failed to find networks: detail_tweaker\"", re.S))
+        page.screenshot(path=str(_artifacts() / "civitai.png"))
+        # A1111's way with a text: pasted in the prompt, then read.
+        page.locator("#prompt textarea").fill(text.replace("Seed: 7", "Seed: 99"))
+        expect(page.locator("#prompt-length")).to_contain_text("This holds a picture's settings")
+        page.locator("#read-settings").click()
+        expect(page.get_by_label("Seed", exact=True)).to_have_value("99", timeout=30_000)
+        expect(page.locator("#prompt textarea")).to_have_value(
+            "a red circle on a blue background <lora:detail_tweaker:0.5>")
+        # A lone picture (Compare's one prompt) is shown whole, its caption too, on a laptop's window and a phone's.
+        page.get_by_role("tab", name="Compare").click()
+        page.get_by_label("Prompts (one per line) or one prompt").fill("a large red circle on a blue background")
+        page.get_by_role("button", name="Compare", exact=True).click()
+        expect(page.locator("#status")).to_contain_text("1 image in", timeout=CALL_TIMEOUT * 1000)
+        for width, height in ((1280, 800), (390, 844)):
+            page.set_viewport_size({"width": width, "height": height})
+            page.wait_for_timeout(500)
+            gallery, thumbnail, caption = (page.locator(selector).bounding_box() for selector in (
+                "#gallery", "#gallery .thumbnail-item", "#gallery .caption-label"))
+            bottom = gallery["y"] + gallery["height"]
+            for inner in (thumbnail, caption):
+                assert gallery["y"] <= inner["y"] and inner["y"] + inner["height"] <= bottom, (width, gallery, inner)
+            assert thumbnail["height"] <= 0.6 * height + 2, "within the window"
+            page.locator("#gallery").screenshot(path=str(_artifacts() / f"lone-picture-{width}.png"))
+        page.set_viewport_size({"width": 1280, "height": 800})
+        # A picture over the upload limit, in the image editor: a sentence within seconds, not a silent wait.
+        page.get_by_role("tab", name="Image to image").click()
+        start = time.monotonic()
+        page.locator("#image-editor input[type=file]").set_input_files(str(big))
+        expect(page.locator("#image-note")).to_contain_text("this demo takes pictures of up to 8.0 MB", timeout=10_000)
+        assert time.monotonic() - start < 10
+        page.get_by_role("tab", name="Generate").click()
+        page.locator("#prompt textarea").fill("a green square on a white background")
+        page.locator("#generate").click()
+        expect(page.locator("#status")).to_contain_text("4 images in", timeout=CALL_TIMEOUT * 1000)
 
 
 def test_the_page_builds_for_one_image_a_call():

@@ -174,6 +174,7 @@ def load_models(options: argparse.Namespace, *, fallback: bool = False,
             raise CheckpointError("no model loads: " + "; ".join(f"{name}: {why}" for name, why in failed.items()))
         notice = _fallback_notice("; ".join(str(failed[name]) for name in hub_failed), options)
         log.warning(notice)
+        failed = {}  # the notice says why
         pipe = load(FALLBACK_MODEL)
         models = [Model(FALLBACK_MODEL, pipe, settings=recommended(FALLBACK_MODEL, None, pipe.spec.default_sampler,
                                                                    tuple(loras)), notice=notice)]

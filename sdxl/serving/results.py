@@ -152,8 +152,7 @@ def _compiled(tickets: list[Ticket]) -> str:
     # Each compile it waited for, whole (one under way when it came counts in full).
     compiles = {id(f): f for ticket in tickets for f in ticket.compiles}.values()
     seconds = sum(f.result() for f in compiles if f.done() and not f.cancelled() and f.exception() is None)
-    return (f", {seconds:.1f} s of it compiling for this size, batch, sampler and kind of prompt (cached for next "
-            "time)")
+    return f", {seconds:.1f} s of it compiling for this size, batch, sampler and kind of prompt, cached for next time"
 
 
 def grid_answer(service, submission, tickets: list[Ticket], results: list[Generation], seconds: float) -> tuple:
