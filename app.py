@@ -617,8 +617,8 @@ def _wire_live(handlers: Handlers, p: dict, controls: list[dict]) -> None:
         map_inputs = [fields[name] for name in ("picture", "preprocessor", "canny_low", "canny_high")]
         changes = [fields["picture"].change, fields["preprocessor"].change, fields["canny_low"].release,
                    fields["canny_high"].release, p["width"].change, p["height"].change]
-        gr.on(changes, handlers.control_map, [*map_inputs, p["width"], p["height"]], fields["map"], api_name=False,
-              queue=False, show_progress="hidden")
+        gr.on([*changes, p["model"].change], handlers.control_map, [*map_inputs, p["width"], p["height"], p["model"]],
+              fields["map"], api_name=False, queue=False, show_progress="hidden")
         fields["preprocessor"].change(lambda name: [gr.update(visible=name == "canny")] * 2, fields["preprocessor"],
                                       [fields["canny_low"], fields["canny_high"]], api_name=False, queue=False,
                                       show_progress="hidden")

@@ -122,9 +122,9 @@ def test_a_follower_started_differently_is_refused(tmp_path):
         follower.wait(timeout=60)
     assert leader.returncode == 2, leader.stderr[-3000:]
     assert "error: process 1 on host" in leader.stderr
-    assert "model 'shapes' where process 0 has 'tiny'" in leader.stderr, leader.stderr[-3000:]
+    assert "model ['shapes'] where process 0 has ['tiny']" in leader.stderr, leader.stderr[-3000:]
     assert follower.returncode == 2
-    assert "model 'shapes' where process 0 has 'tiny'" in follower_log.read_text()
+    assert "model ['shapes'] where process 0 has ['tiny']" in follower_log.read_text()
 
 
 class _Store:

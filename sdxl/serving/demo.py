@@ -345,11 +345,12 @@ class DemoService:
         """How results name the model a request was prepared for."""
         return next(model.label for model in self.models if model.name == prepared.model.name)
 
-    def control_map(self, picture, preprocessor, canny_low, canny_high, width, height) -> np.ndarray:
-        """The map a ControlNet panel's picture (an upload) makes at the chosen size, as the request will
-        make it (and then takes from the maps kept). Raises ValueError."""
+    def control_map(self, picture, preprocessor, canny_low, canny_high, width, height, model=None) -> np.ndarray:
+        """The map a ControlNet panel's picture (an upload) makes at the chosen size (None: `model`'s first), as
+        the request will make it (and then takes from the maps kept). Raises ValueError."""
         form = ControlForm(read_upload(picture, "control image"), preprocessor, canny_low, canny_high)
-        return form.control(width, height).map
+        served = self.model(model)
+        return form.control(*self._size(Settings(width=width, height=height), served)).map
 
     def reused(self, text: str) -> tuple[dict, str]:
         """The form's fields, by name, that a PNG's "parameters" text (this demo's, A1111's or Forge's)
@@ -505,8 +506,11 @@ class DemoService:
 
     @staticmethod
     def _size(settings: Settings, model: Model) -> tuple:
-        """The settings' (width, height) as sent (`Request.validated` checks them), or the model's first size."""
-        return (settings.width, settings.height) if settings.width is not None else model.sizes[0]
+        """The settings' (width, height) as sent (`Request.validated` checks them), the model's first size's in
+        place of what is not sent."""
+        first = model.sizes[0]
+        return (first[0] if settings.width is None else settings.width,
+                first[1] if settings.height is None else settings.height)
 
     def _lora_scales(self, settings: Settings) -> tuple:
         """One scale per launched LoRA (their launch scales unless the settings give them; 0 leaves one out)."""
