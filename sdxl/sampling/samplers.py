@@ -154,16 +154,19 @@ def dpmpp_2m_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, carry: C
 
 
 def ddim_step(denoiser: Denoiser, schedule: DDIMSchedule, num_steps, i, x_vp: jax.Array, noise) -> jax.Array:
-    """DDIM with eta = 0, Song et al. 2021 eq. 12, as DDIMScheduler.
+    """DDIM with eta = 0, Song et al. 2021 eq. 12, as DDIMScheduler: the clean estimate and the noise it
+    implies, taken to `schedule.target_sigmas[i]`.
 
-    In terms of x = x_vp / alpha it is Euler's method (Karras et al. 2022, sec. 4), stepping to
-    `schedule.target_sigmas[i]`. The state is diffusers' variance-preserving sample
-    (init_noise_sigma 1).
+    In terms of x = x_vp / alpha it is Euler's method (Karras et al. 2022, sec. 4); written in
+    variance-preserving terms it also steps from zero terminal SNR's pure noise (a sigma of 2^60 standing
+    in for infinity, whose x would overflow an Euler step). The state is diffusers' variance-preserving
+    sample (init_noise_sigma 1).
     """
     sigma, sigma_next = schedule.sigmas[i], schedule.target_sigmas[i]
-    x = x_vp / _vp_scale(sigma)
-    denoised = denoiser(x, sigma, schedule.timesteps[i])
-    return _euler_step(x, denoised, sigma, sigma_next) * _vp_scale(sigma_next)
+    alpha, alpha_next = _vp_scale(sigma), _vp_scale(sigma_next)
+    denoised = denoiser(x_vp / alpha, sigma, schedule.timesteps[i])
+    noise_estimate = (x_vp - alpha * denoised) / (sigma * alpha)
+    return alpha_next * denoised + (sigma_next * alpha_next) * noise_estimate
 
 
 def pndm_step(denoiser: Denoiser, schedule: PNDMSchedule, num_steps, i, carry: Carry, noise) -> Carry:
@@ -334,8 +337,11 @@ SCHEDULER_SAMPLERS = {
 }
 # diffusers' EDM schedulers (`schedulers.EDM_SCHEDULERS`): their steps are these samplers' (on EDM schedules).
 _EDM_SCHEDULER_SAMPLERS = {"EDMEulerScheduler": "euler", "EDMDPMSolverMultistepScheduler": "dpmpp_2m"}
-# The schedulers whose samplers here step from zero terminal SNR's last noise level (`schedulers.train_sigmas`).
-_ZERO_SNR_SCHEDULERS = ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler")
+# The schedulers whose samplers here step from zero terminal SNR's last noise level (`schedulers.train_sigmas`,
+# DDIM's pure noise).
+_ZERO_SNR_SCHEDULERS = (
+    "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler", "DDIMScheduler"
+)
 # DPMSolverMultistepScheduler's settings that `dpmpp_2m_step` implements (its defaults).
 _DPMPP_2M_SETTINGS = {
     "algorithm_type": "dpmsolver++",

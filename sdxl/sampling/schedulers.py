@@ -249,11 +249,18 @@ def train_sigmas(config: SchedulerConfig) -> np.ndarray:
 
 
 def _refuse_zero_snr(config: SchedulerConfig, scheduler: str) -> None:
-    """Zero terminal SNR runs on the sigma-based schedulers only (Euler, Euler ancestral, DPM-Solver++):
-    the others step from the infinite noise level of its last timestep."""
+    """Zero terminal SNR runs on the sigma-based schedulers (Euler, Euler ancestral, DPM-Solver++) and on
+    DDIM, which steps from its last timestep's pure noise in variance-preserving terms; not on the others."""
     if config.rescale_betas_zero_snr:
         raise ValueError(f"scheduler config: {scheduler} with rescale_betas_zero_snr is not implemented; choose "
-                         "Euler, Euler a or DPM++ 2M")
+                         "Euler, Euler a, DPM++ 2M or DDIM")
+
+
+# Zero terminal SNR's last timestep is pure noise: alphas_cumprod 0, an infinite sigma. DDIM steps from it
+# in variance-preserving terms (`samplers.ddim_step`), where it is finite; this sigma stands in for it,
+# so large that alpha = 1 / sqrt(sigma^2 + 1) = 2^-60 and a v-prediction's clean estimate is -v as in
+# diffusers (alpha 0), to float32 rounding.
+_PURE_NOISE_SIGMA = np.float32(2.0**60)
 
 
 def refuse_edm(config: SchedulerConfig, scheduler: str) -> None:
@@ -460,14 +467,17 @@ def ddim_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> DD
     _check_steps(num_steps, max_steps)
     if config.clip_sample or config.thresholding:
         raise ValueError("scheduler config: DDIM's clip_sample and thresholding are not supported")
-    _refuse_zero_snr(config, "DDIM")
+    if config.rescale_betas_zero_snr and config.prediction_type != "v_prediction":
+        raise ValueError("scheduler config: DDIM with rescale_betas_zero_snr needs prediction_type 'v_prediction' "
+                         "(diffusers' first step divides by its zero alpha otherwise)")
     spacing = config.timestep_spacing or "leading"
     timesteps = _spaced_timesteps(config, spacing, num_steps, round_linspace=True).astype(np.int64)
     cumprod = alphas_cumprod(config)
     final_cumprod = np.float32(1) if config.set_alpha_to_one else cumprod[0]
     targets = timesteps - config.num_train_timesteps // num_steps
     target_cumprod = np.where(targets >= 0, cumprod[targets.clip(min=0)], final_cumprod)
-    sigmas = _sigmas_from_alphas_cumprod(cumprod[timesteps])
+    noisy = cumprod[timesteps] > 0  # False only at zero terminal SNR's last timestep
+    sigmas = np.where(noisy, _sigmas_from_alphas_cumprod(np.where(noisy, cumprod[timesteps], 1)), _PURE_NOISE_SIGMA)
     target_sigmas = _sigmas_from_alphas_cumprod(target_cumprod)
     return DDIMSchedule(
         **_schedule_fields(np.append(sigmas, target_sigmas[-1]), timesteps, 1.0, max_steps, num_steps),
