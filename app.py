@@ -211,7 +211,7 @@ def _length_line(elem_id: str) -> gr.Markdown:
 
 def _header(service: DemoService) -> None:
     recommended = service.recommended
-    models = ", ".join(f"`{model.label}`" for model in service.models)
+    models = ", ".join(f"`{model.label}` ({model.pipe.spec.sampling})" for model in service.models)
     gr.Markdown(f"# SDXL on JAX\n{models} on {service.pipe.device_description}: one image per core.")
     defaults = (f"{recommended.note}: the defaults below are {recommended.steps} step(s) at guidance "
                 f"{recommended.guidance_scale:g}." if recommended.note else "")
@@ -397,6 +397,9 @@ def _advanced(service: DemoService) -> dict:
         c["guidance"] = gr.Slider(*choices.guidance_range, value=choices.guidance_scale, step=0.5,
                                   label="Guidance scale",
                                   info="1 or less: no guidance, one UNet pass per step (about twice as fast)")
+        c["guidance_rescale"] = gr.Slider(0, 1, value=0, step=0.05, label="CFG rescale",
+                                          info="Lin et al.'s rescale of the guided prediction, for v-prediction "
+                                          "models with zero terminal SNR; 0.7 is usual, 0 turns it off")
         c["steps"] = gr.Slider(1, choices.max_steps, value=choices.steps, step=1, label="Steps")
         c["size"] = gr.Dropdown(list(choices.sizes), value=first, label="Size",
                                 info="Image to image takes the size nearest its picture's")
@@ -537,20 +540,21 @@ def _forms(service: DemoService, page: dict, controls: list[dict]) -> dict[str, 
     a1111 = {name: p[name] for name in A1111_FIELDS}
     hires = {name: p[name] for name in HIRES_FIELDS}
     image_prompt = {name: p[name] for name in IP_ADAPTER_FIELDS if name in p}  # with IP-Adapters: after the others
-    model = {"model": p["model"]}  # last of all
+    model = {"model": p["model"]}  # last but for what joined after it
+    later = {"guidance_rescale": p["guidance_rescale"]}  # after the rest, so their places in the API stay
     return {
         "generate": {"prompt": p["prompt"], **prompts, **common, **size, "images_per_core": p["per_core"], **options,
-                     **refining, **loras, **control, **a1111, **hires, **image_prompt, **model},
+                     **refining, **loras, **control, **a1111, **hires, **image_prompt, **model, **later},
         "image_to_image": {"prompt": p["image_prompt"], **prompts, **common, "image": p["image_in"],
                            "mask": p["mask_in"], "strength": p["strength"], "images_per_core": p["per_core"],
-                           **options, **refining, **loras, **control, **a1111, **image_prompt, **model},
+                           **options, **refining, **loras, **control, **a1111, **image_prompt, **model, **later},
         "compare": {"mode": p["mode"], "prompts": p["compare_prompts"], "negative_prompt": p["compare_negative"],
                     "style": p["compare_style"], "seed": p["seed"], "num_seeds": p["num_seeds"],
                     "guidance_scale": p["guidance"], "steps": p["steps"], **size, **options, **loras, **control,
-                    **a1111, **hires, **image_prompt, **model},
+                    **a1111, **hires, **image_prompt, **model, **later},
         "grid": {"prompt": p["grid_prompt"], **prompts, **common, **size, **options, "x_axis": p["x_axis"],
                  "x_values": p["x_values"], "y_axis": p["y_axis"], "y_values": p["y_values"], **loras, **control,
-                 **a1111, **hires, **image_prompt, **model},
+                 **a1111, **hires, **image_prompt, **model, **later},
     }
 
 
@@ -661,7 +665,7 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
     # The image prompt's fields but its picture, which no PNG holds; with IP-Adapters only.
     fields = {"model": p["model"], "prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
               "guidance_scale": p["guidance"], "steps": p["steps"], "sampler": p["sampler"],
-              "emphasis": p["emphasis"], "size": p["size"],
+              "emphasis": p["emphasis"], "size": p["size"], "guidance_rescale": p["guidance_rescale"],
               **{name: p[name] for name in (*A1111_FIELDS, *HIRES_FIELDS, *IP_ADAPTER_FIELDS[1:]) if name in p}}
 
     def reuse(found: dict, said: str) -> dict:

@@ -566,12 +566,12 @@ def test_raw_http_errors_say_what_is_wrong_with_a_fitting_status(server):
     """Issue 21, hole 5: too few values, an unknown endpoint and a bad value on /run/ each get a
     sentence and a 4xx status, and one log line, not a traceback; /run/ answers with the final images."""
     logged = len(server.output())
-    takes = ("/generate takes 37 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
+    takes = ("/generate takes 39 values, in this order: prompt, negative_prompt, style, seed, guidance_scale, "
              "steps, width, height, images_per_core, sampler, emphasis, refine, refine_from, lora_style, "
              "control_image, control_preprocessor, canny_low, canny_high, control_scale, control_start, control_end, "
              "noise_source, ensd, variation_seed, variation_strength, schedule_type, clip_skip, sdxl_clip_l_skip, "
              "hires, hires_upscaler, hires_scale, hires_steps, hires_strength, ip_adapter_image, ip_adapter, "
-             "ip_adapter_scale, ip_adapter_layers; got 1")
+             "ip_adapter_scale, ip_adapter_layers, model, guidance_rescale; got 1")
     assert _post(server, "run/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "call/generate", {"data": ["a fox"]})[:2] == (422, {"error": takes})
     assert _post(server, "run/nope", {"data": []})[:2] == (404, {

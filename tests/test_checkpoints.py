@@ -233,13 +233,14 @@ REFINER_INDEX = {
          _sdxl_configs(**{"scheduler/scheduler_config.json": {"_class_name": "HeunDiscreteScheduler"}}),
          "scheduler HeunDiscreteScheduler is not implemented"),
         (SDXL_BASE_FILES, _sdxl_configs(**{"scheduler/scheduler_config.json": {
-            "_class_name": "EDMDPMSolverMultistepScheduler"}}), "EDMDPMSolverMultistepScheduler is not implemented"),
+            "_class_name": "EDMDPMSolverMultistepScheduler", "algorithm_type": "sde-dpmsolver++"}}),
+         "EDMDPMSolverMultistepScheduler with algorithm_type='sde-dpmsolver\\+\\+' is not implemented"),
         (SDXL_BASE_FILES, _sdxl_configs(**{"unet/config.json": {"transformer_layers_per_block": [[1], [1, 2]]}}),
          "transformer_layers_per_block must be an int or one int per level"),
         (SDXL_BASE_FILES, _sdxl_configs(**{"vae/config.json": {"shift_factor": 0.1159}}), "shift_factor"),
     ],
     ids=[
-        "refiner-index-over-a-base-unet", "instruct-pix2pix", "8-channel-unet", "heun", "playground-edm",
+        "refiner-index-over-a-base-unet", "instruct-pix2pix", "8-channel-unet", "heun", "edm-sde",
         "ssd-1b-style-unet", "vae-shift",
     ],
 )

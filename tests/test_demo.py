@@ -241,6 +241,16 @@ def test_clip_skip_reaches_the_request_and_reuse_fills_it_in(service):
     assert (plain["clip_skip"], plain["sdxl_clip_l_skip"]) == (1, False)
 
 
+def test_cfg_rescale_reaches_the_request_and_reuse_fills_it_in(service):
+    """The form's CFG rescale reaches each image; Reuse fills it from the CFG Rescale extension's field, and
+    a text without one sets it back to 0 (off)."""
+    request = service.images(Settings(prompt="a fox", guidance_rescale=0.7)).request
+    assert set(request.guidance_rescales) == {0.7}
+    fields, said = service.reused("a fox\nSteps: 20, Seed: 3, CFG Rescale: 0.7")
+    assert fields["guidance_rescale"] == 0.7 and said.endswith("CFG rescale 0.7"), said
+    assert service.reused("a fox\nSteps: 20, Seed: 3")[0]["guidance_rescale"] == 0.0
+
+
 def test_a_hires_fix_reaches_the_request_and_its_grid_axes_turn_it_on(service):
     settings = Settings(prompt="a fox", steps=4, hires=True, hires_upscaler="Lanczos", hires_scale=2, hires_steps=2,
                         hires_strength=0.5)

@@ -157,8 +157,6 @@ def test_a_single_files_keys_and_model_spec_say_how_it_samples(tmp_path):
     assert sampling(written("vz", ["v_pred", "ztsnr"]), scheduler={"prediction_type": "epsilon"})[0] == "epsilon"
     with pytest.raises(CheckpointError, match="model spec's prediction type 'flow' is not supported"):
         resolve(written("flow", metadata={"modelspec.prediction_type": "flow"}))
-    with pytest.raises(CheckpointError, match="CosXL"):
-        resolve(written("cosxl", ["edm_vpred.sigma_max", "edm_vpred.sigma_min"]))
 
 
 @pytest.mark.cli

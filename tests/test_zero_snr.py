@@ -6,7 +6,7 @@ sampled with `guidance_rescale`, as diffusers' StableDiffusionXLPipeline samples
 import numpy as np
 import pytest
 import torch
-from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler
+from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler
 from reference import diffusers_images, random_latents, sdxl_pipeline
 
 from sdxl.checkpoints import random_models
@@ -18,6 +18,7 @@ PROMPTS = ["a red cube on a table", "a blue sphere floating over grass"]
 NEGATIVES = ["blurry", "low quality, watermark"]
 STEPS, GUIDANCE, RESCALE = 5, 6.0, 0.7
 SCHEDULER_JSON = "scheduler/scheduler_config.json"
+SAMPLERS = {EulerDiscreteScheduler: "euler", DPMSolverMultistepScheduler: "dpmpp_2m", DDIMScheduler: "ddim"}
 ZERO_SNR_V = {"prediction_type": "v_prediction", "rescale_betas_zero_snr": True, "timestep_spacing": "trailing"}
 
 
@@ -46,7 +47,7 @@ def test_cfg_rescale_is_diffusers_rescale_noise_cfg():
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("scheduler", [EulerDiscreteScheduler, DPMSolverMultistepScheduler])
+@pytest.mark.parametrize("scheduler", SAMPLERS)
 def test_a_zero_snr_v_prediction_folder_with_cfg_rescale_draws_diffusers_picture(zero_snr, scheduler):
     pipe, ref = zero_snr
     assert pipe.spec.sampling == "v-prediction, zero terminal SNR"
@@ -55,7 +56,7 @@ def test_a_zero_snr_v_prediction_folder_with_cfg_rescale_draws_diffusers_picture
         ref, scheduler.from_config(ref.scheduler.config), prompt=PROMPTS, negative_prompt=NEGATIVES, height=HEIGHT,
         width=WIDTH, num_inference_steps=STEPS, guidance_scale=GUIDANCE, guidance_rescale=RESCALE,
         latents=torch.from_numpy(latents))
-    sampler = "euler" if scheduler is EulerDiscreteScheduler else "dpmpp_2m"
+    sampler = SAMPLERS[scheduler]
     ours = pipe.generate(PROMPTS, NEGATIVES, steps=STEPS, guidance_scale=GUIDANCE, guidance_rescale=RESCALE,
                          height=HEIGHT, width=WIDTH, latents=latents, sampler=sampler, output_type="np")
     unrescaled = pipe.generate(PROMPTS, NEGATIVES, steps=STEPS, guidance_scale=GUIDANCE, height=HEIGHT, width=WIDTH,

@@ -68,8 +68,9 @@ PREFIXES = {
 # The published configs (`sdxl/configs/`) each family defaults to, as diffusers' defaults.
 DEFAULT_CONFIGS = {"sdxl": "sdxl-base-1.0", "sd1": "sd-1.5", "sd2": "sd-2.1"}
 # Stored tensors that are no parameters: the training schedule's buffers (top-level keys such as
-# `alphas_cumprod`), EMA copies, position ids, OpenCLIP's logit scale and causal mask.
-_NOT_PARAMETERS = re.compile(r"^[^.]+$|^model_ema\.|position_ids$|logit_scale$|attn_mask$")
+# `alphas_cumprod`, and the markers `sampling_fields` reads), EMA copies, position ids, OpenCLIP's logit
+# scale and causal mask.
+_NOT_PARAMETERS = re.compile(r"^[^.]+$|^edm_vpred\.|^model_ema\.|position_ids$|logit_scale$|attn_mask$")
 
 _UNET_INPUT = "model.diffusion_model.input_blocks.0.0.weight"
 
@@ -87,10 +88,6 @@ def detect_family(shapes: dict[str, tuple[int, ...]], where: str) -> str:
     channels = shapes[_UNET_INPUT][1]
     if channels != 4:
         raise CheckpointError(f"{where}: a UNet with {channels} input channels (inpainting) is not supported")
-    if "edm_mean" in shapes:
-        raise CheckpointError(f"{where}: Playground v2.5 (EDM) checkpoints are not supported")
-    if "edm_vpred.sigma_max" in shapes:
-        raise CheckpointError(f"{where}: CosXL (EDM v-prediction) checkpoints are not supported")
     if has("conditioner.embedders.1.model."):
         return "sdxl"
     if has("conditioner.embedders.0.model."):
@@ -106,17 +103,43 @@ def detect_family(shapes: dict[str, tuple[int, ...]], where: str) -> str:
 _MODELSPEC_PREDICTION_TYPES = {"epsilon": "epsilon", "v": "v_prediction", "v_prediction": "v_prediction"}
 
 
-def sampling_fields(keys, metadata: dict[str, str], where: str) -> dict:
+# Playground v2.5's scheduler (its diffusers folder's), which diffusers' single-file loader gives a file with
+# `edm_mean` and `edm_std`: EDM, epsilon, sigma_data 0.5, DPM-Solver++(2M) over Karras sigmas.
+PLAYGROUND_SCHEDULER = {
+    "_class_name": "EDMDPMSolverMultistepScheduler", "prediction_type": "epsilon", "sigma_min": 0.002,
+    "sigma_max": 80.0, "sigma_data": 0.5, "sigma_schedule": "karras", "rho": 7.0, "final_sigmas_type": "zero",
+}
+# Playground v2.5's VAE scales latents by 0.5 after the per-channel mean and std (diffusers'
+# PLAYGROUND_VAE_SCALING_FACTOR, ComfyUI's SDXL_Playground_2_5 latent format).
+_PLAYGROUND_SCALING_FACTOR = 0.5
+
+
+def sampling_fields(file: SafetensorsFile, where: str) -> dict:
     """The scheduler config fields a single file says it samples with, as the tools it comes from read
-    them: an (empty) `v_pred` tensor means v-prediction, and `ztsnr` zero terminal SNR (ComfyUI's
-    `supported_models.SDXL.model_type`, A1111's and Forge's loaders); without `v_pred`, the SAI model
-    spec's `modelspec.prediction_type` in the metadata says it. {} for a plain epsilon model.
+    them (ComfyUI's `supported_models.SDXL.model_type`, A1111's and Forge's loaders):
+
+    - `edm_mean` and `edm_std`: Playground v2.5's EDM (`PLAYGROUND_SCHEDULER`);
+    - `edm_vpred.sigma_max` (and `edm_vpred.sigma_min`, else 0.002): CosXL's EDM v-prediction, which
+      ComfyUI samples with sigma_data 1 (`ModelSamplingContinuousEDM`); here as diffusers' EDMEulerScheduler
+      over exponential sigmas, the schedule diffusers added for CosXL;
+    - an (empty) `v_pred` tensor: v-prediction, and `ztsnr` zero terminal SNR; without `v_pred`, the SAI
+      model spec's `modelspec.prediction_type` in the metadata says it.
+
+    {} for a plain epsilon model.
 
     Raises:
       CheckpointError: a model spec prediction type this package does not run.
     """
+    keys = file.keys()
+    if "edm_mean" in keys and "edm_std" in keys:
+        return dict(PLAYGROUND_SCHEDULER)
+    if "edm_vpred.sigma_max" in keys:
+        sigma_min = float(file.tensor("edm_vpred.sigma_min")) if "edm_vpred.sigma_min" in keys else 0.002
+        return {"_class_name": "EDMEulerScheduler", "prediction_type": "v_prediction", "sigma_data": 1.0,
+                "sigma_min": sigma_min, "sigma_max": float(file.tensor("edm_vpred.sigma_max")),
+                "sigma_schedule": "exponential"}
     fields = {}
-    declared = metadata.get("modelspec.prediction_type")
+    declared = file.metadata.get("modelspec.prediction_type")
     if "v_pred" in keys:
         fields["prediction_type"] = "v_prediction"
     elif declared is not None:
@@ -128,6 +151,16 @@ def sampling_fields(keys, metadata: dict[str, str], where: str) -> dict:
     if "ztsnr" in keys:
         fields.update(ZERO_TERMINAL_SNR)
     return fields
+
+
+def vae_fields(file: SafetensorsFile) -> dict:
+    """The VAE config fields a single file says: Playground v2.5's latents' per-channel mean and std (its
+    `edm_mean` and `edm_std`, [1, C, 1, 1]) and scaling factor, as diffusers' single-file loader reads them."""
+    if "edm_mean" not in file.keys() or "edm_std" not in file.keys():
+        return {}
+    return {"latents_mean": [float(v) for v in file.tensor("edm_mean").reshape(-1)],
+            "latents_std": [float(v) for v in file.tensor("edm_std").reshape(-1)],
+            "scaling_factor": _PLAYGROUND_SCALING_FACTOR}
 
 
 def family_of(spec: ModelSpec) -> str:

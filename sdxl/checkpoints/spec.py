@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from ..config import cache_root, config_from_dict, read_json
 from ..models import clip, controlnet, layers, unet, vae
 from ..sampling.samplers import sampler_for_scheduler
-from ..sampling.schedulers import SchedulerConfig
+from ..sampling.schedulers import SchedulerConfig, scheduler_config
 from .folder import read_model_index
 from .weights import CheckpointError, flatten, unflatten
 
@@ -73,6 +73,8 @@ class ModelSpec:
         scheduler = self.scheduler
         prediction = {"epsilon": "epsilon prediction", "v_prediction": "v-prediction",
                       "sample": "sample prediction"}[scheduler.prediction_type]
+        if scheduler.is_edm:
+            return f"EDM, {prediction}, sigma_data {scheduler.sigma_data:g}"
         return prediction + (", zero terminal SNR" if scheduler.rescale_betas_zero_snr else "")
 
     @property
@@ -110,7 +112,9 @@ class ModelSpec:
         return self.text_encoders[0].max_position_embeddings
 
     @classmethod
-    def from_folder(cls, folder: Path, scheduler: dict | None = None) -> "ModelSpec":
+    def from_folder(
+        cls, folder: Path, scheduler: dict | None = None, vae_fields: dict | None = None
+    ) -> "ModelSpec":
         """Reads the configs of a diffusers pipeline folder, and refuses what this package cannot run.
 
         Only the text encoders, UNet, VAE and scheduler are read. Other entries of model_index.json
@@ -121,6 +125,7 @@ class ModelSpec:
         Args:
           scheduler: fields that replace the scheduler config's (`_class_name`, `timestep_spacing`,
             `prediction_type`, ...), as diffusers users pass them to `Scheduler.from_config`.
+          vae_fields: fields that replace the VAE config's (a single file's latents' statistics).
 
         Raises:
           CheckpointError: a config is missing or unreadable, or names something unsupported (the
@@ -132,7 +137,7 @@ class ModelSpec:
         names = tuple(n for n in TEXT_ENCODERS if index.get(n) and index[n][0] is not None)
         configs = {
             "unet": _read(folder, "unet/config.json"),
-            "vae": _read(folder, "vae/config.json"),
+            "vae": _read(folder, "vae/config.json") | (vae_fields or {}),
             "scheduler": _read(folder, "scheduler/scheduler_config.json") | (scheduler or {}),
             **{name: _read(folder, f"{name}/config.json") for name in names},
         }
@@ -141,7 +146,7 @@ class ModelSpec:
                 unet=config_from_dict(unet.UNetConfig, configs["unet"]),
                 vae=config_from_dict(vae.VAEConfig, configs["vae"]),
                 text_encoders=tuple(config_from_dict(clip.CLIPTextConfig, configs[name]) for name in names),
-                scheduler=config_from_dict(SchedulerConfig, configs["scheduler"]),
+                scheduler=scheduler_config(configs["scheduler"]),
                 force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", False)),
                 default_sampler=sampler_for_scheduler(configs["scheduler"]),
                 text_encoder_names=names,

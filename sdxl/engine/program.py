@@ -45,7 +45,7 @@ from ..checkpoints.ip_adapters import IPAdapterConfig
 from ..models import clip_vision, controlnet, controlnet_union, ip_adapter, previews, unet, vae
 from ..models.layers import STEP_INVARIANTS, ImagePromptTokens
 from ..sampling import methods
-from ..sampling.samplers import Sampler, add_noise, denoised_from_model_output, run_steps
+from ..sampling.samplers import Sampler, add_noise, denoised_from_model_output, model_input, run_steps
 from ..sampling.schedulers import Schedule
 from . import controlnet_steps
 from .latents import one_image_per_device_at_a_time, scaled_latents, unscaled_latents
@@ -420,9 +420,11 @@ class GenerateProgram:
             extra = jnp.concatenate([known.mask, known.masked_latents], axis=-1)
             extra = interleave(extra, extra) if self.guided else extra
 
+        scheduler = self.spec.scheduler
+
         def denoiser(x, sigma, timestep, step):
             batch = x.shape[0]
-            x_in = x / jnp.sqrt(sigma**2 + 1)
+            x_in = model_input(x, sigma, scheduler.sigma_data)
             if self.guided:
                 x_in = interleave(x_in, x_in)
             if extra is not None:
@@ -437,7 +439,7 @@ class GenerateProgram:
                 # diffusers skips guidance for scales <= 1 and uses the conditional prediction alone.
                 guided = rescaled_guidance(uncond + g * (positive - uncond), positive, rescale)
                 out = jnp.where(g > 1, guided, positive)
-            return denoised_from_model_output(x, out, sigma, self.spec.scheduler.prediction_type)
+            return denoised_from_model_output(x, out, sigma, scheduler.prediction_type, scheduler.sigma_data)
 
         method = self.method
         if known is not None and known.latents is not None:

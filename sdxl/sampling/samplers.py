@@ -38,13 +38,20 @@ SteppedDenoiser = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Arr
 Carry = Any  # a sampler's loop state: the latents, plus whatever else it keeps between steps
 
 
-def denoised_from_model_output(
-    x: jax.Array, model_output: jax.Array, sigma: jax.Array, prediction_type: str
-) -> jax.Array:
-    """The clean-latent prediction implied by a diffusers UNet's output, as EulerDiscreteScheduler.step.
+def model_input(x: jax.Array, sigma: jax.Array, sigma_data: float | None = None) -> jax.Array:
+    """What the UNet sees of the noisy latents x at noise level sigma: c_in * x, c_in = 1 / sqrt(sigma^2 +
+    sigma_data^2), the variance-preserving sample for a discrete-time model (sigma_data None: 1), Karras
+    et al. 2022's preconditioning for an EDM one (`SchedulerConfig.sigma_data`)."""
+    return x / jnp.sqrt(sigma**2 + (1.0 if sigma_data is None else sigma_data) ** 2)
 
-    The UNet is trained on variance-preserving samples: its input is c_in * x with
-    c_in = 1 / sqrt(sigma^2 + 1), and its output is read back here.
+
+def denoised_from_model_output(
+    x: jax.Array, model_output: jax.Array, sigma: jax.Array, prediction_type: str, sigma_data: float | None = None
+) -> jax.Array:
+    """The clean-latent prediction implied by a diffusers UNet's output, as EulerDiscreteScheduler.step
+    (or, given sigma_data, the EDM schedulers' `precondition_outputs`).
+
+    The UNet's input is `model_input(x, sigma, sigma_data)`, and its output is read back here.
 
     Args:
       x: [B, ...] the noisy latents at noise level sigma (diffusers' Euler `sample`, not scaled by c_in).
@@ -53,11 +60,18 @@ def denoised_from_model_output(
       prediction_type: "epsilon" (the output is the noise), "v_prediction" (the output is
         v = alpha * noise - sigma_vp * x0 in variance-preserving terms) or "sample" (the output is x0
         itself, as SDXL-Lightning's 1-step UNet predicts).
+      sigma_data: an EDM model's (Karras et al. 2022, Table 1): denoised = c_skip * x + c_out * output,
+        c_skip = sigma_data^2 / (sigma^2 + sigma_data^2), c_out = sigma * sigma_data / sqrt(sigma^2 +
+        sigma_data^2), negated for v-prediction (CosXL). None: a discrete-time model.
 
     Returns:
       [B, ...] float32 denoised latents.
     """
     model_output = model_output.astype(jnp.float32)
+    if sigma_data is not None and prediction_type in ("epsilon", "v_prediction"):
+        total = sigma**2 + sigma_data**2
+        c_out = sigma * sigma_data / jnp.sqrt(total) * (1 if prediction_type == "epsilon" else -1)
+        return x * (sigma_data**2 / total) + model_output * c_out
     if prediction_type == "epsilon":
         return x - sigma * model_output
     if prediction_type == "v_prediction":
@@ -140,16 +154,19 @@ def dpmpp_2m_step(denoiser: Denoiser, schedule: Schedule, num_steps, i, carry: C
 
 
 def ddim_step(denoiser: Denoiser, schedule: DDIMSchedule, num_steps, i, x_vp: jax.Array, noise) -> jax.Array:
-    """DDIM with eta = 0, Song et al. 2021 eq. 12, as DDIMScheduler.
+    """DDIM with eta = 0, Song et al. 2021 eq. 12, as DDIMScheduler: the clean estimate and the noise it
+    implies, taken to `schedule.target_sigmas[i]`.
 
-    In terms of x = x_vp / alpha it is Euler's method (Karras et al. 2022, sec. 4), stepping to
-    `schedule.target_sigmas[i]`. The state is diffusers' variance-preserving sample
-    (init_noise_sigma 1).
+    In terms of x = x_vp / alpha it is Euler's method (Karras et al. 2022, sec. 4); written in
+    variance-preserving terms it also steps from zero terminal SNR's pure noise (a sigma of 2^60 standing
+    in for infinity, whose x would overflow an Euler step). The state is diffusers' variance-preserving
+    sample (init_noise_sigma 1).
     """
     sigma, sigma_next = schedule.sigmas[i], schedule.target_sigmas[i]
-    x = x_vp / _vp_scale(sigma)
-    denoised = denoiser(x, sigma, schedule.timesteps[i])
-    return _euler_step(x, denoised, sigma, sigma_next) * _vp_scale(sigma_next)
+    alpha, alpha_next = _vp_scale(sigma), _vp_scale(sigma_next)
+    denoised = denoiser(x_vp / alpha, sigma, schedule.timesteps[i])
+    noise_estimate = (x_vp - alpha * denoised) / (sigma * alpha)
+    return alpha_next * denoised + (sigma_next * alpha_next) * noise_estimate
 
 
 def pndm_step(denoiser: Denoiser, schedule: PNDMSchedule, num_steps, i, carry: Carry, noise) -> Carry:
@@ -318,8 +335,13 @@ SCHEDULER_SAMPLERS = {
     "LCMScheduler": "lcm",
     "TCDScheduler": "tcd",
 }
-# The schedulers whose samplers here step from zero terminal SNR's last noise level (`schedulers.train_sigmas`).
-_ZERO_SNR_SCHEDULERS = ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler")
+# diffusers' EDM schedulers (`schedulers.EDM_SCHEDULERS`): their steps are these samplers' (on EDM schedules).
+_EDM_SCHEDULER_SAMPLERS = {"EDMEulerScheduler": "euler", "EDMDPMSolverMultistepScheduler": "dpmpp_2m"}
+# The schedulers whose samplers here step from zero terminal SNR's last noise level (`schedulers.train_sigmas`,
+# DDIM's pure noise).
+_ZERO_SNR_SCHEDULERS = (
+    "EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler", "DDIMScheduler"
+)
 # DPMSolverMultistepScheduler's settings that `dpmpp_2m_step` implements (its defaults).
 _DPMPP_2M_SETTINGS = {
     "algorithm_type": "dpmsolver++",
@@ -341,13 +363,16 @@ def sampler_for_scheduler(config: dict) -> str:
         by another silently.
     """
     name = config.get("_class_name", "EulerDiscreteScheduler")
-    if name not in SCHEDULER_SAMPLERS:
-        known = ", ".join(SCHEDULER_SAMPLERS)
+    if name not in SCHEDULER_SAMPLERS and name not in _EDM_SCHEDULER_SAMPLERS:
+        known = ", ".join([*SCHEDULER_SAMPLERS, *_EDM_SCHEDULER_SAMPLERS])
         raise ValueError(f"scheduler {name} is not implemented (the samplers here reproduce {known})")
-    if name == "DPMSolverMultistepScheduler":
+    if name in ("DPMSolverMultistepScheduler", "EDMDPMSolverMultistepScheduler"):
         for key, value in _DPMPP_2M_SETTINGS.items():
             if config.get(key, value) != value:
                 raise ValueError(f"scheduler {name} with {key}={config[key]!r} is not implemented (only {value!r})")
+    if name in _EDM_SCHEDULER_SAMPLERS:
+        return _EDM_SCHEDULER_SAMPLERS[name]
+    if name == "DPMSolverMultistepScheduler":
         return "dpmpp_2m_karras" if config.get("use_karras_sigmas") else "dpmpp_2m"
     if config.get("rescale_betas_zero_snr") and name not in _ZERO_SNR_SCHEDULERS:
         raise ValueError(f"scheduler {name} with rescale_betas_zero_snr is not implemented (only "

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import special
 
-from .schedulers import SchedulerConfig, zero_terminal_snr
+from .schedulers import SchedulerConfig, refuse_edm, zero_terminal_snr
 
 _f32 = np.float32
 # A1111's (and ComfyUI's) last alphas_cumprod of a zero-terminal-SNR schedule: a largest noise level of
@@ -66,6 +66,7 @@ def discrete_model(config: SchedulerConfig, is_sdxl: bool = True) -> DiscreteMod
     with a last value that keeps the largest noise level finite. The sigmas are then computed from
     the float32 values in float32, as k-diffusion's wrapper does.
     """
+    refuse_edm(config, "An A1111 schedule type")
     steps = config.num_train_timesteps
     if config.beta_schedule == "scaled_linear":
         betas = np.linspace(config.beta_start**0.5, config.beta_end**0.5, steps) ** 2

@@ -16,12 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ..config import config_from_dict
+
 TIMESTEP_SPACINGS = ("linspace", "leading", "trailing")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 # The scheduler config of a model trained with zero terminal SNR (a single file's `ztsnr` key, or
 # asked for): Lin et al. 2023's rescaled betas, with steps that start at the last timestep, where the
 # rescaled noise is pure noise ("trailing" spacing, which they and diffusers' docs pair with it).
 ZERO_TERMINAL_SNR = {"rescale_betas_zero_snr": True, "timestep_spacing": "trailing"}
+# diffusers' schedulers of models trained in Karras et al. 2022's (EDM) formulation, Playground v2.5 and
+# CosXL: continuous noise levels, no betas. Their defaults for the fields that make a config EDM.
+EDM_SCHEDULERS = ("EDMEulerScheduler", "EDMDPMSolverMultistepScheduler")
+_EDM_DEFAULTS = {"sigma_min": 0.002, "sigma_max": 80.0, "sigma_data": 0.5}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +67,16 @@ class SchedulerConfig:
     # LCMScheduler's: the distillation schedule's step count, and its boundary condition's time scale.
     original_inference_steps: int = 50
     timestep_scaling: float = 10.0
+    # EDM schedulers' (`EDM_SCHEDULERS`): the data's standard deviation, which scales the UNet's input and
+    # output (None: a discrete-time model, whose noise levels come from its betas), and the sigmas
+    # between sigma_min and sigma_max, "karras" (with rho) or "exponential".
+    sigma_data: float | None = None
+    sigma_schedule: str = "karras"
+    rho: float = 7.0
+
+    @property
+    def is_edm(self) -> bool:
+        return self.sigma_data is not None
 
     def __post_init__(self):
         supported = {
@@ -71,14 +87,28 @@ class SchedulerConfig:
             "interpolation_type": ("linear",),
             "use_exponential_sigmas": (False, None),
             "use_beta_sigmas": (False, None),
-            "sigma_min": (None,),
-            "sigma_max": (None,),
             "final_sigmas_type": ("zero", "sigma_min"),
             "timestep_type": ("discrete",),
+            "sigma_schedule": ("karras", "exponential"),
         }
+        if not self.is_edm:
+            supported |= {"sigma_min": (None,), "sigma_max": (None,)}
+        else:
+            supported |= {"prediction_type": ("epsilon", "v_prediction"), "rescale_betas_zero_snr": (False,)}
         for name, values in supported.items():
             if getattr(self, name) not in values:
                 raise ValueError(f"scheduler config: {name}={getattr(self, name)!r} is not supported (only {values})")
+
+
+def scheduler_config(fields: dict) -> SchedulerConfig:
+    """A `scheduler_config.json`'s fields as a SchedulerConfig, as the class its `_class_name` names reads
+    them: an EDM class (`EDM_SCHEDULERS`) with its sigma range and sigma_data where the JSON leaves them
+    out; the others without sigma_data, which they do not have."""
+    if fields.get("_class_name") in EDM_SCHEDULERS:
+        fields = _EDM_DEFAULTS | {name: value for name, value in fields.items() if value is not None}
+    else:
+        fields = {name: value for name, value in fields.items() if name != "sigma_data"}
+    return config_from_dict(SchedulerConfig, fields)
 
 
 @struct.dataclass
@@ -219,11 +249,25 @@ def train_sigmas(config: SchedulerConfig) -> np.ndarray:
 
 
 def _refuse_zero_snr(config: SchedulerConfig, scheduler: str) -> None:
-    """Zero terminal SNR runs on the sigma-based schedulers only (Euler, Euler ancestral, DPM-Solver++):
-    the others step from the infinite noise level of its last timestep."""
+    """Zero terminal SNR runs on the sigma-based schedulers (Euler, Euler ancestral, DPM-Solver++) and on
+    DDIM, which steps from its last timestep's pure noise in variance-preserving terms; not on the others."""
     if config.rescale_betas_zero_snr:
         raise ValueError(f"scheduler config: {scheduler} with rescale_betas_zero_snr is not implemented; choose "
-                         "Euler, Euler a or DPM++ 2M")
+                         "Euler, Euler a, DPM++ 2M or DDIM")
+
+
+# Zero terminal SNR's last timestep is pure noise: alphas_cumprod 0, an infinite sigma. DDIM steps from it
+# in variance-preserving terms (`samplers.ddim_step`), where it is finite; this sigma stands in for it,
+# so large that alpha = 1 / sqrt(sigma^2 + 1) = 2^-60 and a v-prediction's clean estimate is -v as in
+# diffusers (alpha 0), to float32 rounding.
+_PURE_NOISE_SIGMA = np.float32(2.0**60)
+
+
+def refuse_edm(config: SchedulerConfig, scheduler: str) -> None:
+    """An EDM model samples as diffusers' EDM schedulers step only: Euler's and DPM++ 2M's."""
+    if config.is_edm:
+        raise ValueError(f"{scheduler} does not sample an EDM model (Playground v2.5, CosXL) here; choose Euler or "
+                         "DPM++ 2M on the diffusers schedule type")
 
 
 def _spaced_timesteps(config: SchedulerConfig, spacing: str, num_steps: int, round_linspace: bool) -> np.ndarray:
@@ -297,6 +341,8 @@ def euler_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> S
       The schedule: timesteps spaced per config.timestep_spacing, sigmas interpolated linearly in
       the timestep (or Karras sigmas), ending in the final sigma.
     """
+    if config.is_edm:
+        return edm_euler_schedule(config, num_steps, max_steps)
     _check_steps(num_steps, max_steps)
     spacing = config.timestep_spacing or "linspace"
     # diffusers interpolates at float32 timesteps.
@@ -313,12 +359,66 @@ def euler_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> S
     return Schedule(**_schedule_fields(sigmas, timesteps, init_noise_sigma, max_steps, num_steps))
 
 
+def _edm_sigmas(config: SchedulerConfig, num_steps: int, dtype) -> np.ndarray:
+    """[num_steps] float32 decreasing sigmas from sigma_max to sigma_min, as diffusers' EDM schedulers'
+    `set_timesteps` compute them: Karras's in `dtype` (float64 in EDMEulerScheduler, float32 in
+    EDMDPMSolverMultistepScheduler), exponential ones (even in log sigma) in float32 in both."""
+    if config.sigma_schedule == "exponential":
+        log_sigmas = np.linspace(np.log(config.sigma_min), np.log(config.sigma_max), num_steps).astype(np.float32)
+        return np.exp(log_sigmas)[::-1].copy()
+    ramp = np.linspace(0, 1, num_steps).astype(dtype)
+    rho = dtype(config.rho)
+    max_inv_rho, min_inv_rho = dtype(config.sigma_max ** (1 / config.rho)), dtype(config.sigma_min ** (1 / config.rho))
+    return ((max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** rho).astype(np.float32)
+
+
+def _edm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int, sigmas: np.ndarray, final_sigma,
+                  variance_preserving: bool) -> Schedule:
+    """An EDM scheduler's schedule: `sigmas` then `final_sigma`, the UNet's timestep at each its
+    c_noise = log(sigma) / 4, and diffusers' starting noise sqrt(sigma_max^2 + 1) times standard normal
+    noise (not sigma_max: its EDM schedulers keep the discrete ones' value), for a variance-preserving
+    sampler as that sample at sigmas[0]."""
+    timesteps = np.float32(0.25) * np.log(sigmas)
+    init_noise_sigma = np.sqrt(np.float64(config.sigma_max) ** 2 + 1)
+    if variance_preserving:
+        init_noise_sigma /= np.sqrt(np.float64(sigmas[0]) ** 2 + 1)
+    sigmas = np.append(sigmas, np.float32(final_sigma))
+    return Schedule(**_schedule_fields(sigmas, timesteps, init_noise_sigma, max_steps, num_steps))
+
+
+def edm_euler_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> Schedule:
+    """EDMEulerScheduler.set_timesteps(num_steps), padded to max_steps (use_karras_sigmas: Karras's
+    sigmas whatever the config's sigma_schedule, as "DPM++ 2M Karras" asks)."""
+    _check_steps(num_steps, max_steps)
+    if config.use_karras_sigmas:
+        config = dataclasses.replace(config, sigma_schedule="karras")
+    sigmas = _edm_sigmas(config, num_steps, np.float64)
+    final_sigma = sigmas[-1] if config.final_sigmas_type == "sigma_min" else 0
+    return _edm_schedule(config, num_steps, max_steps, sigmas, final_sigma, variance_preserving=False)
+
+
+def edm_dpmpp_2m_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> Schedule:
+    """EDMDPMSolverMultistepScheduler.set_timesteps(num_steps), padded to max_steps, for `dpmpp_2m_step`.
+
+    That scheduler is DPMSolverMultistepScheduler's DPM-Solver++(2M) on x itself (alpha_t = 1, its
+    inputs "pre-scaled"); the same update in variance-preserving terms is `dpmpp_2m_step`'s, whose
+    first-order last step (lower_order_final, below 15 steps or to sigma 0) is its rule too.
+    """
+    _check_steps(num_steps, max_steps)
+    if config.use_karras_sigmas:
+        config = dataclasses.replace(config, sigma_schedule="karras")
+    sigmas = _edm_sigmas(config, num_steps, np.float32)
+    final_sigma = config.sigma_min if config.final_sigmas_type == "sigma_min" else 0
+    return _edm_schedule(config, num_steps, max_steps, sigmas, final_sigma, variance_preserving=True)
+
+
 def euler_ancestral_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> Schedule:
     """EulerAncestralDiscreteScheduler.set_timesteps(num_steps), padded to max_steps.
 
     That scheduler has no Karras or final-sigma options: it is Euler's schedule with interpolated
     sigmas ending in 0, whatever the config says about those.
     """
+    refuse_edm(config, "Euler a")
     plain = dataclasses.replace(config, use_karras_sigmas=False, final_sigmas_type="zero")
     return euler_schedule(plain, num_steps, max_steps)
 
@@ -330,6 +430,8 @@ def dpmpp_2m_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -
     timesteps rounded. The sampler's x is diffusers' variance-preserving sample, so it starts at
     unit variance.
     """
+    if config.is_edm:
+        return edm_dpmpp_2m_schedule(config, num_steps, max_steps)
     _check_steps(num_steps, max_steps)
     if config.thresholding:
         raise ValueError("scheduler config: thresholding is not supported")
@@ -361,17 +463,21 @@ def ddim_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> DD
     training timestep's. The sampler's x is diffusers' variance-preserving sample, so it starts at
     unit variance.
     """
+    refuse_edm(config, "DDIM")
     _check_steps(num_steps, max_steps)
     if config.clip_sample or config.thresholding:
         raise ValueError("scheduler config: DDIM's clip_sample and thresholding are not supported")
-    _refuse_zero_snr(config, "DDIM")
+    if config.rescale_betas_zero_snr and config.prediction_type != "v_prediction":
+        raise ValueError("scheduler config: DDIM with rescale_betas_zero_snr needs prediction_type 'v_prediction' "
+                         "(diffusers' first step divides by its zero alpha otherwise)")
     spacing = config.timestep_spacing or "leading"
     timesteps = _spaced_timesteps(config, spacing, num_steps, round_linspace=True).astype(np.int64)
     cumprod = alphas_cumprod(config)
     final_cumprod = np.float32(1) if config.set_alpha_to_one else cumprod[0]
     targets = timesteps - config.num_train_timesteps // num_steps
     target_cumprod = np.where(targets >= 0, cumprod[targets.clip(min=0)], final_cumprod)
-    sigmas = _sigmas_from_alphas_cumprod(cumprod[timesteps])
+    noisy = cumprod[timesteps] > 0  # False only at zero terminal SNR's last timestep
+    sigmas = np.where(noisy, _sigmas_from_alphas_cumprod(np.where(noisy, cumprod[timesteps], 1)), _PURE_NOISE_SIGMA)
     target_sigmas = _sigmas_from_alphas_cumprod(target_cumprod)
     return DDIMSchedule(
         **_schedule_fields(np.append(sigmas, target_sigmas[-1]), timesteps, 1.0, max_steps, num_steps),
@@ -391,6 +497,7 @@ _PLMS_WEIGHTS = {
 def pndm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> PNDMSchedule:
     """PNDMScheduler.set_timesteps(num_steps) with skip_prk_steps (the PLMS sampler SD 1.x ships
     with), padded to max_steps + 1 evaluations."""
+    refuse_edm(config, "PLMS")
     _check_steps(num_steps, max_steps)
     if config.prediction_type != "epsilon":
         raise ValueError("scheduler config: PNDM with prediction_type 'v_prediction' is not implemented")
@@ -437,6 +544,7 @@ def _distilled_timesteps(config: SchedulerConfig, num_steps: int) -> np.ndarray:
 def lcm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> LCMSchedule:
     """LCMScheduler.set_timesteps(num_steps), padded to max_steps: `num_steps` evenly spaced (by index)
     of the distillation schedule's `original_inference_steps` timesteps 999, 979, ..., 19."""
+    refuse_edm(config, "LCM")
     _check_steps(num_steps, max_steps)
     if config.clip_sample or config.thresholding:
         raise ValueError("scheduler config: LCM's clip_sample and thresholding are not supported")
@@ -458,6 +566,7 @@ TCD_GAMMA = 0.3  # TCD's stochasticity ("eta" in diffusers' TCDScheduler.step), 
 
 def tcd_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> TCDSchedule:
     """TCDScheduler.set_timesteps(num_steps) with gamma `TCD_GAMMA`, padded to max_steps."""
+    refuse_edm(config, "TCD")
     _check_steps(num_steps, max_steps)
     _refuse_zero_snr(config, "TCD")
     timesteps = _distilled_timesteps(config, num_steps)

@@ -355,9 +355,9 @@ class DemoService:
     def reused(self, text: str) -> tuple[dict, str]:
         """The form's fields, by name, that a PNG's "parameters" text (this demo's, A1111's or Forge's)
         fills in: the prompts, and of seed, guidance, steps, sampler, schedule type, emphasis, size (one
-        of this model's), noise source, ENSD, variation seed, clip skip and hires fix (by a scale, with an
-        upscaler the page has) those it names; and a sentence that says what was filled in, and what was not.
-        Raises ValueError."""
+        of this model's), noise source, ENSD, variation seed, clip skip, hires fix (by a scale, with an
+        upscaler the page has) and CFG rescale those it names; and a sentence that says what was filled in,
+        and what was not. Raises ValueError."""
         model, unused_model = self._model_of_text(infotext.settings_of(text))
         found, unused = infotext.read_infotext(text, model.pipe)
         if len(self.models) > 1:  # the page's Model choice follows the text
@@ -390,7 +390,7 @@ class DemoService:
         said = f"Filled in: the prompts{filled}" + (f". Not used: {', '.join(unused)}" if unused else "")
         # A1111's settings a text leaves out are off in it: one reused before must not stay.
         left_out = {"ensd": 0, "variation_seed": 0, "variation_strength": 0.0, "clip_skip": 1,
-                    "sdxl_clip_l_skip": False, "hires": False}
+                    "sdxl_clip_l_skip": False, "hires": False, "guidance_rescale": 0.0}
         return left_out | fields, said
 
     def _reused_hires(self, hires: Hires, width, height, replaced: list[str]) -> dict:

@@ -75,6 +75,8 @@ PARAMETERS = {
     "ip_adapter_scale": "how much the picture counts beside the prompt, 0 to 2",
     "ip_adapter_layers": f"where it steers: {', '.join(SCALE_PRESETS)} (style: its look, not its layout)",
     "model": "the model to draw with, by its name as given at launch (--model); default: the first",
+    "guidance_rescale": "CFG rescale (Lin et al.), 0 to 1, for v-prediction models with zero terminal SNR; 0.7 is "
+                        "usual; default: 0 (off)",
     "picture": "the picture to upscale (a file)",
     "upscaler": "a model upscaler loaded at launch, by name, or a resize (Lanczos, ...)",
     "factor": "how many times bigger, 1 to 4",

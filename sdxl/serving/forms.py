@@ -109,7 +109,8 @@ CONTROL_PARAMETERS = {"picture": "control_image", "preprocessor": "control_prepr
 REUSED = {"model": "model", "seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
           "schedule_type": "schedule type", "emphasis": "emphasis", "size": "size", "noise_source": "noise",
           "ensd": "ENSD", "variation_seed": "variation seed", "variation_strength": "variation strength",
-          "clip_skip": "clip skip", "sdxl_clip_l_skip": "SDXL's CLIP-L clip skip", "hires": "hires fix"}
+          "clip_skip": "clip skip", "sdxl_clip_l_skip": "SDXL's CLIP-L clip skip", "hires": "hires fix",
+          "guidance_rescale": "CFG rescale"}
 # A hires fix's settings the form has, by its `Settings` field: its `Hires` field.
 HIRES_FIELDS = {"hires_upscaler": "upscaler", "hires_scale": "scale", "hires_steps": "steps",
                 "hires_strength": "strength"}
