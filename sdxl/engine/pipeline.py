@@ -65,6 +65,7 @@ class Pipeline:
         controlnet: str | Sequence[str] | None = None,
         executables: Executables | None = None,
         vae_tiling: bool = False,
+        weights_dtype: str | None = None,
     ) -> "Pipeline":
         """Loads an SDXL or SD 1.x/2.x checkpoint: a diffusers folder or Hub repo, or a single file.
 
@@ -94,9 +95,15 @@ class Pipeline:
             sample_size squared: SDXL's 1024x1024) in overlapping tiles, as diffusers' pipelines after
             `enable_vae_tiling()` (`sdxl.models.vae.tiled_decode`), so that a 2048x2048 picture needs
             the VAE memory of a 1024x1024 one. The tiles' blending changes such pictures a little.
+          weights_dtype: how the UNet's and ControlNets' large weights are stored on the devices, computed
+            in `dtype` all the same (`sdxl.models.quantization`): "default" (in `dtype`), "fp8_e4m3fn"
+            ("fp8"), "fp8_e5m2" (as ComfyUI's weight_dtype and Forge's `--unet-in-fp8-e4m3fn`, with a
+            scale per output channel) or "int8" (symmetric, a scale per output channel): half the bytes
+            of bfloat16 for 99% of the UNet's.
         """
         model = loading.load(path_or_repo_id, dtype=dtype, max_steps=max_steps, devices=devices, config=config,
-                             scheduler=scheduler, unet=unet, vae=vae, controlnet=controlnet, vae_tiling=vae_tiling)
+                             scheduler=scheduler, unet=unet, vae=vae, controlnet=controlnet, vae_tiling=vae_tiling,
+                             weights_dtype=weights_dtype)
         return cls(model, executables)
 
     # The current snapshot, and what it holds
@@ -116,6 +123,7 @@ class Pipeline:
     prompts = property(lambda self: self._model.prompts)
     mesh = property(lambda self: self._model.mesh)
     dtype = property(lambda self: self._model.dtype)
+    weights_dtype = property(lambda self: self._model.weights_dtype)
     max_steps = property(lambda self: self._model.max_steps)
     name = property(lambda self: self._model.name)
     vae_name = property(lambda self: self._model.vae_name)
