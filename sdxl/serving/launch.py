@@ -120,7 +120,7 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
     enable_compilation_cache(options.cache_dir)
     loras = dict(options.lora)
     load = functools.partial(Pipeline.from_pretrained, dtype=options.dtype, max_steps=max_steps,
-                             vae_tiling=not options.no_vae_tiling)
+                             vae_tiling=not options.no_vae_tiling, weights_dtype=options.weights_dtype)
     try:
         scheduler = recommended(options.model, options.unet, loras=tuple(loras)).scheduler
         pipe = load(options.model, config=options.config, scheduler=scheduler, unet=options.unet,
