@@ -53,6 +53,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoints.random_models import MEDIUM_SIZE
+from ..models.quantization import ALIASES, WEIGHT_DTYPES
 from .hosts import HOSTS_MARKDOWN_HEADER, format_hosts_table, hosts_markdown_row, run_hosts_soak
 from .loading import run_load_benchmark
 from .report import (
@@ -80,6 +81,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--devices", type=int, help="use the first N devices (default: all; with --soak-hosts, N forced CPU devices)"
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16, float32 on CPU")
+    parser.add_argument(
+        "--weights-dtype", choices=[*WEIGHT_DTYPES, *ALIASES], default="default",
+        help="how the UNet's and ControlNets' large weights are stored, computed in --dtype all the same "
+        "(default: %(default)s, in --dtype)",
+    )
+    parser.add_argument(
+        "--checkpoints", type=int, default=1, metavar="N",
+        help="with --topology, N checkpoints of the model's architecture held on each chip (their weights N "
+        "times, the programs' other buffers once) (default: %(default)s)",
+    )
     parser.add_argument("--compare", choices=["diffusers"], help="also time diffusers' pipeline on the same weights")
     parser.add_argument(
         "--quick",
@@ -179,6 +190,8 @@ def command(args: argparse.Namespace) -> None:
             stages=tuple(args.stages.split(",")),
             hires_scale=args.hires_scale,
             ip_adapter_kind=args.ip_adapter,
+            weights_dtype=args.weights_dtype,
+            checkpoints=args.checkpoints,
             log=log,
         )
         table, header, row = format_topology_table(result), TOPOLOGY_MARKDOWN_HEADER, topology_markdown_row(result)
