@@ -61,6 +61,7 @@ from .report import (
     markdown_row,
 )
 from .soak import SOAK_MARKDOWN_HEADER, format_soak_table, run_soak, soak_markdown_row
+from . import weights
 from .speed import run_benchmark
 from .topology import (
     HIRES, IP, PROGRAMS, REFINE, STAGES, TOPOLOGY_MARKDOWN_HEADER, format_topology_table, run_topology_benchmark,
@@ -83,8 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16, float32 on CPU")
     parser.add_argument(
         "--weights-dtype", choices=[*WEIGHT_DTYPES, *ALIASES], default="default",
-        help="how the UNet's and ControlNets' large weights are stored, computed in --dtype all the same "
-        "(default: %(default)s, in --dtype)",
+        help="with --topology, how the UNet's and ControlNets' large weights are stored, computed in --dtype all "
+        "the same (default: %(default)s, in --dtype)",
+    )
+    parser.add_argument(
+        "--compare-weights", metavar="MODES",
+        help="also time the model with its weights stored in these modes, comma-separated (fp8_e4m3fn, fp8_e5m2, "
+        "int8), each loaded again and its calls timed in turn with the baseline's",
     )
     parser.add_argument(
         "--checkpoints", type=int, default=1, metavar="N",
@@ -174,6 +180,9 @@ def command(args: argparse.Namespace) -> None:
     def log(message: str) -> None:
         print(message, file=sys.stderr)
 
+    if args.weights_dtype != "default" and not args.topology:
+        raise ValueError("--weights-dtype goes with --topology; to time weights modes beside the default, "
+                         "give --compare-weights")
     if args.refiner and not args.topology:
         raise ValueError("--refiner goes with --topology: the refiner's fit beside the model is compiled, not run")
     if args.topology:
@@ -225,6 +234,7 @@ def command(args: argparse.Namespace) -> None:
             quick=args.quick,
             progress=not args.no_progress,
             profile=args.profile and Path(args.profile),
+            compare_weights=weights.modes_of(args.compare_weights),
             log=log,
         )
         table, header, row = format_table(result), MARKDOWN_HEADER, markdown_row(result)
