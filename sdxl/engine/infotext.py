@@ -56,6 +56,8 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
         "Steps": request.steps, "Sampler": SAMPLER_NAMES[request.sampler], "Schedule type": request.schedule_type,
         "CFG scale": float(request.guidance_scales[i]), **_seed_fields(request, i),
         "Size": f"{request.width}x{request.height}", "Model": model, "VAE": pipe.vae_name,
+        # Ours, which webui reads past: the UNet's weights stored in 8 bits, not in the dtype it computes in.
+        "Weights dtype": None if pipe.weights_dtype == "default" else pipe.weights_dtype,
         **_noise_fields(request, i),
         "Denoising strength": None if request.images is None else float(request.strength),
         **clip_skip_infotext(request, pipe.spec),
@@ -388,7 +390,7 @@ _SETTINGS = {
     "Clip skip": ("clip_skip", int), "Clip skip SDXL": ("sdxl_clip_l_skip", lambda value: value == "True"),
 }
 # What names files or programs rather than settings: nothing to apply, so never reported as unused.
-_METADATA = ("Version", "Model hash", "VAE hash", "Lora hashes", "TI hashes", "LoRAs")
+_METADATA = ("Version", "Model hash", "VAE hash", "Lora hashes", "TI hashes", "LoRAs", "Weights dtype")
 # The noise sources by webui's RNG names (and ours, JAX); webui's GPU source on NVIDIA cards is its NV.
 RNG_NAMES = {"jax": "JAX", "nv": "NV", "cpu": "CPU"}
 _RNG_SOURCES = {name: source for source, name in RNG_NAMES.items()} | {"GPU": "nv"}
