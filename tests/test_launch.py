@@ -38,7 +38,9 @@ def test_the_weights_dtype_option_loads_the_model_so_and_takes_comfyuis_names(tm
     parser = argparse.ArgumentParser()
     add_shared_options(parser)
     options = parser.parse_args(["--model", "shapes", "--weights-dtype", "fp8", "--cache-dir", str(tmp_path)])
-    assert launch.load(options).pipe.weights_dtype == "fp8_e4m3fn"
+    pipe = launch.load(options).pipe
+    assert pipe.weights_dtype == "fp8_e4m3fn"
+    assert launch.dtypes_label(pipe) == "float32, fp8_e4m3fn weights"  # the startup line's
     assert parser.parse_args([]).weights_dtype == "default"
 
 

@@ -107,6 +107,11 @@ class Model:
     notice: str | None = None  # why the built-in model stands in for the one asked for
 
 
+def dtypes_label(pipe: Pipeline) -> str:
+    """The dtype a model computes in, and how its weights are stored where that differs: "bfloat16, int8 weights"."""
+    return pipe.dtype.name if pipe.weights_dtype == "default" else f"{pipe.dtype.name}, {pipe.weights_dtype} weights"
+
+
 def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int = 100) -> Model:
     """The model `add_shared_options` named, with the compilation cache on, its LoRAs applied (each file
     read and checked now, not at a first request), its IP-Adapters loaded and its refiner set. With
@@ -222,7 +227,7 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
     warm_start = time.perf_counter()
     service.queue.wait(service.queue.submit(warm_up))
     ready = time.perf_counter()
-    print(f"model {model.label} ({pipe.dtype.name}) on {pipe.device_description}; compilation cache "
+    print(f"model {model.label} ({dtypes_label(pipe)}) on {pipe.device_description}; compilation cache "
           f"{jax.config.jax_compilation_cache_dir}")
     print(f"startup: load {loaded - start:.1f} s, compile {compile_seconds:.1f} s ({compiles.cached} of "
           f"{compiles.count} programs from the cache), warm-up {ready - warm_start:.1f} s, total {ready - start:.1f} s",
