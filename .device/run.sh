@@ -51,7 +51,7 @@ for name, r in runs.items():
     for mode in ("fp8_e4m3fn", "fp8_e5m2", "int8"):
         if f"weights_{mode}_cost" in r:
             print(f"  {mode} weights: {r['s_per_image'] * r[f'weights_{mode}_cost']:.4f} s/image, "
-                  f"{r[f'weights_{mode}_cost']:.3f}x the time of bfloat16 weights in the same process")
+                  f"{r[f'weights_{mode}_cost']:.3f}x the time of the run's own {r['dtype']} weights")
 EOF
 }
 run() {  # NAME BATCH SECONDS [VAR=value] [bench options]: a run, when SECONDS fit in what is left
