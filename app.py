@@ -42,7 +42,7 @@ ERROR_STATUS = {INVALID_REQUEST: 422, QUEUE_FULL: 503, NO_IMAGE: 500}
 CACHE_EXPIRY = (600, 3600)  # Gradio's delete_cache: (every, older than), seconds
 MAX_UPLOAD = "8mb"  # Gradio's upload endpoint takes any file; a phone's photo is 2-5 MB
 AXIS_VALUES_HINT = "comma-separated or one per line; ranges like 1-4; a prompt value found in the prompt replaces it"
-PAGE = Path(__file__).parent / "assets" / "page"  # the page's style sheet and keyboard script
+PAGE = Path(__file__).parent / "assets" / "page"  # the page's style sheet and scripts
 KEEPALIVE_SECONDS = 1.0  # a handler that waits yields "no change" this often
 
 
@@ -72,20 +72,42 @@ class Handlers:
                 submission = self.service.checked(tab, _owner(request), form)
             yield from _routed(request, self._rendered(submission, _owner(request), progress))
 
-        optional = ["mask", "ip_adapter_image", *(names["picture"] for names in self.service.control_parameters)]
+        optional = ["mask", "ip_adapter_image", "model", "width", "height",
+                    *(names["picture"] for names in self.service.control_parameters)]
         return _described(handler, tab, fields, optional)
 
-    def reuse(self, png) -> dict[str, object]:
-        """The form's fields (by name) that a PNG made here or by A1111 fills in; a message says what.
-        A file without settings is a warning, and the fields keep what they hold."""
+    def reuse(self, file) -> tuple[dict[str, object], str]:
+        """The form's fields (by name) that a PNG made here or by A1111 (or a text file of its settings) fills
+        in, and a sentence saying what, which the page keeps under the drop zone. A file without settings
+        is said so, and the fields keep what they hold."""
+        path = path_of(file)
         try:
-            with Image.open(path_of(png)) as picture:
-                fields, said = self.service.reused(picture.info.get("parameters", ""))
-        except (OSError, ValueError) as e:
-            gr.Warning(f"cannot reuse that image's settings: {e}")
-            return {}
-        gr.Info(said, title="Settings reused")
-        return fields
+            if path.lower().endswith(".txt"):
+                text = Path(path).read_text(errors="replace")
+            else:
+                with Image.open(path) as picture:
+                    text = picture.info.get("parameters", "")
+        except OSError as e:
+            return {}, f"Cannot reuse that file's settings: {e}"
+        return self.reuse_text(text)
+
+    def reuse_text(self, text) -> tuple[dict[str, object], str]:
+        """The fields a pasted parameters text (A1111's "Read generation parameters") fills in, and what it says."""
+        try:
+            return self.service.reused(text if isinstance(text, str) else "")
+        except ValueError as e:
+            return {}, f"Cannot reuse those settings: {e}"
+
+    @staticmethod
+    def parameters_of(path: str | None) -> str:
+        """A picture's generation info (its PNG's parameters text): "" for none."""
+        if not path:
+            return ""
+        try:
+            with Image.open(path_of(path)) as picture:
+                return picture.info.get("parameters", "")
+        except OSError:
+            return ""
 
     def upscale(self, picture, upscaler, factor) -> tuple[Image.Image, str]:
         with _said():
@@ -93,8 +115,15 @@ class Handlers:
 
     upscale.__doc__ = endpoints.docstring("upscale", ["picture", "upscaler", "factor"])
 
-    def prompt_length(self, text, emphasis, negative: bool = False) -> str:
-        return self.service.prompt_length(text, emphasis, negative=negative)
+    def prompt_length(self, text, emphasis, model=None, negative: bool = False) -> str:
+        return self.service.prompt_length(text, emphasis, negative=negative, model=model)
+
+    def model_defaults(self, name):
+        """The size, steps, guidance and sampler the page starts a model with: its first size and its own."""
+        model = self.service.model(name)
+        labels = [results.size_label(*size) for size in model.sizes]
+        return (gr.Dropdown(choices=labels, value=labels[0]), model.settings.steps, model.settings.guidance_scale,
+                model.pipe.spec.default_sampler)
 
     def control_map(self, picture, *settings):
         """The map a ControlNet panel's picture makes at the chosen size, as the request will make it."""
@@ -182,7 +211,8 @@ def _length_line(elem_id: str) -> gr.Markdown:
 
 def _header(service: DemoService) -> None:
     recommended = service.recommended
-    gr.Markdown(f"# SDXL on JAX\n`{service.model_label}` on {service.pipe.device_description}: one image per core.")
+    models = ", ".join(f"`{model.label}`" for model in service.models)
+    gr.Markdown(f"# SDXL on JAX\n{models} on {service.pipe.device_description}: one image per core.")
     defaults = (f"{recommended.note}: the defaults below are {recommended.steps} step(s) at guidance "
                 f"{recommended.guidance_scale:g}." if recommended.note else "")
     if service.notice:  # one line above the controls; the reason and the way to real models behind it
@@ -194,6 +224,13 @@ def _header(service: DemoService) -> None:
         gr.Markdown(defaults, elem_id="model-settings")
     if service.launch_notes:
         gr.Markdown("\n\n".join(service.launch_notes), elem_id="launch-notes", elem_classes="prompt-length")
+
+
+def _model_choice(service: DemoService) -> gr.Dropdown:
+    """The model every tab draws with, as A1111's checkpoint selector: shown where several are served."""
+    choices = service.choices.models
+    return gr.Dropdown(choices, value=choices[0][1], label="Model", elem_id="model", visible=len(choices) > 1,
+                       info="the models served; they share their compiled programs, so switching is instant")
 
 
 def _generate_tab(service: DemoService) -> dict:
@@ -208,6 +245,8 @@ def _generate_tab(service: DemoService) -> dict:
         if choices.embeddings:
             gr.Markdown(choices.embeddings, elem_id="embeddings", elem_classes="prompt-length")
         c["style"] = gr.Dropdown(choices.styles, value=choices.styles[0], label="Style")
+        c["read_settings"] = gr.Button("↙ Read the settings pasted in the prompt", size="sm", elem_id="read-settings",
+                                       variant="secondary")
         c["run"] = gr.Button("Generate", variant="primary", elem_id="generate")
         gr.Examples(choices.examples, inputs=[c["prompt"], c["style"]])
     return c
@@ -264,7 +303,9 @@ def _upscale_tab(service: DemoService) -> dict:
                                    sources=["upload", "clipboard"], elem_id="upscale-in", height=320)
         with gr.Row():
             c["upscaler"] = gr.Dropdown(choices.upscalers, value=choices.upscalers[0][1], label="Upscaler",
-                                        info="a model loaded with --upscaler, or a resize")
+                                        info="a resize, or a model upscaler loaded at launch: an ESRGAN-family "
+                                        ".safetensors file (4x-UltraSharp, RealESRGAN_x4plus: OpenModelDB lists "
+                                        "them) given as python app.py --upscaler FILE")
             c["upscale_by"] = gr.Slider(*UPSCALE_RANGE, value=2, step=0.25, label="Upscale by")
         c["upscale_run"] = gr.Button("Upscale", variant="primary", elem_id="upscale-run")
         c["upscaled"] = gr.Image(label="Upscaled", type="pil", format="png", interactive=False, elem_id="upscaled")
@@ -395,7 +436,8 @@ def _advanced(service: DemoService) -> dict:
         c["loras"] = [gr.Slider(*choices.lora_scale_range, value=scale, step=0.05, label=label,
                                 info="0 turns it off; changing LoRAs never recompiles")
                       for label, scale in choices.loras]
-        c["width"], c["height"] = (gr.Number(value=v, precision=None, visible=False) for v in choices.sizes[first])
+        # None until a size is chosen: a request then takes its model's first size (the API's default too).
+        c["width"], c["height"] = (gr.Number(value=None, precision=None, visible=False) for _ in "wh")
     return c
 
 
@@ -406,6 +448,8 @@ def _results(service: DemoService) -> dict:
     c["gallery"] = gr.Gallery(label="Images", columns=min(4, service.max_images), format="png", elem_id="gallery",
                               interactive=False, height="auto", object_fit="contain", elem_classes=pixelated)
     c["status"] = gr.Markdown(elem_id="status")
+    c["info"] = gr.Textbox(label="Generation info (the selected image's; copy it to share its settings)", lines=2,
+                           max_lines=8, interactive=False, buttons=["copy"], elem_id="generation-info")
     with gr.Row():
         c["send"] = gr.Button("Send the selected image to image-to-image", size="sm", elem_id="send")
         c["send_control"] = gr.Button("Send it to ControlNet", size="sm", elem_id="send-control",
@@ -415,9 +459,16 @@ def _results(service: DemoService) -> dict:
         c["send_upscale"] = gr.Button("Send it to Upscale", size="sm", elem_id="send-upscale")
         c["reuse_run"] = gr.Button("Reuse its settings", size="sm", elem_id="reuse")
     c["grid_image"] = gr.Image(label="Grid", type="pil", format="png", visible=False, elem_id="grid-image")
-    c["reuse_file"] = gr.File(label="Drop a PNG made here (or by A1111) to reuse its settings", file_types=[".png"],
-                              elem_id="reuse-png")
-    with gr.Accordion("History (this session)", open=False):
+    c["reuse_file"] = gr.File(label="Drop a PNG made here or by A1111 (or a text of its settings) to reuse them",
+                              file_types=[".png", ".txt"], elem_id="reuse-png")
+    c["reuse_report"] = gr.Markdown(elem_id="reuse-report", elem_classes="prompt-length")
+    return c
+
+
+def _history(service: DemoService) -> dict:
+    """This session's results, to reuse: below the settings, which a phone shows first."""
+    pixelated, c = "pixelated" if max(service.sizes[0]) <= 256 else None, {}
+    with gr.Accordion("History (this session)", open=False, elem_id="history-section"):
         c["history"] = gr.Gallery(label="Earlier results: select one, then reuse its settings", columns=6, height=200,
                                   format="png", elem_id="history", interactive=False, object_fit="contain",
                                   elem_classes=pixelated)
@@ -430,11 +481,11 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
     # Generated images are served from Gradio's cache: clear what is older than an hour, every 10 minutes.
     with gr.Blocks(title="SDXL on JAX", delete_cache=CACHE_EXPIRY) as blocks:
         _header(service)
+        page = {"model": _model_choice(service)}
         # The tabs and, under them, the panels on the left, the gallery on the right: on a laptop
         # screen the prompt, the button and the pictures are all in view. On a phone the columns stack
         # in this order, the gallery right under the tabs' buttons (style.css, #layout).
         with gr.Row(equal_height=False, elem_id="layout"):
-            page = {}
             with gr.Column(scale=1, min_width=380, elem_id="tabs-column"):
                 with gr.Tabs() as page["tabs"]:
                     for tab in (_generate_tab, _image_tab, _compare_tab, _grid_tab, _upscale_tab):
@@ -446,6 +497,7 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                 page |= _image_prompt_panel(service) if service.pipe.ip_adapters else {}
                 page |= _hires_panel(service)
                 page |= _advanced(service)
+                page |= _history(service)
         # The API's image inputs, filled from the editor for the page's own requests.
         page["image_in"], page["mask_in"] = (gr.Image(type="filepath", format="png", visible=False) for _ in "12")
         page["selected"], page["history_selected"] = gr.State(None), gr.State(None)  # the image last selected
@@ -484,20 +536,21 @@ def _forms(service: DemoService, page: dict, controls: list[dict]) -> dict[str, 
     prompts = {"negative_prompt": p["negative"], "style": p["style"]}
     a1111 = {name: p[name] for name in A1111_FIELDS}
     hires = {name: p[name] for name in HIRES_FIELDS}
-    image_prompt = {name: p[name] for name in IP_ADAPTER_FIELDS if name in p}  # with IP-Adapters: last of all
+    image_prompt = {name: p[name] for name in IP_ADAPTER_FIELDS if name in p}  # with IP-Adapters: after the others
+    model = {"model": p["model"]}  # last of all
     return {
         "generate": {"prompt": p["prompt"], **prompts, **common, **size, "images_per_core": p["per_core"], **options,
-                     **refining, **loras, **control, **a1111, **hires, **image_prompt},
+                     **refining, **loras, **control, **a1111, **hires, **image_prompt, **model},
         "image_to_image": {"prompt": p["image_prompt"], **prompts, **common, "image": p["image_in"],
                            "mask": p["mask_in"], "strength": p["strength"], "images_per_core": p["per_core"],
-                           **options, **refining, **loras, **control, **a1111, **image_prompt},
+                           **options, **refining, **loras, **control, **a1111, **image_prompt, **model},
         "compare": {"mode": p["mode"], "prompts": p["compare_prompts"], "negative_prompt": p["compare_negative"],
                     "style": p["compare_style"], "seed": p["seed"], "num_seeds": p["num_seeds"],
                     "guidance_scale": p["guidance"], "steps": p["steps"], **size, **options, **loras, **control,
-                    **a1111, **hires, **image_prompt},
+                    **a1111, **hires, **image_prompt, **model},
         "grid": {"prompt": p["grid_prompt"], **prompts, **common, **size, **options, "x_axis": p["x_axis"],
                  "x_values": p["x_values"], "y_axis": p["y_axis"], "y_values": p["y_values"], **loras, **control,
-                 **a1111, **hires, **image_prompt},
+                 **a1111, **hires, **image_prompt, **model},
     }
 
 
@@ -509,9 +562,9 @@ def _wire_submits(handlers: Handlers, p: dict, forms: dict[str, dict]) -> None:
         return random.randint(0, max_seed) if randomize else seed
 
     def remember(results, past):
-        """The session's history: the newest results first, at most 48."""
+        """The session's history: the newest results first, at most 48; and the first result's generation info."""
         past = ([(path, None) for path, _ in results or []] + list(past))[:48]  # Gallery gives (path, caption)
-        return past, past
+        return past, past, handlers.parameters_of(results[0][0] if results else None)
 
     def seeded(trigger):
         return trigger(pick_seed, [p["seed"], p["randomize"]], p["seed"], api_name=False, queue=False)
@@ -525,7 +578,8 @@ def _wire_submits(handlers: Handlers, p: dict, forms: dict[str, dict]) -> None:
                              api_name=api_name, concurrency_limit=limit)
 
     answer, history = [p["gallery"], p["status"]], dict(fn=remember, inputs=[p["gallery"], p["past"]],
-                                                        outputs=[p["past"], p["history"]], api_name=False, queue=False)
+                                                        outputs=[p["past"], p["history"], p["info"]], api_name=False,
+                                                        queue=False)
     for trigger, api_name in ((p["run"].click, "generate"), (p["prompt"].submit, False)):
         checked_then_submitted(seeded(trigger).then, "generate", answer, api_name).success(**history)
     edited = seeded(p["image_run"].click).then(picture_and_mask, p["editor"], [p["image_in"], p["mask_in"]],
@@ -540,18 +594,25 @@ def _wire_submits(handlers: Handlers, p: dict, forms: dict[str, dict]) -> None:
                     p["grid_run"].click):
         trigger(None, js=SHOW_RESULTS, api_name=False, queue=False)
     p["upscale_run"].click(handlers.upscale, [p["upscale_in"], p["upscaler"], p["upscale_by"]],
-                           [p["upscaled"], p["upscale_status"]], api_name="upscale", concurrency_limit=1)
+                           [p["upscaled"], p["upscale_status"]], api_name="upscale", concurrency_limit=1).success(
+        None, js=SHOW_UPSCALED, api_name=False, queue=False)
 
 
 def _wire_live(handlers: Handlers, p: dict, controls: list[dict]) -> None:
     """What follows the form as it is filled in: the size's numbers, each prompt's length, the control maps."""
-    sizes = handlers.service.choices.sizes
+    service = handlers.service
+    sizes = {results.size_label(*size): size for model in service.models for size in model.sizes}  # every model's
     p["size"].change(lambda label: list(sizes[label]), p["size"], [p["width"], p["height"]], api_name=False)
+    # A model chosen by hand brings its own sizes and defaults (one chosen by reusing a picture's settings brings
+    # the picture's).
+    p["model"].input(handlers.model_defaults, p["model"], [p["size"], p["steps"], p["guidance"], p["sampler"]],
+                     api_name=False, queue=False, show_progress="hidden")
     for box, line, negative in ((p["prompt"], p["prompt_length"], False), (p["negative"], p["negative_length"], True),
                                 (p["image_prompt"], p["image_prompt_length"], False),
                                 (p["grid_prompt"], p["grid_prompt_length"], False)):
-        gr.on([box.change, p["emphasis"].change], functools.partial(handlers.prompt_length, negative=negative),
-              [box, p["emphasis"]], line, api_name=False, queue=False, show_progress="hidden")
+        gr.on([box.change, p["emphasis"].change, p["model"].change],
+              functools.partial(handlers.prompt_length, negative=negative), [box, p["emphasis"], p["model"]], line,
+              api_name=False, queue=False, show_progress="hidden")
     for fields in controls:
         map_inputs = [fields[name] for name in ("picture", "preprocessor", "canny_low", "canny_high")]
         changes = [fields["picture"].change, fields["preprocessor"].change, fields["canny_low"].release,
@@ -578,7 +639,8 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
         """`button`'s click, refused with a message unless an image is picked; returns the `success` chain."""
         return button.click(require_picked, picked, None, api_name=False, show_progress="hidden").success
 
-    p["gallery"].select(select, None, p["selected"], api_name=False, queue=False)
+    p["gallery"].select(select, None, p["selected"], api_name=False, queue=False).then(
+        handlers.parameters_of, p["selected"], p["info"], api_name=False, queue=False)  # its generation info
     p["history"].select(select, None, p["history_selected"], api_name=False, queue=False)
     # The editor cleared in the page first (`CLEAR_EDITOR`), then the picture, the image prompt
     # (Generate's, unless it has its own) and the tab, in one update.
@@ -597,25 +659,31 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
                                                     [p["ip_adapter_image"], p["ip_adapter_panel"]], api_name=False,
                                                     queue=False)
     # The image prompt's fields but its picture, which no PNG holds; with IP-Adapters only.
-    fields = {"prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
+    fields = {"model": p["model"], "prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
               "guidance_scale": p["guidance"], "steps": p["steps"], "sampler": p["sampler"],
               "emphasis": p["emphasis"], "size": p["size"],
               **{name: p[name] for name in (*A1111_FIELDS, *HIRES_FIELDS, *IP_ADAPTER_FIELDS[1:]) if name in p}}
 
-    def reuse(png) -> dict:
-        """The fields a PNG fills in, a fixed seed where it has one, and Advanced opened to show them."""
-        found = handlers.reuse(png)
+    def reuse(found: dict, said: str) -> dict:
+        """The fields a PNG or a text fills in, a fixed seed where it has one, Advanced opened to show them,
+        and what was done, kept on the page."""
         fixed = {p["randomize"]: False} if "seed" in found else {}
-        return {fields[name]: value for name, value in found.items()} | fixed | (
+        if "model" in found:  # the size among that model's
+            labels = [results.size_label(*size) for size in handlers.service.model(found["model"]).sizes]
+            found["size"] = gr.Dropdown(choices=labels, value=found.get("size", labels[0]))
+        return {fields[name]: value for name, value in found.items()} | fixed | {p["reuse_report"]: said} | (
             {p["advanced"]: gr.Accordion(open=True)} if found else {}) | (
             {p["hires_panel"]: gr.Accordion(open=True)} if found.get("hires") else {}) | (
             {p["ip_adapter_panel"]: gr.Accordion(open=True)} if "ip_adapter" in found else {})
 
-    outputs = [*fields.values(), p["randomize"], p["advanced"], p["hires_panel"],
+    outputs = [*fields.values(), p["randomize"], p["advanced"], p["hires_panel"], p["reuse_report"],
                *([p["ip_adapter_panel"]] if "ip_adapter_panel" in p else [])]
-    chosen(p["reuse_run"], p["selected"])(reuse, p["selected"], outputs, api_name=False)  # queued: its messages show
-    chosen(p["history_reuse"], p["history_selected"])(reuse, p["history_selected"], outputs, api_name=False)
-    p["reuse_file"].upload(reuse, p["reuse_file"], outputs, api_name=False)
+    from_file = lambda file: reuse(*handlers.reuse(file))  # noqa: E731
+    chosen(p["reuse_run"], p["selected"])(from_file, p["selected"], outputs, api_name=False)
+    chosen(p["history_reuse"], p["history_selected"])(from_file, p["history_selected"], outputs, api_name=False)
+    p["reuse_file"].upload(from_file, p["reuse_file"], outputs, api_name=False)
+    p["read_settings"].click(lambda text: reuse(*handlers.reuse_text(text)), p["prompt"], outputs, api_name=False)
+
 
 
 # On a phone the results sit under the tabs (style.css, #layout): a click that fills them scrolls there,
@@ -624,6 +692,11 @@ SHOW_RESULTS = """() => {
   if (window.matchMedia('(max-width: 799px)').matches) {
     document.querySelector('#results-column')?.scrollIntoView({behavior: 'smooth', block: 'start'});
   }
+}"""
+
+# The Upscale tab's result sits under its picture and settings: brought into view once made.
+SHOW_UPSCALED = """() => {
+  document.querySelector('#upscaled')?.scrollIntoView({behavior: 'smooth', block: 'center'});
 }"""
 
 # Gradio 6.31's image editor, once it holds an upload, never shows a picture a handler sets (it spins
@@ -670,7 +743,8 @@ def main() -> None:
     errors = Middleware(HttpErrors, endpoints=endpoints, api_names=api_names, statuses=ERROR_STATUS)
     blocks.launch(
         server_name=options.host, server_port=options.port, share=options.share, max_file_size=MAX_UPLOAD,
-        head=f"<script>\n{(PAGE / 'keyboard.js').read_text()}</script>", css=(PAGE / "style.css").read_text(),
+        head="".join(f"<script>\n{(PAGE / name).read_text()}</script>" for name in ("keyboard.js", "inputs.js")),
+        css=(PAGE / "style.css").read_text(),
         app_kwargs={"middleware": [errors]}, mcp_server=options.mcp,
     )
 

@@ -23,7 +23,7 @@ from .engine.latent_upscale import LATENT_UPSCALERS
 from .engine.pipeline import NonFiniteImageError
 from .engine.request import (
     CLIP_SKIP_RANGE, DEFAULT_GUIDANCE_SCALE, DEFAULT_REFINE_FROM, DEFAULT_STEPS, MAX_SEED, MAX_SIZE, Request,
-    default_strength, guidance_scale, required_prompt,
+    default_strength, guidance_rescale, guidance_scale, required_prompt,
 )
 from .models.controlnet_union import control_mode, describe_modes
 from .sampling.noise import NOISE_SOURCES
@@ -40,7 +40,7 @@ def generate_command(args: argparse.Namespace) -> None:
     model = launch.load(args, max_steps=_max_steps(args))
     pipe = model.pipe
     print(f"loaded {model.label} in {time.perf_counter() - start:.1f} s ({launch.dtypes_label(pipe)}, "
-          f"{pipe.device_description})")
+          f"{pipe.device_description}; {pipe.spec.sampling})")
     settings = model.settings
     steps = settings.steps if args.steps is None else args.steps
     guidance = settings.guidance_scale if args.guidance_scale is None else args.guidance_scale
@@ -62,7 +62,8 @@ def generate_command(args: argparse.Namespace) -> None:
     request = dataclasses.replace(
         request, loras=tuple(model.loras.items()), refine_from=args.refine_from if pipe.refiner else None,
         emphasis=args.emphasis, schedule_type=args.schedule_type, clip_skip=args.clip_skip,
-        sdxl_clip_l_skip=args.sdxl_clip_l_skip, **_noise_arguments(args),
+        sdxl_clip_l_skip=args.sdxl_clip_l_skip, guidance_rescales=(args.guidance_rescale,) * num_images,
+        **_noise_arguments(args),
     )
     if picture is not None:
         strength = default_strength(pipe.spec, inpainting=mask is not None) if args.strength is None else args.strength
@@ -120,6 +121,7 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     integer(args.clip_skip, "clip skip", *CLIP_SKIP_RANGE)
     if args.guidance_scale is not None:
         guidance_scale(args.guidance_scale)
+    guidance_rescale(args.guidance_rescale)
     for label in ("height", "width"):
         if getattr(args, label) is not None:
             integer(getattr(args, label), label, 1, MAX_SIZE)
@@ -229,6 +231,9 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: the model's recommended value (2.5 for shapes, 0 for SDXL-Turbo and SDXL-Lightning), else "
         f"{DEFAULT_GUIDANCE_SCALE:g} (SDXL's)",
     )
+    parser.add_argument("--guidance-rescale", type=float, default=0.0,
+                        help="Lin et al.'s CFG rescale, 0 to 1, as diffusers' guidance_rescale (0.7 for zero-terminal-"
+                        "SNR models, as their authors suggest) (default: %(default)s)")
     parser.add_argument("--sampler", choices=list(SAMPLER_NAMES), help="default: the one of the checkpoint's scheduler")
     parser.add_argument(
         "--schedule-type", choices=SCHEDULE_TYPES, metavar="TYPE",

@@ -62,20 +62,36 @@ class CompVisModel(torch.nn.Module):
     """A CompVis model as k-diffusion's wrappers call it: `apply_model(x_in, t, cond)`, and its
     alphas_cumprod as A1111's models hold them (ldm's make_beta_schedule in float64, stored float32).
     `model(x_in, t)` gets [B, 1, 1, 1] timesteps, one per image, or with a conditioning
-    `model(x_in, t, cond)`."""
+    `model(x_in, t, cond)`. With `zero_terminal_snr` (a `ztsnr` key, or the "Noise schedule" setting),
+    alphas_cumprod as modules/sd_models.py's `apply_alpha_schedule_override` rescales them."""
 
-    def __init__(self, model, beta_start=0.00085, beta_end=0.012, steps=1000, scaled_linear=True):
+    def __init__(self, model, beta_start=0.00085, beta_end=0.012, steps=1000, scaled_linear=True,
+                 zero_terminal_snr=False):
         super().__init__()
         if scaled_linear:  # ldm's "linear"
             betas = torch.linspace(beta_start**0.5, beta_end**0.5, steps, dtype=torch.float64) ** 2
         else:
             betas = torch.linspace(beta_start, beta_end, steps, dtype=torch.float64)
         self.alphas_cumprod = torch.asarray(np.cumprod(1 - betas.numpy(), axis=0), dtype=torch.float32)
+        if zero_terminal_snr:
+            self.alphas_cumprod = rescale_zero_terminal_snr_abar(self.alphas_cumprod)
         self.model = model
 
     def apply_model(self, x, t, cond=None):
         t = t.reshape(-1, *[1] * (x.ndim - 1))
         return self.model(x, t) if cond is None else self.model(x, t, cond)
+
+
+def rescale_zero_terminal_snr_abar(alphas_cumprod: torch.Tensor) -> torch.Tensor:
+    """modules/sd_models.py's: sqrt(alphas_cumprod) shifted to end at 0 and scaled to keep its first value,
+    in float32, its last value then set to a small positive one."""
+    root = alphas_cumprod.sqrt()
+    first, last = root[0].clone(), root[-1].clone()
+    root -= last
+    root *= first / (first - last)
+    bar = root**2
+    bar[-1] = 4.8973451890853435e-08
+    return bar
 
 
 def model_wrap(unet: CompVisModel, prediction_type: str = "epsilon"):

@@ -16,7 +16,9 @@ from PIL import Image
 
 import a1111_reference
 import kdiffusion_reference as webui
+import safetensors.numpy
 from reference import sd_pipeline, sdxl_pipeline
+from test_single_file import _single_file
 from sdxl import Pipeline, read_parameters
 from sdxl.engine.infotext import infotext_quote
 
@@ -78,6 +80,9 @@ SDE_TOLERANCE = 5e-4
 # An image upscaler's pass makes the first pass's pictures uint8 by truncation: a pixel within float error of
 # a step may land on the other one (1/255 apart), which the second pass carries on: measured 9.8e-5.
 IMAGE_UPSCALER_TOLERANCE = 5e-4
+# Zero terminal SNR's noise levels reach 4519, where one float32 ulp of a Karras sigma (numpy's power against
+# torch's: 1.2e-4 at its second sigma, 1124) is past the trees' 6 decimals: measured 1.1e-3.
+ZERO_SNR_SDE_TOLERANCE = 2e-3
 # Hires fixes: the first pass's fields, then the hires pass's (2x, from 64x96 to 128x192).
 HIRES_CASES = {
     "Euler a, Latent, NV": {
@@ -100,8 +105,19 @@ HIRES_CASES = {
 }
 # processing.py's create_infotext order, for the fields above.
 ORDER = ("Steps", "Sampler", "Schedule type", "CFG scale", "Seed", "Size", "Model hash", "Model", "Variation seed",
-         "Variation seed strength", "Denoising strength", "Clip skip", "ENSD", "RNG", "Hires upscale", "Hires resize",
-         "Hires steps", "Hires upscaler", "Hires sampler", "Hires CFG Scale", "Hires prompt", "Version")
+         "Variation seed strength", "Denoising strength", "Clip skip", "ENSD", "RNG", "Noise Schedule", "Hires upscale",
+         "Hires resize", "Hires steps", "Hires upscaler", "Hires sampler", "Hires CFG Scale", "Hires prompt", "Version")
+# A v-prediction model with zero terminal SNR (a single file with `v_pred` and `ztsnr` keys, as NoobAI-XL
+# V-Pred): webui's v denoiser over its rescaled schedule. webui writes its "Noise schedule" setting,
+# "Default" for such a model, "Zero Terminal SNR" where the setting asks for it.
+ZERO_SNR_CASES = {
+    "Euler a, Automatic, NV": {"Sampler": "Euler a", "Schedule type": "Automatic", "Noise Schedule": "Default"},
+    "DPM++ 2M Karras, CPU": {"Sampler": "DPM++ 2M", "Schedule type": "Karras", "RNG": "CPU",
+                             "Noise Schedule": "Zero Terminal SNR"},
+    "Euler, Exponential, NV": {"Sampler": "Euler", "Schedule type": "Exponential", "Noise Schedule": "Default"},
+    "DPM++ 2M SDE, Karras, CPU": {"Sampler": "DPM++ 2M SDE", "Schedule type": "Karras", "RNG": "CPU",
+                                  "Noise Schedule": "Default"},
+}
 
 
 # Prompt editing and alternation (the prompts' own fields, beside the settings'), with a one- and a
@@ -146,6 +162,17 @@ def reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def zero_snr_reference(tmp_path_factory):
+    """As `reference`, the model written as a single file with `v_pred` and `ztsnr` keys and loaded from it."""
+    folder = tmp_path_factory.mktemp("sdxl-zero-snr-a1111")
+    ref = sdxl_pipeline(folder / "diffusers")
+    file = _single_file(folder / "diffusers", "sdxl", folder / "tiny.safetensors")  # "Model: tiny", as loaded
+    tensors = safetensors.numpy.load_file(file) | {key: np.zeros((0,), np.float32) for key in ("v_pred", "ztsnr")}
+    safetensors.numpy.save_file(tensors, file)
+    return Pipeline.from_pretrained(str(file), config=str(folder / "diffusers"), dtype="float32", max_steps=16), ref
+
+
+@pytest.fixture(scope="module")
 def sd1_reference(tmp_path_factory):
     """As `reference`, for one tiny random SD 1.x."""
     folder = tmp_path_factory.mktemp("sd1-a1111")
@@ -153,10 +180,10 @@ def sd1_reference(tmp_path_factory):
     return Pipeline.from_pretrained(folder, dtype="float32", max_steps=16), ref
 
 
-def a1111_images(ref, case: dict, shape: tuple[int, int, int]) -> np.ndarray:
+def a1111_images(ref, case: dict, shape: tuple[int, int, int], zero_snr_v: bool = False) -> np.ndarray:
     """[2, H, W, 3] float32 in [0, 1]: A1111's txt2img of batch size 2 for the case's settings, on
     latents of `shape` [C, h, w]; with a hires fix, its second pass's images. `ref` is an SDXL or an
-    SD 1.x pipeline."""
+    SD 1.x pipeline; with `zero_snr_v`, its UNet a v-prediction one trained with zero terminal SNR."""
     config = ref.scheduler.config
     sdxl = hasattr(ref, "text_encoder_2")
 
@@ -164,7 +191,9 @@ def a1111_images(ref, case: dict, shape: tuple[int, int, int]) -> np.ndarray:
         added = {"added_cond_kwargs": {"text_embeds": cond["pooled"], "time_ids": cond["time_ids"]}} if sdxl else {}
         return ref.unet(x, t.flatten(), encoder_hidden_states=cond["crossattn"], **added).sample
 
-    model = webui.model_wrap(webui.CompVisModel(unet, config.beta_start, config.beta_end, config.num_train_timesteps))
+    model = webui.model_wrap(webui.CompVisModel(unet, config.beta_start, config.beta_end, config.num_train_timesteps,
+                                                zero_terminal_snr=zero_snr_v),
+                             "v_prediction" if zero_snr_v else "epsilon")
     clip_skip = case.get("Clip skip", 1)
     schedule_type = case.get("Schedule type", "Automatic")
     sampler = case["Sampler"]
@@ -252,6 +281,20 @@ def test_a_pasted_a1111_infotext_draws_a1111s_images(reference, case):
     diff = np.abs(ours - theirs).max()
     assert diff <= (SDE_TOLERANCE if "SDE" in CASES[case]["Sampler"] else 1e-4)
     assert np.abs(theirs[0] - theirs[1]).max() > 1e-2, "the batch's two images differ"
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("case", ZERO_SNR_CASES)
+def test_a_pasted_infotext_of_a_zero_snr_v_prediction_file_draws_a1111s_images(zero_snr_reference, case):
+    pipe, ref = zero_snr_reference
+    assert pipe.spec.sampling == "v-prediction, zero terminal SNR"
+    parameters = read_parameters(infotext(ZERO_SNR_CASES[case]), pipe)  # no warning: it is the model loaded
+    ours = pipe.generate(**parameters, num_images=2, output_type="np")
+    h, w, c = pipe.spec.latent_shape(HEIGHT, WIDTH)
+    theirs = a1111_images(ref, ZERO_SNR_CASES[case], (c, h, w), zero_snr_v=True)
+    diff = np.abs(ours - theirs).max()
+    print(f"max abs diff {diff:.2e}")
+    assert theirs.std() > 0.05 and diff <= (ZERO_SNR_SDE_TOLERANCE if "SDE" in case else 1e-4)
 
 
 @pytest.mark.oracle

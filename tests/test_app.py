@@ -27,9 +27,10 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from gradio_client.utils import Status, StatusUpdate
-from PIL import Image
+from PIL import Image, PngImagePlugin
 from safetensors.numpy import load_file, save_file
 
+from sdxl.serving.models import Model
 from sdxl.bench.soak import free_port, running_app
 from sdxl.checkpoints import lora, resolve
 from sdxl.checkpoints.random_models import write_checkpoint, write_controlnet, write_ip_adapter, write_upscaler
@@ -115,6 +116,14 @@ def shapes_server(tmp_path_factory, cache_dir):
         yield running
 
 
+@pytest.fixture(scope="module")
+def models_server(tmp_path_factory, cache_dir):
+    """The demo serving two models, as users compare checkpoints: the built-in shapes model (the default) and
+    the random tiny one."""
+    with serve(tmp_path_factory.mktemp("models-app"), cache_dir, "--model", "shapes", "--model", "tiny") as running:
+        yield running
+
+
 @pytest.fixture(autouse=True)
 def _server_log_on_failure(request):
     """Prints the servers' output after a failed test (pytest shows it with the failure)."""
@@ -142,6 +151,34 @@ def _generate(client: Client, **kwargs) -> tuple[list[dict], str]:
 
 def _pixels(gallery: list[dict]) -> list[np.ndarray]:
     return [np.asarray(Image.open(item["image"]).convert("RGB")) for item in gallery]
+
+
+@pytest.mark.server
+def test_several_models_each_draw_as_their_demo_alone(models_server, client, downloads):
+    """`model` names the model a request draws with; a grid over it puts each model's cells in calls of their own,
+    each cell image 0 of /generate with that model and seed."""
+    several = Client(models_server.url, verbose=False, download_files=downloads)
+    assert "model" in several.view_api(print_info=False, return_format="dict")["named_endpoints"]["/generate"][
+        "parameters"][-1]["parameter_name"]
+    same = dict(seed=1, guidance_scale=5, sampler="euler")  # the API's defaults are the page's: the first model's
+    tiny, status = _generate(several, model="tiny", **same)
+    assert status.startswith("4 images in "), status
+    assert Image.open(tiny[0]["image"]).info["parameters"].count("Model: tiny") == 1
+    assert tiny[0]["caption"].startswith("tiny · seed 1")
+    alone, _ = _generate(client, **same)  # the demo of tiny (with other things loaded, none of them in use)
+    for ours, theirs in zip(_pixels(tiny), _pixels(alone)):
+        np.testing.assert_array_equal(ours, theirs)
+    shapes, _ = _generate(several, seed=1)
+    assert _pixels(shapes)[0].shape == (64, 64, 3), "no model named: the first, at its own size"
+    with pytest.raises(AppError, match="no model 'sdxl' is loaded; the loaded ones are shapes, tiny"):
+        _generate(several, model="sdxl")
+    sheet, cells, status = several.submit(**FAST, x_axis="model", x_values="shapes, tiny", y_axis="seed",
+                                          y_values="1, 2", api_name="/grid").result(timeout=CALL_TIMEOUT)
+    assert "4 images" in status and "2 device calls" in status, status
+    for (model, seed), cell in zip([("shapes", 1), ("tiny", 1), ("shapes", 2), ("tiny", 2)], _pixels(cells)):
+        single, _ = _generate(several, seed=seed, model=model)
+        np.testing.assert_array_equal(cell, _pixels(single)[0])
+    _generate(several, seed=3)  # switching back: the first model's own again
 
 
 def _assert_serving(client: Client) -> None:
@@ -996,8 +1033,7 @@ def test_browser_first_five_minutes(shapes_server, tmp_path):
         expect(page.locator("#history .thumbnail-item")).to_have_count(8, timeout=30_000)
         page.locator("#history .thumbnail-item").first.click()
         page.get_by_role("button", name="Reuse the selected result's settings").click()
-        expect(page.locator(".toast-body").filter(has_text="Filled in: the prompts, seed 1")).to_have_count(1,
-                                                                                                    timeout=30_000)
+        expect(page.locator("#reuse-report")).to_contain_text("Filled in: the prompts, seed 1", timeout=30_000)
         expect(page.get_by_label("Seed", exact=True)).to_be_visible()  # Advanced opened
         expect(page.get_by_label("Seed", exact=True)).to_have_value("1")
         # On a phone the results come right under the tabs, and Generate scrolls them into view (issue 44).
@@ -1013,6 +1049,109 @@ def test_browser_first_five_minutes(shapes_server, tmp_path):
         page.screenshot(path=str(_artifacts() / "app-phone.png"), full_page=True)
 
 
+@pytest.mark.browser
+def test_browser_model_grid(models_server, tmp_path):
+    """Two models compared as A1111 users compare checkpoints: the Model choice at the top, and a model x seed
+    grid, on a laptop's window and a phone's."""
+    from playwright.sync_api import expect
+
+    with _browser(tmp_path) as browser:
+        page = browser.new_page()
+        page.goto(models_server.url, wait_until="load")
+        expect(page.locator("#model")).to_be_visible(timeout=30_000)
+        page.get_by_label("Model", exact=True).click()
+        page.get_by_role("option", name="tiny", exact=True).click()
+        page.get_by_text("Advanced").click()
+        expect(page.get_by_label("Size")).to_have_value("128×128")  # its sizes came with it
+        page.get_by_label("Model", exact=True).click()
+        page.get_by_role("option", name="shapes", exact=True).click()
+        expect(page.get_by_label("Size")).to_have_value("64×64")
+        page.get_by_role("tab", name="Grid").click()
+        page.locator("#grid-prompt textarea").fill("a red circle on a blue background")
+        for axis, name in (("X axis", "model"), ("Y axis", "seed")):
+            page.get_by_label(axis).click()
+            page.get_by_role("option", name=name, exact=True).click()
+            expect(page.get_by_role("option")).to_have_count(0)
+        page.get_by_label("X values").fill("shapes, tiny")
+        page.get_by_label("Y values").fill("1, 2")
+        page.locator("#grid-run").click()
+        expect(page.locator("#status")).to_contain_text("4 images", timeout=CALL_TIMEOUT * 1000)
+        expect(page.locator("#status")).to_contain_text("2 device calls")
+        expect(page.locator("#gallery")).to_contain_text("model tiny")
+        page.screenshot(path=str(_artifacts() / "model-grid.png"), full_page=True)
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.screenshot(path=str(_artifacts() / "model-grid-phone.png"), full_page=True)
+
+
+@pytest.mark.browser
+def test_browser_a_civitai_picture_draws_what_it_can(shapes_server, tmp_path):
+    """A PNG from Civitai names a LoRA, an upscaler and a size this demo lacks: it draws anyway, and says what it left
+    out, beside the picture and in its info. A pasted parameters text fills the form. A lone picture shows whole.
+    A picture too big for the image editor is refused in seconds, and the next request is served."""
+    from playwright.sync_api import expect
+
+    civitai = tmp_path / "civitai.png"
+    text = ("a red circle on a blue background <lora:detail_tweaker:0.5>\nNegative prompt: blurry\nSteps: 12, "
+            "Sampler: Euler, CFG scale: 2.5, Seed: 7, Size: 832x1216, Model: juggernautXL_v9, Denoising strength: 0.4, "
+            "Hires upscale: 1.5, Hires upscaler: 4x-UltraSharp, Lora hashes: \"detail_tweaker: 3b4e5f6a7b8c\"")
+    info = PngImagePlugin.PngInfo()
+    info.add_text("parameters", text)
+    Image.new("RGB", (832, 1216), (30, 40, 200)).save(civitai, pnginfo=info)
+    big = tmp_path / "big.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (3200, 3200, 3), dtype=np.uint8)).save(big)
+    assert big.stat().st_size > 20 * 2**20
+    with _browser(tmp_path) as browser:
+        page = browser.new_page()
+        page.goto(shapes_server.url, wait_until="load")
+        expect(page.locator("#generate")).to_be_visible(timeout=30_000)
+        page.locator("#reuse-png input[type=file]").set_input_files(str(civitai))
+        report = page.locator("#reuse-report")
+        expect(report).to_contain_text("the LoRA detail_tweaker is not loaded", timeout=30_000)
+        expect(report).to_contain_text("the hires upscaler 4x-UltraSharp is not loaded: Lanczos in its place")
+        expect(report).to_contain_text("size 832x1216 is not this model's: its nearest, 64x64, in its place")
+        page.locator("#generate").click()
+        expect(page.locator("#status")).to_contain_text("Failed to find networks: detail_tweaker",
+                                                        timeout=CALL_TIMEOUT * 1000)
+        expect(page.locator("#gallery img")).to_have_count(4)
+        expect(report).to_contain_text("the LoRA detail_tweaker is not loaded")  # it stays
+        expect(page.locator("#generation-info textarea")).to_have_value(re.compile(
+            r"Seed: 7,.*Hires upscaler: Lanczos.*Left out: \"Failed to find networks: detail_tweaker\"", re.S))
+        page.screenshot(path=str(_artifacts() / "civitai.png"))
+        # A1111's way with a text: pasted in the prompt, then read.
+        page.locator("#prompt textarea").fill(text.replace("Seed: 7", "Seed: 99"))
+        expect(page.locator("#prompt-length")).to_contain_text("This holds a picture's settings")
+        page.locator("#read-settings").click()
+        expect(page.get_by_label("Seed", exact=True)).to_have_value("99", timeout=30_000)
+        expect(page.locator("#prompt textarea")).to_have_value(
+            "a red circle on a blue background <lora:detail_tweaker:0.5>")
+        # A lone picture (Compare's one prompt) is shown whole, its caption too, on a laptop's window and a phone's.
+        page.get_by_role("tab", name="Compare").click()
+        page.get_by_label("Prompts (one per line) or one prompt").fill("a large red circle on a blue background")
+        page.get_by_role("button", name="Compare", exact=True).click()
+        expect(page.locator("#status")).to_contain_text("1 image in", timeout=CALL_TIMEOUT * 1000)
+        for width, height in ((1280, 800), (390, 844)):
+            page.set_viewport_size({"width": width, "height": height})
+            page.wait_for_timeout(500)
+            gallery, thumbnail, caption = (page.locator(selector).bounding_box() for selector in (
+                "#gallery", "#gallery .thumbnail-item", "#gallery .caption-label"))
+            bottom = gallery["y"] + gallery["height"]
+            for inner in (thumbnail, caption):
+                assert gallery["y"] <= inner["y"] and inner["y"] + inner["height"] <= bottom, (width, gallery, inner)
+            assert thumbnail["height"] <= 0.6 * height + 2, "within the window"
+            page.locator("#gallery").screenshot(path=str(_artifacts() / f"lone-picture-{width}.png"))
+        page.set_viewport_size({"width": 1280, "height": 800})
+        # A picture over the upload limit, in the image editor: a sentence within seconds, not a silent wait.
+        page.get_by_role("tab", name="Image to image").click()
+        start = time.monotonic()
+        page.locator("#image-editor input[type=file]").set_input_files(str(big))
+        expect(page.locator("#image-note")).to_contain_text("this demo takes pictures of up to 8.0 MB", timeout=10_000)
+        assert time.monotonic() - start < 10
+        page.get_by_role("tab", name="Generate").click()
+        page.locator("#prompt textarea").fill("a green square on a white background")
+        page.locator("#generate").click()
+        expect(page.locator("#status")).to_contain_text("4 images in", timeout=CALL_TIMEOUT * 1000)
+
+
 def test_the_page_builds_for_one_image_a_call():
     """One device and --max-images-per-core 1: sliders with nothing to choose are hidden, not a crash
     (Gradio's slider needs two ends)."""
@@ -1023,6 +1162,6 @@ def test_the_page_builds_for_one_image_a_call():
     from sdxl.engine.pipeline import Pipeline
 
     pipe = Pipeline.from_pretrained("tiny", devices=jax.devices()[:1])
-    blocks = app.create_demo(app.Handlers(DemoService(pipe, model_label="tiny", max_images_per_core=1)))
+    blocks = app.create_demo(app.Handlers(DemoService([Model("tiny", pipe)], max_images_per_core=1)))
     hidden = {getattr(c, "label", None) for c in blocks.blocks.values() if getattr(c, "visible", True) is False}
     assert {"Images per core", "Seeds"} <= hidden

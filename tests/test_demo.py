@@ -5,6 +5,7 @@ import pytest
 import safetensors.numpy
 from PIL import Image
 
+from sdxl.serving.models import Model
 from sdxl.checkpoints import lora
 from sdxl.engine.hires import Hires
 from sdxl.engine.pipeline import Pipeline
@@ -25,7 +26,7 @@ def service(pipe, tmp_path_factory):
     folder = tmp_path_factory.mktemp("loras")
     loras = {str(lora.write_random(folder / name, pipe.spec, seed=i)): scale
              for i, (name, scale) in enumerate((("ink.safetensors", 0.8), ("glow.safetensors", 1.0)))}
-    return DemoService(pipe, model_label="tiny", max_images_per_core=2, loras=loras)
+    return DemoService([Model("tiny", pipe, loras=loras)], max_images_per_core=2)
 
 
 def test_form_fields_arrive_by_name_and_lora_scales_by_their_parameters(service):
@@ -189,8 +190,41 @@ def test_an_a1111_text_fills_in_the_noise_and_says_what_it_leaves_out(service):
     plain, _ = service.reused("a fox\nSteps: 20, Seed: 3")
     assert (plain["noise_source"], plain["ensd"], plain["variation_strength"], plain["hires"]) == (
         "nv", 0, 0.0, False), "no RNG: A1111's GPU source; no ENSD: none; no hires fix: off"
-    unknown, said = service.reused("a fox\nSteps: 20, Hires upscale: 1.5, Hires upscaler: 4x-UltraSharp")
-    assert unknown["hires"] is False and said.endswith("Not used: the hires fix (4x-UltraSharp)"), said
+
+
+# A typical text pasted from Civitai: a LoRA and an embedding this demo has not loaded, a hires fix by an
+# upscaler it has not loaded, and a size that is not the model's.
+CIVITAI = ("masterpiece, a fox in the snow <lora:detail_tweaker:0.5>\nNegative prompt: easynegative, blurry\n"
+           "Steps: 30, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 6, Seed: 1234, Size: 832x1216, "
+           "Model hash: 31e35c80fc, Model: juggernautXL_v9, Denoising strength: 0.4, Hires upscale: 1.5, "
+           "Hires steps: 10, Hires upscaler: 4x-UltraSharp, Lora hashes: \"detail_tweaker: 3b4e5f6a7b8c\", "
+           "TI hashes: \"easynegative: c74b4e810b03\", Version: v1.9.4")
+
+
+def test_a_pasted_civitai_text_fills_in_what_can_be_drawn_and_says_what_it_replaces(service):
+    fields, said = service.reused(CIVITAI)
+    assert (fields["seed"], fields["steps"], fields["sampler"], fields["schedule_type"]) == (
+        1234, 30, "dpmpp_2m", "Karras")
+    assert (fields["hires"], fields["hires_upscaler"], fields["hires_scale"], fields["hires_steps"]) == (
+        True, "Lanczos", 1.5, 10), "the hires fix, with the nearest upscaler loaded"
+    assert fields["size"] == "112×144", "the model's size of the nearest aspect ratio"
+    for sentence in ("the hires upscaler 4x-UltraSharp is not loaded: Lanczos in its place",
+                     "size 832x1216 is not this model's: its nearest, 112x144, in its place",
+                     "the LoRA detail_tweaker is not loaded: the picture is drawn without it",
+                     "Not used: Model juggernautXL_v9 (loaded: tiny)", "easynegative"):
+        assert sentence in said, said
+    submission = service.submission("generate", fields)
+    assert submission.left_out == "Failed to find networks: detail_tweaker"
+    prepared = submission.calls[0]
+    assert prepared.request.prompts[0] == "masterpiece, a fox in the snow ", "drawn without the LoRA's tag"
+    assert 'Left out: "Failed to find networks: detail_tweaker"' in service.png_parameters(prepared, 0,
+                                                                                         submission.left_out)
+
+
+def test_a_prompt_box_holding_a_parameters_text_offers_to_read_it(service):
+    assert service.prompt_length(CIVITAI).startswith("This holds a picture's settings")
+    assert service.prompt_length("a fox").endswith("1 chunk")
+    assert service.prompt_length(CIVITAI, negative=True) != service.prompt_length(CIVITAI)
 
 
 def test_clip_skip_reaches_the_request_and_reuse_fills_it_in(service):
@@ -231,7 +265,7 @@ def test_the_compile_message_names_the_kind_of_prompt_a_program_is_for(tmp_path)
     vectors = {key: np.full((2, width), 0.01, np.float32) for key in ("clip_l", "clip_g")}
     safetensors.numpy.save_file(vectors, str(tmp_path / "softblue.safetensors"))
     pipe.load_textual_inversion(tmp_path / "softblue.safetensors")
-    service = DemoService(pipe, model_label="tiny", max_images_per_core=1)
+    service = DemoService([Model("tiny", pipe)], max_images_per_core=1)
     assert results.prompt_shape(service.images(Settings(prompt="a fox"))) == "prompts of one chunk"
     edited = service.images(Settings(prompt="a [fox|cat] BREAK softblue"))
     assert results.prompt_shape(edited) == "prompts of up to 2 chunks, 2 texts each (prompt editing), with embeddings"

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from sdxl.serving.models import Model
 from sdxl.checkpoints import resolve
 from sdxl.checkpoints.random_models import write_controlnet
 from sdxl.engine import images, infotext
@@ -28,7 +29,7 @@ def pipe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(pipe):
-    return DemoService(pipe, model_label="tiny", max_images_per_core=2)
+    return DemoService([Model("tiny", pipe)], max_images_per_core=2)
 
 
 def _picture(width=200, height=100) -> Image.Image:
@@ -147,7 +148,7 @@ def union_service(tmp_path_factory):
     randomize_(union, 7)
     union.save_pretrained(folder, safe_serialization=True)
     pipe = Pipeline.from_pretrained("tiny", dtype="float32", controlnet=str(folder))
-    return DemoService(pipe, model_label="tiny", max_images_per_core=1)
+    return DemoService([Model("tiny", pipe)], max_images_per_core=1)
 
 
 @pytest.mark.compiles

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from sdxl.serving.models import Model
 from sdxl.checkpoints.random_models import write_ip_adapter
 from sdxl.engine import infotext
 from sdxl.engine.pipeline import Pipeline
@@ -20,7 +21,7 @@ def service(tmp_path_factory):
     pipe = Pipeline.from_pretrained("tiny", dtype="float32")
     write_ip_adapter(folder, pipe.spec.unet, kinds=("plain", "plus"))
     pipe.load_ip_adapter(str(folder), "sdxl_models", ["ip-adapter.safetensors", "ip-adapter-plus.safetensors"])
-    return DemoService(pipe, model_label="tiny", max_images_per_core=2)
+    return DemoService([Model("tiny", pipe)], max_images_per_core=2)
 
 
 def _picture() -> Image.Image:

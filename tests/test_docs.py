@@ -129,6 +129,7 @@ def _subprocess_env() -> dict[str, str]:
 # that changes is still run.
 TINY = {
     '"stabilityai/stable-diffusion-xl-base-1.0"': '"tiny"',
+    '"RunDiffusion/Juggernaut-XL-v9"': '"tiny"',
     'dtype="bfloat16"': 'dtype="float32"',
     "1024": "128",
     "steps=25": "steps=2",
@@ -147,6 +148,7 @@ def test_library_examples(tmp_path):
     script += textwrap.dedent("""
         assert len(images) == pipe.num_devices == 4 and images[0].size == (128, 128), images
         assert result.images.shape == (2, 128, 128, 3), result.images.shape
+        assert len(pictures["tuned"]) == 4 and tuned.params["vae"] is pipe.params["vae"]
         print("ran")
     """)
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_subprocess_env(),

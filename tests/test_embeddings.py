@@ -11,6 +11,7 @@ import torch
 import a1111_reference as webui
 import kdiffusion_reference as kdiffusion
 from reference import sd_pipeline, sdxl_pipeline
+from sdxl.serving.models import Model
 from sdxl import read_parameters
 from sdxl.checkpoints import CheckpointError, embeddings
 from sdxl.engine import infotext
@@ -376,7 +377,7 @@ def test_the_demo_lists_the_embeddings_loaded_at_launch_with_their_token_counts(
          "--embedding", str(tmp_path / "solo.safetensors"), "--embedding", str(tmp_path / "folder")])
     pipe = launch.load(options).pipe
     assert [e.name for e in pipe.prompts.embeddings] == ["solo", "a-style", "b-neg"]
-    line = choices_of(DemoService(pipe, model_label="tiny", max_images_per_core=1)).embeddings
+    line = choices_of(DemoService([Model("tiny", pipe)], max_images_per_core=1)).embeddings
     assert line == "Embeddings, by name in a prompt: `solo` (3 tokens), `a-style` (1 token), `b-neg` (2 tokens)"
     assert [e.name for e in pipe.prompts.embeddings_in("solo b-neg")] == ["solo", "b-neg"]
     assert pipe.prompts.length_text("solo b-neg") == "5 tokens, 1 chunk"

@@ -11,6 +11,7 @@ def test_values_are_comma_separated_or_one_per_line_with_ranges_for_seeds_and_st
     assert grid.parse_axis("seed", "1-3, 7").values == (1, 2, 3, 7)
     assert grid.parse_axis("steps", "10\n20-22").values == (10, 20, 21, 22)
     assert grid.parse_axis("guidance_scale", "1, 4.5 ,7").values == (1.0, 4.5, 7.0)
+    assert grid.parse_axis("guidance_rescale", "0, 0.7").values == (0.0, 0.7)
     axis = grid.parse_axis("sampler", "euler, Euler a, DPM++ 2M Karras")
     assert axis.values == ("euler", "euler_ancestral", "dpmpp_2m_karras")
     assert axis.labels == ("Euler", "Euler a", "DPM++ 2M Karras")
@@ -37,6 +38,7 @@ def test_a_prompt_axis_is_search_and_replace_when_its_first_value_is_in_the_prom
         ("steps", "0", "steps axis: steps must be an integer from 1 to 100"),
         ("steps", "9-2", "the range 9-2 must run upwards"),
         ("guidance_scale", "99", "guidance scale must be a number from 0 to 20"),
+        ("guidance_rescale", "1.5", "guidance rescale must be a number from 0 to 1"),
         ("sampler", "unipc", "unknown sampler 'unipc'"),
         ("schedule_type", "Karras, Turbo", "schedule_type axis: unknown schedule type 'Turbo'"),
         ("style", "Baroque", "unknown style 'Baroque'"),

@@ -1,6 +1,7 @@
 """Generation parameters as webui writes and reads them, and ours read back (`sdxl.engine.infotext`)."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -10,6 +11,7 @@ from sdxl.engine import infotext
 from sdxl.engine.hires import Hires
 from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.request import Request
+from sdxl.sampling.schedulers import SchedulerConfig
 
 
 @pytest.mark.parametrize("sampler, schedule, ours", [
@@ -119,8 +121,8 @@ def test_webui_hires_fields_read_as_a_hires_fix(fields, hires):
 
 
 def test_a_model_or_vae_other_than_the_loaded_ones_is_named_with_what_is_loaded():
-    pipe = dataclasses.make_dataclass("Loaded", ["name", "vae_name", "ip_adapters"])("/models/juggernautXL.safetensors",
-                                                                              None, ())
+    pipe = dataclasses.make_dataclass("Loaded", ["name", "vae_name", "ip_adapters", "spec"])(
+        "/models/juggernautXL.safetensors", None, (), SimpleNamespace(scheduler=SchedulerConfig()))
     text = "a fox\nSteps: 20, Model: juggernautXL, VAE: sdxl_vae.safetensors"
     assert infotext.read_infotext(text, pipe)[1] == ("VAE sdxl_vae.safetensors (loaded: the model's own)",)
     pipe.vae_name = "madebyollin/sdxl_vae"
@@ -129,6 +131,12 @@ def test_a_model_or_vae_other_than_the_loaded_ones_is_named_with_what_is_loaded(
     with pytest.warns(UserWarning, match=r"^parameters not applied: Model sd_xl_base_1.0 \(loaded: juggernautXL\), "
                       r"VAE the model's own \(loaded: sdxl_vae\)$"):
         infotext.read_parameters(other, pipe)
+    # webui's Noise schedule setting ("Default" for a model with a ztsnr key) against the loaded model's.
+    zero_snr = "a fox\nSteps: 20, Model: juggernautXL, VAE: sdxl_vae.safetensors, Noise Schedule: Default"
+    assert infotext.read_infotext(zero_snr, pipe)[1] == ("Noise Schedule Default (loaded: without zero terminal SNR)",)
+    pipe.spec = SimpleNamespace(scheduler=SchedulerConfig(rescale_betas_zero_snr=True))
+    assert infotext.read_infotext(zero_snr, pipe)[1] == ()
+    assert infotext.read_infotext(zero_snr.replace("Default", "Zero Terminal SNR"), pipe)[1] == ()
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +152,7 @@ def tiny():
     # convention), so the text redraws a picture of Euler's, whose noise is the starting noise alone.
     dict(noise_source="cpu", batch_noise=True, sampler="euler"),
     dict(),  # JAX's
+    dict(guidance_rescales=(0.7, 0.7)),  # written as webui's CFG Rescale extension writes it
 ])
 def test_our_texts_draw_their_picture_again(tiny, noise):
     """An image's text, read back, renders it as the first image: A1111's sources write the image's own

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from sdxl.serving.models import Model
 from sdxl.checkpoints import shapes
 from sdxl.serving import launch
 from sdxl.serving.options import add_shared_options, demo_parser, source_and_scale
@@ -140,7 +141,7 @@ def test_the_launch_says_whether_a_hires_fix_at_the_forms_default_fits(monkeypat
 
     monkeypatch.setattr(memory, "device_memory", lambda pipe: (1000 + 250, 1000))
     monkeypatch.setattr(memory, "bytes_needed", needed)
-    service = DemoService(Pipeline.from_pretrained("tiny"), model_label="tiny", max_images_per_core=4)
+    service = DemoService([Model("tiny", Pipeline.from_pretrained("tiny"))], max_images_per_core=4)
     settings = Settings(prompt="warm-up", steps=2)
     launch._report_hires_fit(service, settings)
     first_pass = service.images(settings).request
@@ -268,3 +269,23 @@ def test_on_persistent_storage_a_second_launch_compiles_nothing(tmp_path):
     assert cold_cached == 0 and warm_cached == warm_all == cold_all > 0
     assert any((storage / "sdxl-jax" / "xla").iterdir())
     assert f"Persistent storage at {storage} keeps the models' files in {storage}/.huggingface/hub" in page
+
+
+def test_the_prediction_type_and_zero_terminal_snr_override_what_the_checkpoint_says(tmp_path, monkeypatch):
+    """As ComfyUI's ModelSamplingDiscrete node and A1111's Noise schedule setting, for files that carry no key."""
+    from sdxl.engine.loading import scheduler_overrides
+
+    monkeypatch.setenv("SDXL_ZERO_TERMINAL_SNR", "1")
+    options = demo_parser("SDXL on JAX").parse_args(
+        ["--model", "tiny", "--dtype", "float32", "--cache-dir", str(tmp_path / "xla"), "--prediction-type",
+         "v_prediction"])
+    spec = launch.load(options).pipe.spec
+    assert (spec.scheduler.prediction_type, spec.scheduler.rescale_betas_zero_snr, spec.scheduler.timestep_spacing,
+            spec.sampling) == ("v_prediction", True, "trailing", "v-prediction, zero terminal SNR")
+    # The library's: a timestep spacing the caller gives wins; False turns a file's ztsnr off.
+    assert scheduler_overrides({"timestep_spacing": "leading"}, None, True) == {
+        "timestep_spacing": "leading", "rescale_betas_zero_snr": True}
+    assert scheduler_overrides(None, None, False) == {"rescale_betas_zero_snr": False}
+    assert scheduler_overrides(None, None, None) is None
+    with pytest.raises(ValueError, match="prediction type must be one of"):
+        scheduler_overrides(None, "v", None)

@@ -135,6 +135,32 @@ def test_without_a_config_the_familys_published_one_is_chosen(family, config, tm
         resolve(str(file), config="sd-1.5" if family == "sdxl" else "sdxl-base-1.0")
 
 
+def test_a_single_files_keys_and_model_spec_say_how_it_samples(tmp_path):
+    sdxl_pipeline(tmp_path / "diffusers", SDXL_CONFIGS)
+    tensors = safetensors.numpy.load_file(_single_file(tmp_path / "diffusers", "sdxl", tmp_path / "plain.safetensors"))
+
+    def written(name, keys=(), metadata=None):
+        path = tmp_path / f"{name}.safetensors"
+        safetensors.numpy.save_file(tensors | {key: np.zeros((0,), np.float32) for key in keys}, path, metadata)
+        return str(path)
+
+    def sampling(path, **kwargs):
+        scheduler = resolve(path, **kwargs).spec.scheduler
+        return scheduler.prediction_type, scheduler.rescale_betas_zero_snr, scheduler.timestep_spacing
+
+    # ComfyUI's and A1111's markers (NoobAI-XL V-Pred carries both), and kohya's model spec metadata.
+    assert sampling(written("plain")) == ("epsilon", False, "leading")
+    assert sampling(written("v", ["v_pred"])) == ("v_prediction", False, "leading")
+    assert sampling(written("vz", ["v_pred", "ztsnr"])) == ("v_prediction", True, "trailing")
+    assert sampling(written("spec", metadata={"modelspec.prediction_type": "v"}))[0] == "v_prediction"
+    # What the caller says wins over what the file says.
+    assert sampling(written("vz", ["v_pred", "ztsnr"]), scheduler={"prediction_type": "epsilon"})[0] == "epsilon"
+    with pytest.raises(CheckpointError, match="model spec's prediction type 'flow' is not supported"):
+        resolve(written("flow", metadata={"modelspec.prediction_type": "flow"}))
+    with pytest.raises(CheckpointError, match="CosXL"):
+        resolve(written("cosxl", ["edm_vpred.sigma_max", "edm_vpred.sigma_min"]))
+
+
 @pytest.mark.cli
 def test_the_cli_renders_a_single_file(tmp_path):
     sd_pipeline(tmp_path / "diffusers")

@@ -154,7 +154,9 @@ def _single_file(path: Path, config, scheduler: dict | None) -> Checkpoint:
     if not folder.is_dir():
         known = ", ".join(sorted(p.parent.name for p in BUILTIN_CONFIGS.glob("*/model_index.json")))
         raise CheckpointError(f"config {config}: neither a built-in config ({known}) nor a diffusers folder")
-    spec = ModelSpec.from_folder(folder, scheduler)
+    # What the file says of its sampling, unless the caller's fields say otherwise.
+    detected = single_file.sampling_fields(file.keys(), file.metadata, str(path))
+    spec = ModelSpec.from_folder(folder, detected | (scheduler or {}))
     if single_file.family_of(spec) != family:
         raise CheckpointError(f"{path} is an {family.upper()} checkpoint, but config {config} describes another family")
     return Checkpoint(spec, folder, path, family)

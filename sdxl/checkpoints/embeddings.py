@@ -9,13 +9,13 @@ the word that stands for its vectors in a prompt, is its file's stem as in webui
 """
 
 import dataclasses
-import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from . import hashes
 from .spec import ModelSpec
 from .weights import CheckpointError, SafetensorsFile, refuse_pickled
 
@@ -88,11 +88,7 @@ def _matrix(file: SafetensorsFile, key: str) -> np.ndarray:
 
 def short_hash(path: Path) -> str:
     """webui's `Embedding.shorthash`: the first 12 hex digits of the whole file's SHA-256."""
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:12]
+    return hashes.sha256(path)[:12]
 
 
 ROW_BLOCK = 64  # the vector tables grow in blocks of this many rows, so that most loads keep their shape

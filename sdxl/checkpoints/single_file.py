@@ -34,6 +34,7 @@ from ..models.clip import CLIPTextConfig
 from ..models.controlnet import ControlNetConfig
 from ..models.unet import UNetConfig
 from ..models.vae import VAEConfig
+from ..sampling.schedulers import ZERO_TERMINAL_SNR
 from .spec import ModelSpec
 from .weights import (
     SAFETENSORS_DTYPES, CheckpointError, SafetensorsFile, StoredTensor, checkpoint_key, flatten, load_stored, nbytes,
@@ -88,6 +89,8 @@ def detect_family(shapes: dict[str, tuple[int, ...]], where: str) -> str:
         raise CheckpointError(f"{where}: a UNet with {channels} input channels (inpainting) is not supported")
     if "edm_mean" in shapes:
         raise CheckpointError(f"{where}: Playground v2.5 (EDM) checkpoints are not supported")
+    if "edm_vpred.sigma_max" in shapes:
+        raise CheckpointError(f"{where}: CosXL (EDM v-prediction) checkpoints are not supported")
     if has("conditioner.embedders.1.model."):
         return "sdxl"
     if has("conditioner.embedders.0.model."):
@@ -97,6 +100,34 @@ def detect_family(shapes: dict[str, tuple[int, ...]], where: str) -> str:
     if has("cond_stage_model.transformer."):
         return "sd1"
     raise CheckpointError(f"{where}: no text encoder under cond_stage_model or conditioner.embedders")
+
+
+# The SAI model spec's `modelspec.prediction_type` values (kohya's sd-scripts write "epsilon" or "v").
+_MODELSPEC_PREDICTION_TYPES = {"epsilon": "epsilon", "v": "v_prediction", "v_prediction": "v_prediction"}
+
+
+def sampling_fields(keys, metadata: dict[str, str], where: str) -> dict:
+    """The scheduler config fields a single file says it samples with, as the tools it comes from read
+    them: an (empty) `v_pred` tensor means v-prediction, and `ztsnr` zero terminal SNR (ComfyUI's
+    `supported_models.SDXL.model_type`, A1111's and Forge's loaders); without `v_pred`, the SAI model
+    spec's `modelspec.prediction_type` in the metadata says it. {} for a plain epsilon model.
+
+    Raises:
+      CheckpointError: a model spec prediction type this package does not run.
+    """
+    fields = {}
+    declared = metadata.get("modelspec.prediction_type")
+    if "v_pred" in keys:
+        fields["prediction_type"] = "v_prediction"
+    elif declared is not None:
+        prediction_type = _MODELSPEC_PREDICTION_TYPES.get(declared.strip().lower())
+        if prediction_type is None:
+            raise CheckpointError(f"{where}: its model spec's prediction type {declared!r} is not supported "
+                                  f"(only {', '.join(_MODELSPEC_PREDICTION_TYPES)})")
+        fields["prediction_type"] = prediction_type
+    if "ztsnr" in keys:
+        fields.update(ZERO_TERMINAL_SNR)
+    return fields
 
 
 def family_of(spec: ModelSpec) -> str:

@@ -68,6 +68,14 @@ class ModelSpec:
         return self.unet.addition_embed_type == "text_time"
 
     @property
+    def sampling(self) -> str:
+        """How the model is sampled, for people: "epsilon prediction", "v-prediction, zero terminal SNR", ..."""
+        scheduler = self.scheduler
+        prediction = {"epsilon": "epsilon prediction", "v_prediction": "v-prediction",
+                      "sample": "sample prediction"}[scheduler.prediction_type]
+        return prediction + (", zero terminal SNR" if scheduler.rescale_betas_zero_snr else "")
+
+    @property
     def tokenizer_names(self) -> tuple[str, ...]:
         return tuple(name.replace("text_encoder", "tokenizer") for name in self.text_encoder_names)
 

@@ -27,6 +27,7 @@ def generate(
     seed: int = 0,
     steps: int = DEFAULT_STEPS,
     guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
+    guidance_rescale: float = 0.0,
     height: int | None = None,
     width: int | None = None,
     num_images: int | None = None,
@@ -72,6 +73,9 @@ def generate(
         editing [from:to:when] and alternation [a|b] (`sdxl.prompts.editing`), and in the prompt
         `<lora:NAME:SCALE>` tags naming LoRAs given to `set_loras`. An empty negative prompt
         is none: SDXL's conditioning is then zeros (force_zeros_for_empty_prompt).
+      guidance_rescale: as diffusers', Lin et al.'s CFG rescale: the guided prediction's standard
+        deviation pulled this fraction of the way to the conditional one's (0.7 with zero-terminal-SNR
+        models, as their authors suggest; 0: none).
       num_images: default the prompt or image list's length, else one image per device.
       sampler: a sampler by its name or label (`sampling.methods.SAMPLER_NAMES`: "euler", "DPM++ 2M
         SDE"); default the one that reproduces the checkpoint's scheduler.
@@ -162,7 +166,7 @@ def generate(
         masks=mask_image, strength=strength, denoising_start=denoising_start, denoising_end=denoising_end,
         start_latents=start_latents, aesthetic_scores=(aesthetic_score, negative_aesthetic_score),
         refine_from=refine_from, emphasis=emphasis, clip_skip=clip_skip, sdxl_clip_l_skip=sdxl_clip_l_skip,
-        hires=hires,
+        hires=hires, guidance_rescales=(guidance_rescale,) * num_images,
         controls=_controls(pictures, num_images, width, height, controlnet_conditioning_scale, control_guidance_start,
                            control_guidance_end, control_mode),
         image_prompts=_image_prompts(ip_adapter_image, num_images, ip_adapter_scales(model, ip_adapter_scale)),

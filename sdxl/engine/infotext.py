@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoints import lora
+from ..checkpoints import hashes, lora
 from ..models.controlnet_union import CONTROL_MODES
 from ..prompts import syntax as prompt_syntax
 from ..prompts.syntax import A1111_EMPHASIS_NAMES
@@ -43,22 +43,29 @@ def _number(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def png_parameters(pipe, request, i: int, model: str) -> str:
+def png_parameters(pipe, request, i: int, model: str, left_out: str | None = None) -> str:
     """The parameters of image `i` of a rendered request, rendered with `pipe` (the `LoadedModel` it was
     prepared against, its refiner included; or a `Pipeline`, for its current one), as the CLI and the
     demo save them: the prompts as written, weights and LoRA tags included; webui's fields where it
     has them ("Schedule type", "Emphasis", "Lora hashes", "TI hashes": the embeddings the prompt, then the
-    negative prompt, name), then ours. diffusers' samplers write their
-    schedule type as "diffusers"."""
+    negative prompt, name; "Noise Schedule" for a zero-terminal-SNR model, "CFG Rescale" as webui's CFG
+    Rescale extension writes it), then ours. diffusers' samplers write their
+    schedule type as "diffusers". `left_out`: what the settings named that the picture is drawn without
+    (a demo's "Failed to find networks: ..."), as the field "Left out", which webui ignores."""
     loras = request.loras or ()
     readable = [prompt_syntax.lora_tags(request.prompts[i])[0], request.negative_prompts[i]]
+    rescale = request.guidance_rescales[i] if request.guidance_rescales else 0.0
     return parameters_text(request.prompts[i], request.negative_prompts[i], {
         "Steps": request.steps, "Sampler": SAMPLER_NAMES[request.sampler], "Schedule type": request.schedule_type,
         "CFG scale": float(request.guidance_scales[i]), **_seed_fields(request, i),
-        "Size": f"{request.width}x{request.height}", "Model": model, "VAE": pipe.vae_name,
+        "CFG Rescale": float(rescale) or None,
+        "Size": f"{request.width}x{request.height}",
+        "Model hash": None if pipe.weights_file is None else hashes.model_hash(pipe.weights_file), "Model": model,
+        "VAE": pipe.vae_name,
         # Ours, which webui reads past: the UNet's weights stored in 8 bits, not in the dtype it computes in.
         "Weights dtype": None if pipe.weights_dtype == "default" else pipe.weights_dtype,
         **_noise_fields(request, i),
+        "Noise Schedule": ZERO_TERMINAL_SNR if pipe.spec.scheduler.rescale_betas_zero_snr else None,
         "Denoising strength": None if request.images is None else float(request.strength),
         **clip_skip_infotext(request, pipe.spec),
         **hires_infotext(request),
@@ -75,6 +82,7 @@ def png_parameters(pipe, request, i: int, model: str) -> str:
             for embedding in pipe.prompts.embeddings_in(text, request.emphasis, negative=negative)
         ) or None,
         **controlnet_infotext(pipe, request, i),
+        "Left out": left_out,
     })
 
 
@@ -208,16 +216,17 @@ def read_parameters(text: str, pipe=None) -> dict:
     webui's and Forge's) gives, so that `pipe.generate(**read_parameters(text))` draws its picture:
     prompt and negative_prompt; and of steps, sampler and schedule_type (A1111's k-diffusion sampler
     and schedule type, or for our own texts and A1111's DDIM, PLMS and the like, diffusers'),
-    guidance_scale, seed, width, height, emphasis, clip_skip (and our "Clip skip SDXL" as
-    sdxl_clip_l_skip), noise_source, variation_seed, variation_strength, ensd and batch_noise, those it
-    gives; and its hires fix as `hires` (`sdxl.engine.hires.Hires`);
+    guidance_scale, guidance_rescale ("CFG Rescale"), seed, width, height, emphasis, clip_skip (and our
+    "Clip skip SDXL" as sdxl_clip_l_skip), noise_source, variation_seed, variation_strength, ensd and
+    batch_noise, those it gives; and its hires fix as `hires` (`sdxl.engine.hires.Hires`);
     with `pipe`, its IP-Adapter units (A1111's ControlNet extension's) as `ip_adapter_scale`, one per
     adapter loaded, 0 for those it names not (the pictures are not in it: give them as
     `ip_adapter_image`); a unit naming an adapter not loaded is named in the warning. The noise source
     is webui's RNG (a text without one is webui's default GPU source, on NVIDIA cards its NV; this
     project's own texts say JAX). Settings it gives that `generate` cannot apply (a sampler not
-    here, ...) are named in one warning; so are its "Model" and "VAE", unless `pipe` (a `Pipeline`) has
-    loaded them, and the textual-inversion embeddings its "TI hashes" names that `pipe` has not.
+    here, ...) are named in one warning; so are its "Model", "VAE" and "Noise Schedule", unless `pipe`
+    (a `Pipeline`) has loaded them (for webui's "Zero Terminal SNR" or "Default", a model with zero
+    terminal SNR), and the textual-inversion embeddings its "TI hashes" names that `pipe` has not.
 
     Raises:
       ValueError: it has no settings line.
@@ -231,19 +240,8 @@ def read_parameters(text: str, pipe=None) -> dict:
 def read_infotext(text: str, pipe=None) -> tuple[dict, tuple[str, ...]]:
     """`read_parameters`' arguments, and the settings it leaves out: their names, or for a "Model" or
     "VAE" that `pipe` (given) has not loaded, what the text names and what is loaded. Raises ValueError."""
-    lines = text.strip().split("\n")
-    settings_line = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Steps: ")), None)
-    if settings_line is None:
-        raise ValueError("no generation parameters in this image (no 'Steps:' line)")
-    prompt_lines, negative = lines[:settings_line], ""
-    for i, line in enumerate(prompt_lines):
-        if line.startswith("Negative prompt: "):
-            negative = "\n".join([line[len("Negative prompt: "):], *prompt_lines[i + 1:]])
-            prompt_lines = prompt_lines[:i]
-            break
-    fields = {key: json.loads(value) if value.startswith('"') else value
-              for key, value in _SETTING.findall(lines[settings_line])}
-    found, used = {"prompt": "\n".join(prompt_lines), "negative_prompt": negative}, set(_METADATA)
+    prompt, negative, fields = _parts(text)
+    found, used = {"prompt": prompt, "negative_prompt": negative}, set(_METADATA)
     for key, (name, parse) in _SETTINGS.items():
         if key in fields:
             try:
@@ -281,26 +279,55 @@ def read_infotext(text: str, pipe=None) -> tuple[dict, tuple[str, ...]]:
             used.update(units)
     if pipe is not None:
         others |= _not_loaded(fields, pipe) | _embeddings_not_loaded(fields.get("TI hashes", ""), pipe)
-        used.update(key for key in ("Model", "VAE") if key in fields and key not in others)
+        used.update(key for key in ("Model", "VAE", "Noise Schedule") if key in fields and key not in others)
     return found, tuple(others.get(key, key) for key in fields if key not in used) + tuple(
         others[key] for key in others if key not in fields)
 
 
+def settings_of(text: str) -> dict[str, str]:
+    """A "parameters" text's settings line, by field ("Model": ..., "Model hash": ...). Raises ValueError."""
+    return _parts(text)[2]
+
+
+def _parts(text: str) -> tuple[str, str, dict[str, str]]:
+    """A "parameters" text's prompt, negative prompt and settings by field. Raises ValueError."""
+    lines = text.strip().split("\n")
+    settings_line = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Steps: ")), None)
+    if settings_line is None:
+        raise ValueError("no generation parameters in this image (no 'Steps:' line)")
+    prompt_lines, negative = lines[:settings_line], ""
+    for i, line in enumerate(prompt_lines):
+        if line.startswith("Negative prompt: "):
+            negative = "\n".join([line[len("Negative prompt: "):], *prompt_lines[i + 1:]])
+            prompt_lines = prompt_lines[:i]
+            break
+    fields = {key: json.loads(value) if value.startswith('"') else value
+              for key, value in _SETTING.findall(lines[settings_line])}
+    return "\n".join(prompt_lines), negative, fields
+
+
 def _not_loaded(fields: dict, pipe) -> dict[str, str]:
     """For a text's "Model" and "VAE" (webui writes a separate VAE's file name; none: the model's own)
-    that name another than `pipe` has loaded, a sentence saying both, by field. Names compare by their
-    last part without an extension ("sdxl_vae.safetensors" is the VAE "madebyollin/sdxl_vae")."""
-
-    def named(name: str | None) -> str | None:
-        return None if name is None else Path(str(name).rstrip("/")).name.removesuffix(".safetensors")
-
+    that name another than `pipe` has loaded, a sentence saying both, by field."""
     found = {}
-    if "Model" in fields and named(fields["Model"]) != named(pipe.name):
-        found["Model"] = f"Model {fields['Model']} (loaded: {named(pipe.name)})"
-    if named(fields.get("VAE")) != named(pipe.vae_name):
+    if "Model" in fields and file_stem(fields["Model"]) != file_stem(pipe.name):
+        found["Model"] = f"Model {fields['Model']} (loaded: {file_stem(pipe.name)})"
+    if file_stem(fields.get("VAE")) != file_stem(pipe.vae_name):
         own = "the model's own"
-        found["VAE"] = f"VAE {fields.get('VAE', own)} (loaded: {named(pipe.vae_name) or own})"
+        found["VAE"] = f"VAE {fields.get('VAE', own)} (loaded: {file_stem(pipe.vae_name) or own})"
+    # webui writes its "Noise schedule" setting for a model with zero terminal SNR (a `ztsnr` key: then
+    # "Default", the model's own) or where the setting asks for it; the loaded model's is static.
+    schedule, zero_snr = fields.get("Noise Schedule"), pipe.spec.scheduler.rescale_betas_zero_snr
+    if schedule is not None and (schedule in (ZERO_TERMINAL_SNR, "Default")) != zero_snr:
+        found["Noise Schedule"] = f"Noise Schedule {schedule} (loaded: {'with' if zero_snr else 'without'} " \
+            "zero terminal SNR)"
     return found
+
+
+def file_stem(name: str | None) -> str | None:
+    """How a text's "Model" or "VAE" compares with a loaded one: by its last part without an extension
+    ("sdxl_vae.safetensors" is the VAE "madebyollin/sdxl_vae")."""
+    return None if name is None else Path(str(name).rstrip("/")).name.removesuffix(".safetensors")
 
 
 def _embeddings_not_loaded(ti_hashes: str, pipe) -> dict[str, str]:
@@ -388,9 +415,11 @@ _SETTINGS = {
     "Variation seed": ("variation_seed", int), "Variation seed strength": ("variation_strength", float),
     "ENSD": ("ensd", int), "Batch noise": ("batch_noise", lambda value: value == "True"),
     "Clip skip": ("clip_skip", int), "Clip skip SDXL": ("sdxl_clip_l_skip", lambda value: value == "True"),
+    "CFG Rescale": ("guidance_rescale", float),  # the field of webui's CFG Rescale extension
 }
+ZERO_TERMINAL_SNR = "Zero Terminal SNR"  # webui's "Noise schedule" setting for a rescaled schedule
 # What names files or programs rather than settings: nothing to apply, so never reported as unused.
-_METADATA = ("Version", "Model hash", "VAE hash", "Lora hashes", "TI hashes", "LoRAs", "Weights dtype")
+_METADATA = ("Version", "Model hash", "VAE hash", "Lora hashes", "TI hashes", "LoRAs", "Left out", "Weights dtype")
 # The noise sources by webui's RNG names (and ours, JAX); webui's GPU source on NVIDIA cards is its NV.
 RNG_NAMES = {"jax": "JAX", "nv": "NV", "cpu": "CPU"}
 _RNG_SOURCES = {name: source for source, name in RNG_NAMES.items()} | {"GPU": "nv"}

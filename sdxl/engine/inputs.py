@@ -78,6 +78,7 @@ def host_inputs(prepared: PreparedRequest) -> Inputs:
         seeds=per_image(request.seeds, np.uint32),
         image_index=per_image(request.image_index, np.uint32),
         guidance_scale=per_image(request.guidance_scales, np.float32),
+        guidance_rescale=per_image(request.guidance_rescales or (0.0,) * n, np.float32),
         schedule=plan.schedule,
         first_step=np.int32(plan.first),
         stop_step=np.int32(plan.stop),

@@ -13,6 +13,7 @@ was prepared for. Several snapshots, of one model or of several, can exist side 
 import dataclasses
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,7 @@ class LoadedModel:
     dtype: jnp.dtype
     max_steps: int = 100  # the most steps a request may ask for (the schedules' padded length)
     name: str = ""
+    weights_file: Path | None = None  # the single file its weights came from (A1111's "Model hash" is its hash)
     vae_name: str | None = None  # the separate VAE loaded in place of the checkpoint's; None for its own
     vae_tiling: bool = False  # see `Pipeline.from_pretrained`
     preview_factors: tuple | None = None  # `previews.project`'s (matrix, bias) for the previews

@@ -65,6 +65,8 @@ class Pipeline:
         controlnet: str | Sequence[str] | None = None,
         executables: Executables | None = None,
         vae_tiling: bool = False,
+        prediction_type: str | None = None,
+        rescale_betas_zero_snr: bool | None = None,
         weights_dtype: str | None = None,
     ) -> "Pipeline":
         """Loads an SDXL or SD 1.x/2.x checkpoint: a diffusers folder or Hub repo, or a single file.
@@ -95,12 +97,20 @@ class Pipeline:
             sample_size squared: SDXL's 1024x1024) in overlapping tiles, as diffusers' pipelines after
             `enable_vae_tiling()` (`sdxl.models.vae.tiled_decode`), so that a 2048x2048 picture needs
             the VAE memory of a 1024x1024 one. The tiles' blending changes such pictures a little.
+          prediction_type: what the UNet predicts, "epsilon", "v_prediction" or "sample", for a checkpoint
+            that does not say (a diffusers folder says it in its scheduler config; a single file with a
+            `v_pred` key, or its model spec metadata); default what it says, else epsilon.
+          rescale_betas_zero_snr: True for a model trained with zero terminal SNR whose checkpoint does not
+            say (a single file's `ztsnr` key does): Lin et al.'s rescaled noise schedule, with "trailing"
+            steps unless `scheduler` gives another timestep_spacing (`sampling.schedulers.ZERO_TERMINAL_SNR`);
+            False: the checkpoint's schedule as trained without it.
           weights_dtype: how the UNet's and ControlNets' large weights are stored on the devices, computed
             in `dtype` all the same (`sdxl.models.quantization`): "default" (in `dtype`), "fp8_e4m3fn"
             ("fp8"), "fp8_e5m2" (as ComfyUI's weight_dtype and Forge's `--unet-in-fp8-e4m3fn`, with a
             scale per output channel) or "int8" (symmetric, a scale per output channel): half the bytes
             of bfloat16 for 99% of the UNet's.
         """
+        scheduler = loading.scheduler_overrides(scheduler, prediction_type, rescale_betas_zero_snr)
         model = loading.load(path_or_repo_id, dtype=dtype, max_steps=max_steps, devices=devices, config=config,
                              scheduler=scheduler, unet=unet, vae=vae, controlnet=controlnet, vae_tiling=vae_tiling,
                              weights_dtype=weights_dtype)
@@ -126,6 +136,7 @@ class Pipeline:
     weights_dtype = property(lambda self: self._model.weights_dtype)
     max_steps = property(lambda self: self._model.max_steps)
     name = property(lambda self: self._model.name)
+    weights_file = property(lambda self: self._model.weights_file)
     vae_name = property(lambda self: self._model.vae_name)
     vae_tiling = property(lambda self: self._model.vae_tiling)
     preview_factors = property(lambda self: self._model.preview_factors)
@@ -162,6 +173,15 @@ class Pipeline:
             return
         with self._lock, refiner._lock:
             self._model, refiner._model = loading.with_refiner(self._model, refiner._model)
+
+    def hold_once(self, others: Sequence["Pipeline"]) -> list[str]:
+        """Holds the arrays of `others`' components in place of this model's equal ones (by value: two
+        fine-tunes of one base often share a VAE and text encoders), so that the devices hold them once;
+        returns the components now shared."""
+        models = [other.model for other in others]
+        self._replace_model(lambda model: loading.held_once(model, models))
+        return [name for name, tree in self._model.params.items()
+                if any(model.params.get(name) is tree for model in models)]
 
     def add_upscaler(self, source: str) -> str:
         """Reads a model upscaler (ESRGAN, Real-ESRGAN: `sdxl.engine.upscaler`) from a local file or a Hub

@@ -83,6 +83,7 @@ class Inputs:
     seeds: jax.Array  # [B] uint32; image b's noise depends only on (seeds[b], image_index[b])
     image_index: jax.Array  # [B] uint32
     guidance_scale: jax.Array  # [B] float32 classifier-free guidance weights
+    guidance_rescale: jax.Array  # [B] float32 CFG rescale factors (`rescaled_guidance`)
     schedule: Schedule  # the sampler's padded noise schedule, with its step count (`Schedule.num_steps`)
     # Scalar int32: the steps first_step..stop_step-1 of the schedule run (0 and its num_steps for
     # text-to-image; a later first step for image-to-image, an earlier stop for a base model that hands
@@ -418,6 +419,7 @@ class GenerateProgram:
         model, unet_params, unet_invariants = self._unet(), self._unet_params(params), invariants.get("unet", {})
         control = controlnet_steps.control(self, params, invariants, inputs)
         g = inputs.guidance_scale[:, None, None, None]
+        rescale = inputs.guidance_rescale[:, None, None, None]
         known = state.known
         extra = None  # a 9-channel inpainting UNet's mask and masked-image latents, after the latents
         if known is not None and known.masked_latents is not None:
@@ -441,7 +443,8 @@ class GenerateProgram:
                 out = out.reshape(batch, 2, *out.shape[1:])
                 uncond, positive = out[:, 0], out[:, 1]
                 # diffusers skips guidance for scales <= 1 and uses the conditional prediction alone.
-                out = jnp.where(g > 1, uncond + g * (positive - uncond), positive)
+                guided = rescaled_guidance(uncond + g * (positive - uncond), positive, rescale)
+                out = jnp.where(g > 1, guided, positive)
             return denoised_from_model_output(x, out, sigma, self.spec.scheduler.prediction_type)
 
         method = self.method
@@ -481,6 +484,15 @@ class GenerateProgram:
         evaluations = self.method.evaluations
         carry = self._denoise(params, {}, state, inputs, evaluations(inputs.first_step), evaluations(inputs.stop_step))
         return self.finish(params, state.replace(carry=carry))
+
+
+def rescaled_guidance(guided: jax.Array, positive: jax.Array, rescale: jax.Array) -> jax.Array:
+    """Lin et al. 2023's CFG rescale (section 3.4), as diffusers' `rescale_noise_cfg` on the UNet's
+    outputs: each image's guided prediction scaled to the conditional one's standard deviation
+    (torch's, unbiased), mixed with the guided one by `rescale` ([B, 1, 1, 1]; 0: the guided one as it is)."""
+    std = lambda x: jnp.std(x, axis=(1, 2, 3), keepdims=True, ddof=1)  # noqa: E731
+    mixed = rescale * guided * (std(positive) / std(guided)) + (1 - rescale) * guided
+    return jnp.where(rescale > 0, mixed, guided)
 
 
 # The conditioning's entries that come from the text, which a prompt's edits change from step to step.

@@ -60,6 +60,11 @@ def guidance_scale(value) -> float:
     return number(value, "guidance scale", *GUIDANCE_SCALE_RANGE)
 
 
+def guidance_rescale(value) -> float:
+    """A CFG rescale factor as a float from 0 (none) to 1. Raises ValueError."""
+    return number(value, "guidance rescale", 0.0, 1.0)
+
+
 def required_prompt(prompt: str) -> str:
     """`prompt`, which must have words: the demo and the CLI refuse an empty one
     (the library renders it: diffusers does).
@@ -166,6 +171,10 @@ class Request:
     image_prompts: tuple[tuple[ImagePrompt, ...], ...] | None = dataclasses.field(default=None, compare=False)
     # A second pass at a bigger size, from this one's upscaled result (`sdxl.engine.hires`); None: none.
     hires: Hires | None = None
+    # Per image, Lin et al.'s CFG rescale factor, 0 to 1: the guided prediction's standard deviation pulled
+    # this far towards the conditional one's, as diffusers' `guidance_rescale` (`rescale_noise_cfg`);
+    # None: 0 for every image.
+    guidance_rescales: tuple[float, ...] | None = None
 
     @classmethod
     def from_prompt(
@@ -255,7 +264,7 @@ class Request:
           ValueError: one sentence naming the first bad value and what is allowed.
         """
         n, spec = len(self), limits.spec
-        if n == 0 or any(len(getattr(self, f)) != n for f in _PER_IMAGE):
+        if n == 0 or any(len(getattr(self, f)) != n for f in _PER_IMAGE if getattr(self, f) is not None):
             raise ValueError("every per-image value needs the same, non-zero, number of entries")
         sampler = spec.default_sampler if self.sampler is None else sampler_name(self.sampler)
         schedule_type = schedule_type_for(sampler, self.schedule_type)
@@ -300,6 +309,7 @@ class Request:
             seeds=tuple(integer(s, "seed", 0, MAX_SEED) for s in self.seeds),
             image_index=tuple(integer(i, "image index", 0, MAX_SEED) for i in self.image_index),
             guidance_scales=tuple(guidance_scale(g) for g in self.guidance_scales),
+            guidance_rescales=tuple(guidance_rescale(r) for r in self.guidance_rescales or (0.0,) * n),
             steps=steps,
             height=height,
             width=width,
@@ -396,7 +406,7 @@ class Request:
             )
 
 
-_PER_IMAGE = ("prompts", "negative_prompts", "seeds", "image_index", "guidance_scales")
+_PER_IMAGE = ("prompts", "negative_prompts", "seeds", "image_index", "guidance_scales", "guidance_rescales")
 
 
 def _size(value, label: str, factor: int) -> int:

@@ -309,6 +309,22 @@ def lora_tags(text: str) -> tuple[str, list[tuple[str, float]]]:
     return stripped, [_lora(*tag) for kind in found if kind in _LORA_KINDS for tag in found[kind]]
 
 
+def without_loras(text: str, keep) -> tuple[str, list[str]]:
+    """A prompt without its LoRA tags whose name is not in `keep`, and those names in order: what a demo
+    draws when a pasted prompt names a LoRA it has not loaded (webui draws it too, and says "Failed to
+    find networks"). Other tags stay as written."""
+    removed = []
+
+    def take(match: re.Match) -> str:
+        name = match.group(2).split(":")[0]
+        if match.group(1) in _LORA_KINDS and name not in keep:
+            removed.append(name)
+            return ""
+        return match.group(0)
+
+    return _EXTRA_NETWORK_TAG.sub(take, text), removed
+
+
 def _lora(tag: str, arguments: str) -> tuple[str, float]:
     args = arguments.split(":")
     if len(args) > 2 or any("=" in arg for arg in args) or not args[0]:

@@ -318,6 +318,8 @@ SCHEDULER_SAMPLERS = {
     "LCMScheduler": "lcm",
     "TCDScheduler": "tcd",
 }
+# The schedulers whose samplers here step from zero terminal SNR's last noise level (`schedulers.train_sigmas`).
+_ZERO_SNR_SCHEDULERS = ("EulerDiscreteScheduler", "EulerAncestralDiscreteScheduler", "DPMSolverMultistepScheduler")
 # DPMSolverMultistepScheduler's settings that `dpmpp_2m_step` implements (its defaults).
 _DPMPP_2M_SETTINGS = {
     "algorithm_type": "dpmsolver++",
@@ -347,6 +349,9 @@ def sampler_for_scheduler(config: dict) -> str:
             if config.get(key, value) != value:
                 raise ValueError(f"scheduler {name} with {key}={config[key]!r} is not implemented (only {value!r})")
         return "dpmpp_2m_karras" if config.get("use_karras_sigmas") else "dpmpp_2m"
+    if config.get("rescale_betas_zero_snr") and name not in _ZERO_SNR_SCHEDULERS:
+        raise ValueError(f"scheduler {name} with rescale_betas_zero_snr is not implemented (only "
+                         f"{', '.join(_ZERO_SNR_SCHEDULERS)}: give one as the scheduler's _class_name)")
     plms = config.get("skip_prk_steps") and config.get("prediction_type", "epsilon") == "epsilon"
     if name == "PNDMScheduler" and not plms:
         raise ValueError(f"scheduler {name} is implemented only with skip_prk_steps and epsilon prediction (PLMS)")

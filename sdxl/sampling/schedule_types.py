@@ -23,9 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import special
 
-from .schedulers import SchedulerConfig
+from .schedulers import SchedulerConfig, zero_terminal_snr
 
 _f32 = np.float32
+# A1111's (and ComfyUI's) last alphas_cumprod of a zero-terminal-SNR schedule: a largest noise level of
+# about 4519 rather than infinity.
+A1111_ZERO_SNR_LAST_ALPHA_CUMPROD = _f32(4.8973451890853435e-08)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +61,10 @@ def discrete_model(config: SchedulerConfig, is_sdxl: bool = True) -> DiscreteMod
 
     A1111 takes alphas_cumprod from the latent diffusion code (ldm's `make_beta_schedule`, sgm's
     LegacyDDPMDiscretization): betas and their cumulative product in float64, stored as float32. Its
-    "linear" schedule is diffusers' "scaled_linear" (linear in sqrt(beta)). The sigmas are then
-    computed from the float32 values in float32, as k-diffusion's wrapper does.
+    "linear" schedule is diffusers' "scaled_linear" (linear in sqrt(beta)). For zero terminal SNR
+    (a `ztsnr` key, or its "Noise schedule" setting) it rescales them (`rescale_zero_terminal_snr_abar`)
+    with a last value that keeps the largest noise level finite. The sigmas are then computed from
+    the float32 values in float32, as k-diffusion's wrapper does.
     """
     steps = config.num_train_timesteps
     if config.beta_schedule == "scaled_linear":
@@ -67,6 +72,9 @@ def discrete_model(config: SchedulerConfig, is_sdxl: bool = True) -> DiscreteMod
     else:
         betas = np.linspace(config.beta_start, config.beta_end, steps)
     alphas_cumprod = np.cumprod(1 - betas).astype(_f32)
+    if config.rescale_betas_zero_snr:
+        alphas_cumprod = zero_terminal_snr(alphas_cumprod)
+        alphas_cumprod[-1] = A1111_ZERO_SNR_LAST_ALPHA_CUMPROD
     return DiscreteModel(np.sqrt((1 - alphas_cumprod) / alphas_cumprod), is_sdxl)
 
 

@@ -17,6 +17,11 @@ import numpy as np
 from flax import struct
 
 TIMESTEP_SPACINGS = ("linspace", "leading", "trailing")
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+# The scheduler config of a model trained with zero terminal SNR (a single file's `ztsnr` key, or
+# asked for): Lin et al. 2023's rescaled betas, with steps that start at the last timestep, where the
+# rescaled noise is pure noise ("trailing" spacing, which they and diffusers' docs pair with it).
+ZERO_TERMINAL_SNR = {"rescale_betas_zero_snr": True, "timestep_spacing": "trailing"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +66,7 @@ class SchedulerConfig:
         supported = {
             "beta_schedule": ("linear", "scaled_linear"),
             "trained_betas": (None,),
-            "prediction_type": ("epsilon", "v_prediction", "sample"),
+            "prediction_type": PREDICTION_TYPES,
             "timestep_spacing": (None, *TIMESTEP_SPACINGS),
             "interpolation_type": ("linear",),
             "use_exponential_sigmas": (False, None),
@@ -70,7 +75,6 @@ class SchedulerConfig:
             "sigma_max": (None,),
             "final_sigmas_type": ("zero", "sigma_min"),
             "timestep_type": ("discrete",),
-            "rescale_betas_zero_snr": (False,),
         }
         for name, values in supported.items():
             if getattr(self, name) not in values:
@@ -156,28 +160,70 @@ class TCDSchedule(Schedule):
     gamma_sigmas: jax.Array
 
 
+def _cumprod(alphas: np.ndarray) -> np.ndarray:
+    """torch.cumprod of float32 values, which on CPU accumulates in float64."""
+    return np.cumprod(alphas.astype(np.float64)).astype(np.float32)
+
+
+def zero_terminal_snr(alphas_cumprod: np.ndarray) -> np.ndarray:
+    """[T] float32 alphas_cumprod rescaled so that the last timestep is pure noise (Lin et al. 2023,
+    Algorithm 1): sqrt(alphas_cumprod) shifted to end at 0 and scaled to keep its first value, in
+    float32 as diffusers and A1111 compute it."""
+    root = np.sqrt(alphas_cumprod.astype(np.float32))
+    first, last = root[0], root[-1]
+    return ((root - last) * (first / (first - last))) ** 2
+
+
+def _zero_terminal_snr_betas(betas: np.ndarray) -> np.ndarray:
+    """diffusers' `rescale_zero_terminal_snr`: [T] float32 betas whose cumulative product is
+    `zero_terminal_snr`'s."""
+    bar = zero_terminal_snr(_cumprod(1 - betas))
+    return 1 - np.concatenate([bar[:1], bar[1:] / bar[:-1]])
+
+
 def alphas_cumprod(config: SchedulerConfig) -> np.ndarray:
     """[num_train_timesteps] float32 cumulative products of (1 - beta), bit-compatible with diffusers.
 
     diffusers builds float32 betas with torch.linspace and takes torch.cumprod, which on CPU
     accumulates in float64. The betas here are the correctly rounded float32 values; torch's float32
     linspace can differ from them in the last bit, which moves these by at most about 4e-7 relative.
+    With `rescale_betas_zero_snr` the last value is 0: pure noise.
     """
     steps = config.num_train_timesteps
     if config.beta_schedule == "linear":
         betas = np.linspace(config.beta_start, config.beta_end, steps).astype(np.float32)
     else:  # "scaled_linear": linear in sqrt(beta), the latent diffusion schedule.
         betas = np.linspace(config.beta_start**0.5, config.beta_end**0.5, steps).astype(np.float32) ** 2
-    return np.cumprod((1 - betas).astype(np.float64)).astype(np.float32)
+    if config.rescale_betas_zero_snr:
+        betas = _zero_terminal_snr_betas(betas)
+    return _cumprod(1 - betas)
 
 
 def _sigmas_from_alphas_cumprod(alphas_cumprod: np.ndarray) -> np.ndarray:
     return np.sqrt((1 - alphas_cumprod) / alphas_cumprod)
 
 
+# The last alphas_cumprod of a zero-terminal-SNR schedule for diffusers' Euler, Euler ancestral and
+# DPM-Solver++ schedulers: "close to 0 without being 0 so first sigma is not inf" (float16's smallest
+# subnormal), a noise level of about 4096.
+_ZERO_SNR_LAST_ALPHA_CUMPROD = np.float32(2**-24)
+
+
 def train_sigmas(config: SchedulerConfig) -> np.ndarray:
-    """[num_train_timesteps] float32 noise level of each training timestep, increasing."""
-    return _sigmas_from_alphas_cumprod(alphas_cumprod(config))
+    """[num_train_timesteps] float32 noise level of each training timestep, increasing (for zero terminal
+    SNR, the last one finite, as diffusers' sigma-based schedulers hold it)."""
+    cumprod = alphas_cumprod(config)
+    if config.rescale_betas_zero_snr:
+        cumprod[-1] = _ZERO_SNR_LAST_ALPHA_CUMPROD
+    return _sigmas_from_alphas_cumprod(cumprod)
+
+
+def _refuse_zero_snr(config: SchedulerConfig, scheduler: str) -> None:
+    """Zero terminal SNR runs on the sigma-based schedulers only (Euler, Euler ancestral, DPM-Solver++):
+    the others step from the infinite noise level of its last timestep."""
+    if config.rescale_betas_zero_snr:
+        raise ValueError(f"scheduler config: {scheduler} with rescale_betas_zero_snr is not implemented; choose "
+                         "Euler, Euler a or DPM++ 2M")
 
 
 def _spaced_timesteps(config: SchedulerConfig, spacing: str, num_steps: int, round_linspace: bool) -> np.ndarray:
@@ -318,6 +364,7 @@ def ddim_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> DD
     _check_steps(num_steps, max_steps)
     if config.clip_sample or config.thresholding:
         raise ValueError("scheduler config: DDIM's clip_sample and thresholding are not supported")
+    _refuse_zero_snr(config, "DDIM")
     spacing = config.timestep_spacing or "leading"
     timesteps = _spaced_timesteps(config, spacing, num_steps, round_linspace=True).astype(np.int64)
     cumprod = alphas_cumprod(config)
@@ -347,6 +394,7 @@ def pndm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> PN
     _check_steps(num_steps, max_steps)
     if config.prediction_type != "epsilon":
         raise ValueError("scheduler config: PNDM with prediction_type 'v_prediction' is not implemented")
+    _refuse_zero_snr(config, "PLMS")
     if not config.skip_prk_steps:
         raise ValueError("scheduler config: PNDM's Runge-Kutta steps (skip_prk_steps=false) are not implemented")
     ascending = _spaced_timesteps(config, config.timestep_spacing or "leading", num_steps, True)[::-1]
@@ -392,6 +440,7 @@ def lcm_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> LCM
     _check_steps(num_steps, max_steps)
     if config.clip_sample or config.thresholding:
         raise ValueError("scheduler config: LCM's clip_sample and thresholding are not supported")
+    _refuse_zero_snr(config, "LCM")
     timesteps = _distilled_timesteps(config, num_steps)
     sigmas = _sigmas_from_alphas_cumprod(alphas_cumprod(config)[timesteps])
     scaled = timesteps * np.float32(config.timestep_scaling)
@@ -410,6 +459,7 @@ TCD_GAMMA = 0.3  # TCD's stochasticity ("eta" in diffusers' TCDScheduler.step), 
 def tcd_schedule(config: SchedulerConfig, num_steps: int, max_steps: int) -> TCDSchedule:
     """TCDScheduler.set_timesteps(num_steps) with gamma `TCD_GAMMA`, padded to max_steps."""
     _check_steps(num_steps, max_steps)
+    _refuse_zero_snr(config, "TCD")
     timesteps = _distilled_timesteps(config, num_steps)
     cumprod = alphas_cumprod(config)
     following = np.append(timesteps[1:], 0)  # diffusers' prev_timestep: 0 after the last step

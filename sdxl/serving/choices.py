@@ -18,6 +18,7 @@ from ..prompts.syntax import A1111_EMPHASIS_NAMES, EMPHASIS_MODES
 from ..sampling import kdiffusion
 from ..sampling.methods import DIFFUSERS, SAMPLER_NAMES
 from . import grid
+from .models import union
 from .results import size_label
 
 # The Generate tab's examples for a model that has none of its own (`serving.known`): (prompt, style).
@@ -34,6 +35,7 @@ class Choices:
     """What the page offers, in the service's terms: each list of (label, value) pairs, the ranges of
     its sliders, and their starting values."""
 
+    models: list[tuple[str, str]]  # the served models' labels and names, the default first
     sizes: dict[str, tuple[int, int]]  # {label: (width, height)}, the model's first size first
     loras: list[tuple[str, float]]  # each launched LoRA's label and launch scale
     controlnets: list["ControlNetChoices"]
@@ -83,26 +85,30 @@ NOISE_SOURCE_LABELS = [("JAX (this demo's)", "jax"), ("NV (A1111 and Forge on an
                        ("CPU (A1111's CPU, ComfyUI, diffusers)", "cpu")]
 
 
-def embeddings_line(pipe) -> str:
-    """The loaded textual-inversion embeddings as the page lists them, each name with the tokens it takes
-    ("Embeddings: `neg` (2 tokens), ..."); "" for none."""
-    names = [f"`{e.name}` ({e.count} token{'' if e.count == 1 else 's'})" for e in pipe.prompts.embeddings]
+def embeddings_line(models) -> str:
+    """The loaded textual-inversion embeddings of `models` (`Model`s) as the page lists them, each name with
+    the tokens it takes ("Embeddings: `neg` (2 tokens), ..."); "" for none."""
+    embeddings = union(models, lambda model: {e.name: e for e in model.pipe.prompts.embeddings}).values()
+    names = [f"`{e.name}` ({e.count} token{'' if e.count == 1 else 's'})" for e in embeddings]
     return f"Embeddings, by name in a prompt: {', '.join(names)}" if names else ""
 
 
 def choices_of(service) -> Choices:
-    """What a `DemoService`'s page offers: its model's sizes and defaults, its LoRAs and ControlNets."""
+    """What a `DemoService`'s page offers: its models, the default one's sizes and defaults, and every model's
+    LoRAs, ControlNets and IP-Adapters."""
     spec, names = service.pipe.spec, [lora.display_name(source) for source in service.loras]
     control_axes = [(name.replace("control", "ControlNet").replace("_", " "), name)
-                    for name in grid.CONTROL_AXES] if service.pipe.controlnets else []
+                    for name in grid.CONTROL_AXES] if service.controlnets else []
+    ip_adapters = list(union(service.models, lambda model: dict.fromkeys(ip_adapter_labels(model.pipe))))
     controlnets = []
-    for controlnet in service.pipe.controlnets:
+    for controlnet in service.controlnets:
         label = infotext.controlnet_label(controlnet.name)
         preprocessor, count = default_preprocessor(label), getattr(controlnet.config, "num_control_type", 0)
         modes = [(describe_mode(m), CONTROL_MODES[m][0]) for m in range(count)]  # a Union's
         controlnets.append(ControlNetChoices(label, preprocessor, modes, (
             "canny" if preprocessor == "canny" else "depth") if modes else None))
     return Choices(
+        models=[(model.label, model.name) for model in service.models],
         sizes={size_label(w, h): (w, h) for w, h in service.sizes},
         loras=[(f"LoRA {lora.display_name(source)}", scale) for source, scale in service.loras.items()],
         controlnets=controlnets,
@@ -115,16 +121,17 @@ def choices_of(service) -> Choices:
         hires_upscalers=[*((name, name) for name in (*LATENT_UPSCALERS, *IMAGE_UPSCALERS)),
                          *((name, name) for name in service.pipe.upscalers)],
         upscalers=[(name, name) for name in (*service.pipe.upscalers, "Lanczos", "Nearest")],
-        axes=[("none", ""), *((name.replace("_", " "), name) for name in grid.AXES),
+        axes=[("none", ""), *([("model", grid.MODEL_AXIS)] if len(service.models) > 1 else []),
+              *((name.replace("_", " "), name) for name in grid.AXES),
               *((f"LoRA {name} scale", grid.LORA_AXIS + name) for name in names), *control_axes,
-              *([("image prompt scale", grid.IP_ADAPTER_AXIS)] if service.pipe.ip_adapters else [])],
+              *([("image prompt scale", grid.IP_ADAPTER_AXIS)] if ip_adapters else [])],
         guidance_range=GUIDANCE_SCALE_RANGE, max_steps=service.pipe.max_steps, lora_scale_range=LORA_SCALE_RANGE,
         max_seed=MAX_SEED, refine_from=DEFAULT_REFINE_FROM,
         sampler=spec.default_sampler, guidance_scale=service.recommended.guidance_scale,
         steps=service.recommended.steps, strength=default_strength(spec, inpainting=False),
         control_scale=default_control_scale(spec, image=False, inpainting=False),
-        ip_adapters=ip_adapter_labels(service.pipe), embeddings=embeddings_line(service.pipe), ip_adapter_layers=[
-            (LAYER_LABELS[preset], preset) for preset in presets_of(spec.unet)] if service.pipe.ip_adapters else [],
+        ip_adapters=ip_adapters, embeddings=embeddings_line(service.models), ip_adapter_layers=[
+            (LAYER_LABELS[preset], preset) for preset in presets_of(spec.unet)] if ip_adapters else [],
     )
 
 

@@ -63,8 +63,10 @@ class Settings:
     prompt: str = ""
     negative_prompt: str = ""
     style: str = NO_STYLE
+    model: str | None = None  # a served model's name (`--model`); None: the first
     seed: int = 0
     guidance_scale: float = DEFAULT_GUIDANCE_SCALE
+    guidance_rescale: float = 0.0  # CFG rescale (`Request.guidance_rescales`)
     steps: int = DEFAULT_STEPS
     width: int | None = None  # None: the model's first size
     height: int | None = None
@@ -104,7 +106,7 @@ CONTROL_PARAMETERS = {"picture": "control_image", "preprocessor": "control_prepr
 
 
 # The fields `DemoService.reused` fills in besides the prompts, and how its sentence names them.
-REUSED = {"seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
+REUSED = {"model": "model", "seed": "seed", "guidance_scale": "guidance", "steps": "steps", "sampler": "sampler",
           "schedule_type": "schedule type", "emphasis": "emphasis", "size": "size", "noise_source": "noise",
           "ensd": "ENSD", "variation_seed": "variation seed", "variation_strength": "variation strength",
           "clip_skip": "clip skip", "sdxl_clip_l_skip": "SDXL's CLIP-L clip skip", "hires": "hires fix"}
@@ -135,11 +137,16 @@ def size_presets(spec) -> list[tuple[int, int]]:
     return list(dict.fromkeys(presets))
 
 
+def nearest_size(width: int, height: int, sizes: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """Of `sizes` (width, height), the one whose aspect ratio is nearest `width` x `height`'s."""
+    return min(sizes, key=lambda size: abs(np.log(size[0] / size[1]) - np.log(width / height)))
+
+
 def fit_to_sizes(picture: Image.Image, sizes: Sequence[tuple[int, int]]) -> tuple[Image.Image, tuple[int, int]]:
     """`picture` at the size of `sizes` (width, height) whose aspect ratio is nearest its own:
     centre-cropped to that ratio, then resized (Lanczos). Returns it and the size chosen."""
     width, height = picture.size
-    target = min(sizes, key=lambda size: abs(np.log(size[0] / size[1]) - np.log(width / height)))
+    target = nearest_size(width, height, sizes)
     if (width, height) == target:
         return picture, target
     box = images.crop_box(width, height, *target)

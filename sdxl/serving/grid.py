@@ -20,19 +20,21 @@ from ..engine.checks import integer, number
 from ..engine.controls import CONTROL_SCALE_RANGE
 from ..engine.image_prompts import IP_ADAPTER_SCALE_RANGE
 from ..engine.prepared import PreparedRequest
-from ..engine.request import LORA_SCALE_RANGE, MAX_SEED, guidance_scale
+from ..engine.request import LORA_SCALE_RANGE, MAX_SEED, guidance_rescale, guidance_scale
 from ..prompts.styles import STYLES
 from ..sampling.methods import SAMPLER_NAMES, sampler_name, schedule_type_named
 
 MAX_CELLS = 64
 # The axes, by the request setting each varies; a LoRA's scale is "lora:<name>".
-AXES = ("prompt", "negative_prompt", "style", "seed", "guidance_scale", "steps", "sampler", "schedule_type",
-        "hires_strength", "hires_upscaler")
+AXES = ("prompt", "negative_prompt", "style", "seed", "guidance_scale", "guidance_rescale", "steps", "sampler",
+        "schedule_type", "hires_strength", "hires_upscaler")
 # With ControlNets: every ControlNet's scale, or end (the fraction of the steps after which it stops).
 CONTROL_AXES = {"control_scale": CONTROL_SCALE_RANGE, "control_end": (0.0, 1.0)}
 # With IP-Adapters: the image prompt's scale (an input of the program: one call, never a recompile).
 IP_ADAPTER_AXIS = "ip_adapter_scale"
 LORA_AXIS = "lora:"
+# With several models: the model (A1111's "Checkpoint name"); each model's cells are device calls of their own.
+MODEL_AXIS = "model"
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 T = TypeVar("T")
 
@@ -52,8 +54,10 @@ def split_values(text: str) -> list[str]:
     return [part.strip() for part in parts if part.strip()]
 
 
-def parse_axis(name: str, text: str, *, prompt: str = "", max_steps: int = 100, loras: Sequence[str] = ()) -> Axis:
-    """The axis `name` (one of `AXES`, or "lora:<name>" for a launched LoRA) over the values in `text`.
+def parse_axis(name: str, text: str, *, prompt: str = "", max_steps: int = 100, loras: Sequence[str] = (),
+               models: Sequence[str] = ()) -> Axis:
+    """The axis `name` (one of `AXES`, "lora:<name>" for a launched LoRA, or `MODEL_AXIS` over the
+    served `models`' names) over the values in `text`.
 
     A `prompt` axis whose first value is a phrase of `prompt` is A1111's "Prompt S/R": each value
     replaces that phrase (the first gives the prompt itself); otherwise each value is a whole prompt.
@@ -68,7 +72,7 @@ def parse_axis(name: str, text: str, *, prompt: str = "", max_steps: int = 100, 
     if name in ("seed", "steps"):
         raw = [str(v) for part in raw for v in _expanded(part, name)]
     try:
-        values = [_value(name, v, max_steps, loras) for v in raw]
+        values = [_value(name, v, max_steps, loras, models) for v in raw]
     except ValueError as e:
         raise ValueError(f"{name} axis: {e}") from None
     labels = list(raw)
@@ -93,8 +97,12 @@ def _expanded(part: str, name: str) -> list[int | str]:
     return list(range(first, last + 1))
 
 
-def _value(name: str, text: str, max_steps: int, loras: Sequence[str]):
+def _value(name: str, text: str, max_steps: int, loras: Sequence[str], models: Sequence[str]):
     if name in ("prompt", "negative_prompt"):
+        return text
+    if name == MODEL_AXIS:
+        if text not in models:
+            raise ValueError(f"no model {text!r} is loaded; the loaded ones are {', '.join(models)}")
         return text
     if name == "style":
         if text not in STYLES:
@@ -104,6 +112,8 @@ def _value(name: str, text: str, max_steps: int, loras: Sequence[str]):
         return integer(text, "seed", 0, MAX_SEED)
     if name == "guidance_scale":
         return guidance_scale(text)
+    if name == "guidance_rescale":
+        return guidance_rescale(text)
     if name == "steps":
         return integer(text, "steps", 1, max_steps)
     if name == "sampler":
@@ -120,7 +130,7 @@ def _value(name: str, text: str, max_steps: int, loras: Sequence[str]):
         return number(text, "IP-Adapter scale", *IP_ADAPTER_SCALE_RANGE)
     if name.startswith(LORA_AXIS) and name[len(LORA_AXIS):] in loras:
         return number(text, f"scale of {name[len(LORA_AXIS):]}", *LORA_SCALE_RANGE)
-    choices = ", ".join([*AXES, *(LORA_AXIS + lora for lora in loras)])
+    choices = ", ".join([*AXES, *(LORA_AXIS + lora for lora in loras), *([MODEL_AXIS] if len(models) > 1 else [])])
     raise ValueError(f"unknown axis {name!r}; choose from: {choices}")
 
 
@@ -194,6 +204,9 @@ def labelled(
     """
     columns = 1 if x is None else len(x.labels)
     rows = len(images) // columns
+    # A sheet holds one size: cells of another (a model of another native size) are resized to the first's.
+    images = [image if image.size == images[0].size else image.resize(images[0].size, Image.Resampling.LANCZOS)
+              for image in images]
     width, height = images[0].size
     size = max(12, min(width, height) // 14)
     pad = max(2, size // 4)

@@ -292,10 +292,11 @@ class Hosts:
 
     # The others
 
-    def follow(self, pipe) -> None:
-        """Makes process 0's pipeline calls here, in its order, until it ends (which ends this one)."""
+    def follow(self, pipes) -> None:
+        """Makes process 0's pipeline calls here, in its order, until it ends (which ends this one), with
+        `pipes` (the models served, in process 0's order; they share their compiled programs)."""
         log.info("%s follows process 0's requests", self.describe(self.process_id))
-        threading.Thread(target=self._follow_compiles, args=(pipe,), name="follow-compiles", daemon=True).start()
+        threading.Thread(target=self._follow_compiles, args=(pipes[0],), name="follow-compiles", daemon=True).start()
         while True:
             try:
                 message = self.renders.receive()
@@ -303,7 +304,7 @@ class Hosts:
                 self.lost(e)
             kind = message[0]
             if kind == "render":
-                self._render(pipe, *message[1:])
+                self._render(pipes, *message[1:])
             else:
                 fail(f"{self.describe(self.process_id)} expected a render, got {kind!r}", LOST_STATUS)
 
@@ -324,13 +325,14 @@ class Hosts:
         """Where a process says it has done compile message `number` (`HostsRunner.compile` waits for it)."""
         return f"{PREFIX}/compiled/{number}/{process_id}"
 
-    def _render(self, pipe, prepared, model_key: tuple, previews: bool) -> None:
+    def _render(self, pipes, prepared, model_key: tuple, previews: bool) -> None:
         import jax
 
+        pipe = next((pipe for pipe in pipes if pipe.model.key == model_key), None)
+        if pipe is None:
+            fail(f"{self.describe(self.process_id)} has loaded {[pipe.model.key for pipe in pipes]}, process 0 "
+                 f"renders with {model_key}", LOST_STATUS)
         model = pipe.model
-        if model.key != model_key:
-            fail(f"{self.describe(self.process_id)} has loaded {model.key}, process 0 renders with {model_key}",
-                 LOST_STATUS)
         model = model.reading(source for source, _ in prepared.request.loras)
         prepared = prepared.with_model(model, model.refiner)
 

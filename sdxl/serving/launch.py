@@ -15,7 +15,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ..checkpoints import CheckpointError, HubUnavailableError, hub, shapes
+from .. import checkpoints
+from ..checkpoints import CheckpointError, HubUnavailableError, controlnets as controlnet_checkpoints, hub, shapes
 from ..checkpoints.weights import refuse_pickled
 from ..engine import conditionings, memory
 from ..engine.compilation import CompileCounter, enable_compilation_cache
@@ -27,7 +28,8 @@ from ..engine.request import DEFAULT_REFINE_FROM
 from . import hosts as multihost
 from .demo import DemoService
 from .forms import Settings
-from .known import Recommended, recommended
+from .known import recommended
+from .models import Model
 from .options import FALLBACK_MODEL, IMAGES_PER_CORE
 
 log = logging.getLogger(__name__)
@@ -96,15 +98,19 @@ def load_ip_adapters(pipe: Pipeline, files: list[IPAdapterFile]) -> None:
                              [f.weight_name for f in files], image_encoder_folder=files[0].image_encoder_folder)
 
 
-@dataclasses.dataclass
-class Model:
-    """A loaded model, as the demo and the CLI present it."""
+def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int = 100) -> Model:
+    """The model `add_shared_options` named (the CLI's one `--model`; the demo's first), with the
+    compilation cache on, its LoRAs applied (each file read and checked now, not at a first request), its
+    IP-Adapters loaded and its refiner set. With `fallback`, a Hub model that cannot be fetched is replaced
+    by the built-in `shapes` model, with a notice that says why.
 
-    pipe: Pipeline
-    label: str  # how results name it
-    settings: Recommended  # its steps, guidance, sizes and examples
-    loras: dict[str, float]  # the LoRAs loaded with it, {source: scale}
-    notice: str | None = None  # why the built-in model stands in for the one asked for
+    Raises:
+      CheckpointError: a file is missing or corrupt, or the model cannot run; in one line.
+    """
+    first = options.model if isinstance(options.model, str) else options.model[0]  # the demo's options: a list
+    models, _ = load_models(argparse.Namespace(**{**vars(options), "model": [first]}), fallback=fallback,
+                            max_steps=max_steps)
+    return models[0]
 
 
 def dtypes_label(pipe: Pipeline) -> str:
@@ -112,58 +118,160 @@ def dtypes_label(pipe: Pipeline) -> str:
     return pipe.dtype.name if pipe.weights_dtype == "default" else f"{pipe.dtype.name}, {pipe.weights_dtype} weights"
 
 
-def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int = 100) -> Model:
-    """The model `add_shared_options` named, with the compilation cache on, its LoRAs applied (each file
-    read and checked now, not at a first request), its IP-Adapters loaded and its refiner set. With
-    `fallback`, a Hub model that cannot be fetched is replaced by the built-in `shapes` model, with a
-    notice that says why.
+def load_models(options: argparse.Namespace, *, fallback: bool = False,
+                max_steps: int = 100) -> tuple[list[Model], dict[str, str]]:
+    """The models `options.model` names (a list: the demo's `--model`, given once or more), each with the
+    LoRAs, embeddings, ControlNets, IP-Adapters and refiner of the options that fit it, on the same devices,
+    sharing one cache of compiled programs (models of one architecture run the same programs) and holding
+    components equal to an earlier model's (a VAE, a text encoder) once. Returns the models loaded and,
+    by name, why the others failed (they do not stop the launch while one loads).
+
+    One model is as the CLI loads it: every option must fit it, and with `fallback` the built-in `shapes`
+    model stands in for a Hub model that cannot be fetched. Of several, an option loads with the models
+    it fits, and one that fits none is refused.
 
     Raises:
-      CheckpointError: a file is missing or corrupt, or the model cannot run; in one line.
+      CheckpointError: two models of one name; an option that fits no model; no model loads (each
+        model's reason); in one line.
     """
+    names = list(options.model)
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise CheckpointError(f"--model {repeated[0]} is given twice: give each model once")
     ip_adapters = [ip_adapter_file(text) for text in options.ip_adapter]  # refused before any download
     enable_compilation_cache(options.cache_dir)
     loras = dict(options.lora)
     load = functools.partial(Pipeline.from_pretrained, dtype=options.dtype, max_steps=max_steps,
                              vae_tiling=not options.no_vae_tiling, weights_dtype=options.weights_dtype)
-    try:
-        scheduler = recommended(options.model, options.unet, loras=tuple(loras)).scheduler
-        pipe = load(options.model, config=options.config, scheduler=scheduler, unet=options.unet,
-                    vae=options.vae, controlnet=options.controlnet)
-        name, notice = options.model, None
-    except HubUnavailableError as e:
-        if not fallback:  # the CLI: a script gets the model it asked for, or a reason and what to do
-            raise HubUnavailableError(
-                f"{e}; to draw without the Hub, run the built-in model instead: --model {FALLBACK_MODEL}"
-            ) from e
-        notice = (
-            f"{e}. Showing the built-in {FALLBACK_MODEL} model instead: it draws coloured circles, squares and "
-            f"triangles on coloured backgrounds (try the examples). It knows only the English words of its "
-            f"captions ({shapes.vocabulary()}): other words, and other languages, give blobs unrelated to the prompt. "
-            f"For real images, start once where the Hub is "
-            f"reachable and without HF_HUB_OFFLINE=1: the files the pipeline loads (configs, tokenizers, "
-            f"safetensors weights) are then downloaded into your Hugging Face cache, and later starts read them "
-            f"from there, offline too."
-        ) + (" The ControlNets are not loaded: they steer the model asked for." if options.controlnet else "") + (
-            " The IP-Adapters are not loaded: they steer the model asked for." if ip_adapters else "") + (
-            " The VAE asked for is not loaded: it belongs with the model asked for." if options.vae else "") + (
-            " The embeddings are not loaded: they belong with the model asked for." if options.embedding else ""
-        )
+    controlnets = _controlnets_by_model(options, names)
+    models, failed, notice = [], {}, None
+    for name in names:
+        shared = {} if not models else {"devices": list(models[0].pipe.mesh.devices.flat),
+                                        "executables": models[0].pipe.executables}
+        scheduler = recommended(name, options.unet, loras=tuple(loras)).scheduler
+        start = time.perf_counter()
+        try:
+            pipe = load(name, config=options.config, scheduler=scheduler, unet=options.unet, vae=options.vae,
+                        controlnet=controlnets.get(name, options.controlnet), prediction_type=options.prediction_type,
+                        rescale_betas_zero_snr=options.zero_terminal_snr or None, **shared)
+        except CheckpointError as e:
+            if len(names) == 1 and not (fallback and isinstance(e, HubUnavailableError)):
+                if isinstance(e, HubUnavailableError):  # the CLI: the model it asked for, or what to do
+                    raise HubUnavailableError(
+                        f"{e}; to draw without the Hub, run the built-in model instead: --model {FALLBACK_MODEL}"
+                    ) from e
+                raise
+            failed[name] = e
+            log.warning("model %s failed to load: %s", name, e)
+            continue
+        others = [model.pipe for model in models]
+        shared_parts = pipe.hold_once(others)
+        if shared_parts:
+            log.info("%s holds %s of an earlier model once", name, " and ".join(shared_parts))
+        unet = options.unet
+        settings = recommended(name, unet, pipe.spec.default_sampler, tuple(loras))
+        models.append(Model(name, pipe, model_label(name, unet), settings))
+        log.info("loaded %s in %.1f s", name, time.perf_counter() - start)
+    embedding = embedding_files(options.embedding)
+    if not models:
+        hub_failed = [name for name in names if isinstance(failed.get(name), HubUnavailableError)]
+        if not (fallback and hub_failed):
+            raise CheckpointError("no model loads: " + "; ".join(f"{name}: {why}" for name, why in failed.items()))
+        notice = _fallback_notice("; ".join(str(failed[name]) for name in hub_failed), options)
         log.warning(notice)
-        pipe, name, ip_adapters = load(FALLBACK_MODEL), FALLBACK_MODEL, []
-    load_ip_adapters(pipe, ip_adapters)
-    if options.embedding and not notice:
-        pipe.load_textual_inversion(embedding_files(options.embedding))
-    pipe.set_loras(loras)
-    for source in options.upscaler:
-        pipe.add_upscaler(source)
+        failed = {}  # the notice says why
+        pipe = load(FALLBACK_MODEL)
+        models = [Model(FALLBACK_MODEL, pipe, settings=recommended(FALLBACK_MODEL, None, pipe.spec.default_sampler,
+                                                                   tuple(loras)), notice=notice)]
+        ip_adapters, embedding = [], []  # they steer the model asked for
+    served = {model.name: model for model in models}
+    _attach_each(list(served), "ip-adapter", [(", ".join(options.ip_adapter), ip_adapters)] if ip_adapters else [],
+                 lambda name, files: load_ip_adapters(served[name].pipe, files))
+    _attach_each(list(served), "embedding", [(str(file), file) for file in embedding],
+                 lambda name, file: served[name].pipe.load_textual_inversion([file]))
+    _attach_each(list(served), "lora", [(source, (source, scale)) for source, scale in loras.items()],
+                 lambda name, lora: _read_lora(served[name], *lora))
+    for model in models:
+        model.pipe.set_loras(model.loras)
+        for source in options.upscaler:
+            model.pipe.add_upscaler(source)
     if options.refiner:
-        pipe.set_refiner(load(options.refiner, devices=list(pipe.mesh.devices.flat)))
-    unet = None if notice else options.unet
-    label = model_label(name, unet)
-    return Model(pipe, label, recommended(name, unet, pipe.spec.default_sampler, tuple(loras)), loras, notice)
+        refiner = load(options.refiner, devices=list(models[0].pipe.mesh.devices.flat),
+                       executables=models[0].pipe.executables)
+        _attach_each(list(served), "refiner", [(options.refiner, refiner)],
+                     lambda name, _: served[name].pipe.set_refiner(refiner))
+    return models, failed
 
 
+def _fallback_notice(reason: str, options: argparse.Namespace) -> str:
+    """Why the built-in model stands in for the ones asked for, what it draws, and how to get real models."""
+    return (
+        f"{reason}. Showing the built-in {FALLBACK_MODEL} model instead: it draws coloured circles, squares and "
+        f"triangles on coloured backgrounds (try the examples). It knows only the English words of its "
+        f"captions ({shapes.vocabulary()}): other words, and other languages, give blobs unrelated to the prompt. "
+        f"For real images, start once where the Hub is "
+        f"reachable and without HF_HUB_OFFLINE=1: the files the pipeline loads (configs, tokenizers, "
+        f"safetensors weights) are then downloaded into your Hugging Face cache, and later starts read them "
+        f"from there, offline too."
+    ) + (" The ControlNets are not loaded: they steer the model asked for." if options.controlnet else "") + (
+        " The IP-Adapters are not loaded: they steer the model asked for." if options.ip_adapter else "") + (
+        " The VAE asked for is not loaded: it belongs with the model asked for." if options.vae else "") + (
+        " The embeddings are not loaded: they belong with the model asked for." if options.embedding else "")
+
+
+def _controlnets_by_model(options: argparse.Namespace, names: list[str]) -> dict[str, list[str]]:
+    """Of several models, the `--controlnet`s each one fits, checked against its configs before any
+    weights are fetched (a ControlNet's family is in its config); none for one model, which takes them
+    all or fails with the reason.
+
+    Raises:
+      CheckpointError: a ControlNet fits none of the models.
+    """
+    if len(names) == 1 or not options.controlnet:
+        return {}
+    specs = {}
+    for name in names:
+        try:
+            specs[name] = checkpoints.resolve(name, config=options.config, unet=options.unet, vae=options.vae).spec
+        except CheckpointError:
+            continue  # the model fails to load, and says why then
+    fitting = {name: [] for name in specs}
+
+    def check(name: str, source: str) -> None:
+        controlnet_checkpoints.resolve(source, specs[name], dtype="float32")
+        fitting[name].append(source)
+
+    _attach_each(list(specs), "controlnet", [(source, source) for source in options.controlnet], check)
+    return fitting
+
+
+def _attach_each(names: list[str], option: str, sources: list[tuple[str, object]], attach) -> None:
+    """Attaches each of `sources` ((text, value) of an `--option`) to every model it fits (`attach(name,
+    value)` raises CheckpointError where it does not), saying in the log which it skips.
+
+    Raises:
+      CheckpointError: one fits none: with one model, its reason as it is; of several, each model's.
+    """
+    for text, value in sources:
+        reasons = {}
+        for name in names:
+            try:
+                attach(name, value)
+            except CheckpointError as e:
+                reasons[name] = e
+        if len(reasons) == len(names):
+            if len(names) == 1:
+                raise next(iter(reasons.values()))
+            raise CheckpointError(f"--{option} {text} fits none of the models: "
+                                  + "; ".join(f"{name}: {why}" for name, why in reasons.items()))
+        for name, why in reasons.items():
+            log.warning("--%s %s is not loaded with %s: %s", option, text, name, why)
+
+
+def _read_lora(model: Model, source: str, scale: float) -> None:
+    """Reads a LoRA file, checked against the model, and lists it with the model's LoRAs."""
+    model.pipe.model.reading([source])  # read once: `set_loras` finds it read
+    model.loras[source] = scale
 def demo_service(options: argparse.Namespace) -> DemoService | None:
     """The demo's service for `demo_parser`'s options, warmed up: the default request's programs are
     compiled and have run once; the others compile in the background while it serves.
@@ -184,29 +292,30 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
         options.cache_dir = options.cache_dir or storage.compilation_cache
         print(storage.describe(), flush=True)
     try:
-        model = load(options, fallback=True)
+        models, failed = load_models(options, fallback=True)
     except CheckpointError as e:
         if hosts is not None:  # every process stops, with the reason, rather than wait for this one
             hosts.agree("model", {"load error": str(e)})
         raise
     loaded = time.perf_counter()
+    model = models[0]
     pipe = model.pipe
     if hosts is not None:
-        hosts.agree("model", multihost.model_facts(model))
+        hosts.agree("model", {"models": [multihost.model_facts(model) for model in models]})
         if not hosts.leader:
-            hosts.follow(pipe)
+            hosts.follow([model.pipe for model in models])
             return None
     per_core = options.max_images_per_core or IMAGES_PER_CORE
     service = DemoService(
-        pipe, model_label=model.label, max_images_per_core=per_core, max_queued=options.max_queue,
-        max_per_owner=options.max_per_user, notice=model.notice, loras=model.loras, recommended=model.settings,
+        models, max_images_per_core=per_core, max_queued=options.max_queue, max_per_owner=options.max_per_user,
         emphasis=options.emphasis, runner=None if hosts is None else hosts.runner(pipe),  # calls to every process
+        failed={name: str(why) for name, why in failed.items()},
     )
-    warm_up_settings = Settings(prompt="warm-up", guidance_scale=model.settings.guidance_scale, steps=2,
-                                emphasis=options.emphasis)
-    warm_up = service.images(warm_up_settings)
-    # On an accelerator, the largest batch of each kind the demo renders must fit a device's memory.
-    served = [warm_up, *_edits(pipe, warm_up).values()]
+    warm_ups = [service.images(_warm_up_settings(each, options.emphasis)) for each in models]
+    warm_up_settings = _warm_up_settings(model, options.emphasis)
+    # On an accelerator, the largest batch of each kind the demo renders, of every model, must fit a device's
+    # memory beside every model's weights.
+    served = [request for each, warm in zip(models, warm_ups) for request in (warm, *_edits(each.pipe, warm).values())]
     batch = lambda n: pipe.padded_batch(n * pipe.num_devices)  # noqa: E731
     try:
         memory.check_fits(pipe, lambda n: [p for r in served for p in r.programs_at(batch(n))], per_core,
@@ -222,21 +331,34 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
     if storage is not None:
         service.launch_notes.append(storage.describe())
     _report_hires_fit(service, warm_up_settings)
-    with CompileCounter() as compiles:
-        compile_seconds = service.queue.runner.compile(warm_up.programs)
+    with CompileCounter() as compiles:  # models of one architecture share their programs
+        compile_seconds = service.queue.runner.compile([p for warm in warm_ups for p in warm.programs])
     warm_start = time.perf_counter()
-    service.queue.wait(service.queue.submit(warm_up))
+    for warm in warm_ups:
+        service.queue.wait(service.queue.submit(warm))
     ready = time.perf_counter()
-    print(f"model {model.label} ({dtypes_label(pipe)}) on {pipe.device_description}; compilation cache "
-          f"{jax.config.jax_compilation_cache_dir}")
+    for each in models:
+        print(f"model {each.label} ({dtypes_label(each.pipe)}, {each.pipe.spec.sampling}) on "
+              f"{each.pipe.device_description}" + (f", model hash {each.hash}" if each.pipe.weights_file else ""))
+    for name, why in failed.items():
+        print(f"model {name} did not load: {why}")
+    print(f"compilation cache {jax.config.jax_compilation_cache_dir}")
     print(f"startup: load {loaded - start:.1f} s, compile {compile_seconds:.1f} s ({compiles.cached} of "
           f"{compiles.count} programs from the cache), warm-up {ready - warm_start:.1f} s, total {ready - start:.1f} s",
           flush=True)
-    for label, programs in _compiled_in_background(pipe, warm_up, per_core).items():
-        compiling = service.queue.compile_in_background(programs)
-        if compiling is not None:
-            compiling.add_done_callback(functools.partial(_report_background_compile, label))
+    for each, warm in zip(models, warm_ups):
+        for label, programs in _compiled_in_background(each.pipe, warm, per_core).items():
+            compiling = service.queue.compile_in_background(programs)
+            if compiling is not None:
+                label = label if len(models) == 1 else f"{each.name}: {label}"
+                compiling.add_done_callback(functools.partial(_report_background_compile, label))
     return service
+
+
+def _warm_up_settings(model: Model, emphasis: str) -> Settings:
+    """The request a launch renders first with a model: its default size and guidance, two steps."""
+    return Settings(prompt="warm-up", model=model.name, guidance_scale=model.settings.guidance_scale, steps=2,
+                    emphasis=emphasis)
 
 
 @dataclasses.dataclass(frozen=True)

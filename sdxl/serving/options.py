@@ -11,23 +11,31 @@ from collections.abc import Mapping
 from ..engine.request import DEFAULT_MODEL
 from ..models.quantization import ALIASES, WEIGHT_DTYPES
 from ..prompts.syntax import EMPHASIS_MODES
+from ..sampling.schedulers import PREDICTION_TYPES
 from . import hosts as multihost
 
 FALLBACK_MODEL = "shapes"  # trained here, shipped in assets/: it draws what it is told, offline
 IMAGES_PER_CORE = 4  # the default most images per core: fewer where they do not fit a device
 
 
-def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None, *,
+                       several_models: bool = False) -> None:
     """The options the demo and the CLI share: the model and what loads with it, and how prompts'
     weights apply. With `env` (the demo's environment), each defaults to its SDXL_* variable there
-    and its help names it; without (the CLI), no variable is read."""
+    and its help names it; without (the CLI), no variable is read. With `several_models` (the demo),
+    `--model` may be given several times (SDXL_MODEL a comma-separated list), and is a list."""
     variable = _Variables(env)
-    parser.add_argument(
-        "--model", default=variable.get("SDXL_MODEL", DEFAULT_MODEL),
-        help="a Hub repo id, a diffusers folder, a single .safetensors file (local, or owner/name/file on the Hub), "
-        f"'{FALLBACK_MODEL}' (built in: coloured shapes at 64x64, no download), or 'tiny' / 'tiny-sd1' (random "
-        "weights, for tests) (default: %(default)s)" + variable.named("SDXL_MODEL"),
-    )
+    what = ("a Hub repo id, a diffusers folder, a single .safetensors file (local, or owner/name/file on the Hub), "
+            f"'{FALLBACK_MODEL}' (built in: coloured shapes at 64x64, no download), or 'tiny' / 'tiny-sd1' (random "
+            "weights, for tests)")
+    if several_models:
+        models = [name.strip() for name in variable.get("SDXL_MODEL", DEFAULT_MODEL).split(",") if name.strip()]
+        parser.add_argument("--model", action=_Several, default=models, metavar="MODEL",
+                            help=f"{what}; repeatable: the page offers each, the first by default, and compares "
+                            f"them in a grid (default: {','.join(models)})" + variable.named("SDXL_MODEL",
+                                                                                             "comma-separated"))
+    else:
+        parser.add_argument("--model", default=DEFAULT_MODEL, help=f"{what} (default: %(default)s)")
     parser.add_argument(
         "--config", default=variable.get("SDXL_CONFIG"),
         help="for a single file: sdxl-base-1.0, sd-1.5, sd-2.1, sd-2.1-base or a diffusers folder "
@@ -82,6 +90,18 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] |
     )
     # String defaults go through `type` (choices do not check them), so a bad environment variable gets
     # argparse's message.
+    parser.add_argument(
+        "--prediction-type", default=variable.get("SDXL_PREDICTION_TYPE"), type=_one_of(PREDICTION_TYPES),
+        choices=PREDICTION_TYPES, help="what the model predicts, for a checkpoint that does not say, as ComfyUI's "
+        "ModelSamplingDiscrete node (default: what its scheduler config, its v_pred key or its model spec says, else "
+        "epsilon)" + variable.named("SDXL_PREDICTION_TYPE"),
+    )
+    parser.add_argument(
+        "--zero-terminal-snr", action="store_true", default=variable.get("SDXL_ZERO_TERMINAL_SNR") == "1",
+        help="the model was trained with zero terminal SNR but its checkpoint does not say (a single file's ztsnr "
+        "key does), as A1111's Noise schedule setting: the rescaled noise schedule, its steps trailing"
+        + variable.named("SDXL_ZERO_TERMINAL_SNR=1"),
+    )
     dtypes = ("float32", "bfloat16")
     parser.add_argument("--dtype", default=variable.get("SDXL_DTYPE"), type=_one_of(dtypes), choices=dtypes,
                         help="default: bfloat16 on accelerators, float32 on CPU" + variable.named("SDXL_DTYPE"))
@@ -115,6 +135,14 @@ def source_and_scale(text: str) -> tuple[str, float]:
     """A `--lora SOURCE[:SCALE]` value as (source, scale); the scale defaults to 1."""
     source, scale = split_scale(text)
     return source, 1.0 if scale is None else scale
+
+
+class _Several(argparse.Action):
+    """A repeatable option whose values replace its default list (argparse's "append" adds to it)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        given = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [value] if given is self.default else [*given, value])
 
 
 class _Variables:
@@ -186,7 +214,7 @@ def demo_parser(description: str) -> argparse.ArgumentParser:
         f"options). Without the Hub (offline, or HF_HUB_OFFLINE=1) and no cached copy of the model, the built-in "
         f"{FALLBACK_MODEL} model stands in, and the page says so.",
     )
-    add_shared_options(parser, os.environ)
+    add_shared_options(parser, os.environ, several_models=True)
     add_demo_options(parser, os.environ)
     return parser
 

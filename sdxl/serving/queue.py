@@ -81,6 +81,7 @@ class Ticket:
     steps: int = 0  # the steps it runs (fewer than the request's for image-to-image), once running
     previews: "np.ndarray | None" = None  # [N, h, w, 3] uint8 previews of its images, while running
     compiling: bool = False  # whether it waits for its programs to compile (a new size, sampler or prompt length)
+    compiles: set = dataclasses.field(default_factory=set)  # the futures of the compiles it waited for
     batch_images: int = 0  # images in the batch it runs in (its own and other requests')
     abandoned: bool = False  # given up (`DeviceQueue.cancel`): nobody waits for its result
 
@@ -241,6 +242,8 @@ class DeviceQueue:
                 continue
             ticket.compiling = True
             compiling = self.compile_in_background(programs, needed=True)
+            if compiling is not None:
+                ticket.compiles.add(compiling)
             if compiling.done() and compiling.exception() is not None:
                 self._waiting.remove(ticket)
                 ticket.future.set_exception(compiling.exception())

@@ -54,10 +54,11 @@ def rendered(service, submission, owner: str | None) -> Iterator[Shown]:
         new = update.previews is not None and not grid
         yield Shown(progress(update, len(tickets)), previews(update) if new else None)
     generations = [ticket.future.result() for ticket in tickets]
+    seconds = time.perf_counter() - start
     if grid:
-        yield Shown(answer=grid_answer(service, submission.grid, tickets, generations, time.perf_counter() - start))
+        yield Shown(answer=grid_answer(service, submission, tickets, generations, seconds))
     else:
-        yield Shown(answer=answer(service, submission.calls[0], tickets[0], generations[0], submission.note))
+        yield Shown(answer=answer(service, submission, tickets[0], generations[0], seconds))
 
 
 def size_label(width, height) -> str:
@@ -86,8 +87,8 @@ def previews(update: Update) -> tuple[list, str]:
             f"step {step} of {update.ticket.steps}: previews (their colours are approximate)")
 
 
-def pictures(service, prepared: PreparedRequest, result: Generation) -> list[Image.Image]:
-    """The images, each with its parameters in its PNG text.
+def pictures(service, prepared: PreparedRequest, result: Generation, left_out: str | None = None) -> list[Image.Image]:
+    """The images, each with its parameters in its PNG text (with what was `left_out`).
 
     Raises:
       NonFiniteImageError: the model produced NaN/inf.
@@ -97,17 +98,19 @@ def pictures(service, prepared: PreparedRequest, result: Generation) -> list[Ima
     found = []
     for i, image in enumerate(result.images):
         picture = Image.fromarray(image)
-        picture.info["parameters"] = service.png_parameters(prepared, i)
+        picture.info["parameters"] = service.png_parameters(prepared, i, left_out)
         found.append(picture)
     return found
 
 
-def caption(prepared: PreparedRequest, i: int, device: str) -> str:
-    """Image i's caption: what tells it from the others (its prompt where prompts differ, as when
-    comparing prompts), its seed, its image index where those differ, and the core it ran on."""
+def caption(prepared: PreparedRequest, i: int, device: str, model: str | None = None) -> str:
+    """Image i's caption: its model (where several are served), what tells it from the others (its prompt
+    where prompts differ, as when comparing prompts), its seed, its image index where those differ, and
+    the core it ran on."""
     request = prepared.request
     prompt = request.prompts[i]
     parts = [
+        model,
         (prompt if len(prompt) <= 40 else prompt[:39] + "…") if len(set(request.prompts)) > 1 else None,
         f"seed {request.seeds[i]}",
         f"image {request.image_index[i]}" if len(set(request.image_index)) > 1 else None,
@@ -128,31 +131,42 @@ def prompt_shape(prepared: PreparedRequest) -> str:
     return shape
 
 
-def answer(service, prepared: PreparedRequest, ticket: Ticket, result: Generation, note: str | None) -> tuple:
-    """(gallery, status) of a finished request: its images captioned, and what it took."""
-    gallery = [(picture, caption(prepared, i, result.devices[i]))
-               for i, picture in enumerate(pictures(service, prepared, result))]
-    notes = [note] if note else []
+def answer(service, submission, ticket: Ticket, result: Generation, seconds: float) -> tuple:
+    """(gallery, status) of a finished request: its images captioned, and what it took from the click (`seconds`):
+    its compile's share, and what was left out."""
+    prepared = submission.calls[0]
+    model = service.label_of(prepared) if len(service.models) > 1 else None
+    gallery = [(picture, caption(prepared, i, result.devices[i], model))
+               for i, picture in enumerate(pictures(service, prepared, result, submission.left_out))]
+    notes = [note for note in (submission.note, submission.left_out) if note]
     if ticket.batch_images > len(prepared):
         notes.append(f"batched with other requests: {ticket.batch_images} images")
-    if ticket.compiling:
-        notes.append("includes compiling for this size, batch, sampler and kind of prompt; next time it is cached")
-    status = f"{image_count(len(prepared))} in {result.seconds:.1f} s on {service.pipe.device_description}"
-    return gallery, status + (f" ({'; '.join(notes)})" if notes else "")
+    status = f"{image_count(len(prepared))} in {seconds:.1f} s on {service.pipe.device_description}"
+    return gallery, status + _compiled([ticket]) + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def grid_answer(service, plan: GridPlan, tickets: list[Ticket], results: list[Generation], seconds: float) -> tuple:
+def _compiled(tickets: list[Ticket]) -> str:
+    """What of a result's time went to compiling, as the status says it; "" for nothing."""
+    if not any(ticket.compiling for ticket in tickets):
+        return ""
+    # Each compile it waited for, whole (one under way when it came counts in full).
+    compiles = {id(f): f for ticket in tickets for f in ticket.compiles}.values()
+    seconds = sum(f.result() for f in compiles if f.done() and not f.cancelled() and f.exception() is None)
+    return f", {seconds:.1f} s of it compiling for this size, batch, sampler and kind of prompt, cached for next time"
+
+
+def grid_answer(service, submission, tickets: list[Ticket], results: list[Generation], seconds: float) -> tuple:
     """(sheet, gallery, status) of a finished grid: the labelled grid, its cells captioned with their
     axes' values, and the device calls it took."""
-    made = [pictures(service, call, result) for call, result in zip(plan.requests, results)]
+    plan = submission.grid
+    made = [pictures(service, call, result, submission.left_out) for call, result in zip(plan.requests, results)]
     cells = [made[call][index] for call, index in plan.where]
     sheet = grid.labelled(cells, plan.x, plan.y, [cell.info["parameters"] for cell in cells])
     calls = len(plan.requests)
     status = (f"{image_count(len(cells))} in {seconds:.1f} s, {calls} device call{'' if calls == 1 else 's'} on "
               f"{service.pipe.device_description}")
-    if any(ticket.compiling for ticket in tickets):
-        status += " (includes compiling for this size, batch, sampler or kind of prompt; next time it is cached)"
-    return sheet, [(cell, cell_caption(plan, i)) for i, cell in enumerate(cells)], status
+    return sheet, [(cell, cell_caption(plan, i)) for i, cell in enumerate(cells)], status + _compiled(tickets) + (
+        f" ({submission.left_out})" if submission.left_out else "")
 
 
 def cell_caption(plan: GridPlan, i: int) -> str:
