@@ -39,8 +39,8 @@ def generate_command(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     model = launch.load(args, max_steps=_max_steps(args))
     pipe = model.pipe
-    print(f"loaded {model.label} in {time.perf_counter() - start:.1f} s ({pipe.dtype.name}, {pipe.device_description}; "
-          f"{pipe.spec.sampling})")
+    print(f"loaded {model.label} in {time.perf_counter() - start:.1f} s ({launch.dtypes_label(pipe)}, "
+          f"{pipe.device_description}; {pipe.spec.sampling})")
     settings = model.settings
     steps = settings.steps if args.steps is None else args.steps
     guidance = settings.guidance_scale if args.guidance_scale is None else args.guidance_scale

@@ -75,6 +75,21 @@ def test_quick_bench_measures_the_accelerator_targets_alone(bench):
 
 
 @pytest.mark.cli
+def test_the_bench_times_each_weights_mode_beside_the_default_and_counts_its_bytes(bench):
+    args = "--model tiny --height 32 --width 32 --steps 2 --batch 1 --devices 1 --runs 1 --quick".split()
+    r, stdout, _ = bench(*args, "--compare-weights", "fp8,int8")
+    spec, default = topology.model_spec("tiny"), r["weights_default_param_bytes_per_device"]
+    assert default == topology.param_bytes(spec, "float32")
+    for mode in ("fp8_e4m3fn", "int8"):
+        assert r[f"weights_{mode}_images_per_s"] > 0 and r[f"weights_{mode}_cost"] > 0
+        # The tiny UNet's quantized weights, 4 bytes in float32, take 1 (and a float32 scale per channel),
+        # as the topology bench counts them.
+        loaded = r[f"weights_{mode}_param_bytes_per_device"]
+        assert loaded == topology.param_bytes(spec, "float32", weights_dtype=mode) < 0.9 * default
+        assert f"{mode} weights" in stdout
+
+
+@pytest.mark.cli
 def test_a_leases_variant_run_profiles_names_its_overrides_and_skips_progress(bench, tmp_path, monkeypatch):
     """What the GPU lease (.device/run.sh) runs for each variant: no progress programs, and for the
     baseline a profile of a few warm steps; each row names the environment it ran in."""

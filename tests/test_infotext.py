@@ -200,3 +200,12 @@ def test_clip_skip_is_written_as_webui_writes_it_and_read_back(tiny, settings, w
     with pytest.warns(UserWarning, match="^parameters not applied: Model$"):
         found = infotext.read_parameters(text)
     assert {name: found[name] for name in settings} == settings
+
+
+def test_a_picture_of_8_bit_weights_says_so_in_a_field_webui_reads_past():
+    pipe = Pipeline.from_pretrained("tiny", weights_dtype="int8")
+    request = Request.from_prompt("a fox", num_images=1, seed=5, steps=2, height=128, width=128, sampler="euler")
+    text = infotext.png_parameters(pipe, pipe.prepare(request).request, 0, "tiny")
+    assert "Size: 128x128, Model: tiny, Weights dtype: int8, RNG: JAX" in text
+    with pytest.warns(UserWarning, match="^parameters not applied: Model$"):  # metadata, as the hashes
+        infotext.read_parameters(text)

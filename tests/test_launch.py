@@ -35,6 +35,16 @@ def test_a_bad_environment_variable_gets_argparses_message(monkeypatch, capsys):
     assert "argument --dtype: must be one of float32, bfloat16, got 'fp16'" in capsys.readouterr().err
 
 
+def test_the_weights_dtype_option_loads_the_model_so_and_takes_comfyuis_names(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_shared_options(parser)
+    options = parser.parse_args(["--model", "shapes", "--weights-dtype", "fp8", "--cache-dir", str(tmp_path)])
+    pipe = launch.load(options).pipe
+    assert pipe.weights_dtype == "fp8_e4m3fn"
+    assert launch.dtypes_label(pipe) == "float32, fp8_e4m3fn weights"  # the startup line's
+    assert parser.parse_args([]).weights_dtype == "default"
+
+
 def test_the_shapes_models_notice_says_it_knows_only_its_english_words(tmp_path, monkeypatch):
     """Offline, the demo serves the built-in model in place of the one asked for, and says that other
     words (another language) give blobs unrelated to the prompt, listing the words it knows."""

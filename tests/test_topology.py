@@ -11,6 +11,7 @@ pytest.importorskip("libtpu", reason="libtpu compiles for TPU slices on this hos
 
 from sdxl.__main__ import main  # noqa: E402
 from sdxl.bench import ip_adapter, speed, topology  # noqa: E402
+from sdxl.models import quantization  # noqa: E402
 
 pytestmark = pytest.mark.tpu
 
@@ -127,6 +128,30 @@ def test_an_ip_adapter_program_holds_the_adapters_weights_beside_the_models(tmp_
     adapter = sum(ip_adapter.param_bytes(ip_adapter.adapter_config("plus", spec), spec, "bfloat16").values())
     assert adapter > 0 and report["weight_bytes_per_chip"] == topology.param_bytes(spec, "bfloat16") + adapter
     assert report["compiled"] and report["largest_program"] == "ip whole"
+
+
+def test_8_bit_weights_and_several_checkpoints_count_on_each_chip(tmp_path):
+    """Two checkpoints of int8 weights: each chip holds both checkpoints' weights, a byte per weight
+    the mode quantizes (and a float32 scale per output channel), and the program's own buffers once. The
+    program takes the int8 weights as they are loaded, and holds no bfloat16 copy of them: its buffers
+    beside the weights are the default mode's."""
+    spec = topology.model_spec("tiny")
+    report = _whole(tmp_path, "text", "--weights-dtype", "int8", "--checkpoints", "2")
+    default = _whole(tmp_path, "text")
+    unet = quantization.abstract(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, np.float32),
+                                              spec.abstract_params()["unet"]), "int8")
+    quantized = [leaf for leaf in jax.tree.leaves(unet, is_leaf=lambda x: isinstance(x, quantization.Quantized))
+                 if isinstance(leaf, quantization.Quantized)]
+    saved = sum(leaf.values.size - 4 * leaf.scale.size for leaf in quantized)  # 2 bytes less, 4 more per scale
+    assert quantized and topology.param_bytes(spec, "bfloat16", weights_dtype="int8") == (
+        topology.param_bytes(spec, "bfloat16") - saved)
+    assert report["weight_bytes_per_chip"] == 2 * topology.param_bytes(spec, "bfloat16", weights_dtype="int8")
+    assert (report["checkpoints"], report["weights_dtype"]) == (2, "int8")
+    whole, default_whole = _program(report, "text", "whole"), _program(default, "text", "whole")
+    assert whole["argument_bytes"] < default_whole["argument_bytes"] - saved / 2
+    assert whole["beside_weights_bytes"] <= default_whole["beside_weights_bytes"]
+    assert report["bytes_per_chip"] == report["weight_bytes_per_chip"] + whole["beside_weights_bytes"]
+    assert "2 checkpoints of tiny bfloat16, int8 weights" in (tmp_path / "BENCHMARKS.md").read_text()
 
 
 def test_an_unknown_stage_is_refused_before_compiling(capsys):

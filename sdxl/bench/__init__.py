@@ -53,6 +53,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoints.random_models import MEDIUM_SIZE
+from ..models.quantization import ALIASES, WEIGHT_DTYPES
 from .hosts import HOSTS_MARKDOWN_HEADER, format_hosts_table, hosts_markdown_row, run_hosts_soak
 from .loading import run_load_benchmark
 from .report import (
@@ -60,6 +61,7 @@ from .report import (
     markdown_row,
 )
 from .soak import SOAK_MARKDOWN_HEADER, format_soak_table, run_soak, soak_markdown_row
+from . import weights
 from .speed import run_benchmark
 from .topology import (
     HIRES, IP, PROGRAMS, REFINE, STAGES, TOPOLOGY_MARKDOWN_HEADER, format_topology_table, run_topology_benchmark,
@@ -80,6 +82,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--devices", type=int, help="use the first N devices (default: all; with --soak-hosts, N forced CPU devices)"
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bfloat16, float32 on CPU")
+    parser.add_argument(
+        "--weights-dtype", choices=[*WEIGHT_DTYPES, *ALIASES], default="default",
+        help="with --topology, how the UNet's and ControlNets' large weights are stored, computed in --dtype all "
+        "the same (default: %(default)s, in --dtype)",
+    )
+    parser.add_argument(
+        "--compare-weights", metavar="MODES",
+        help="also time the model with its weights stored in these modes, comma-separated (fp8_e4m3fn, fp8_e5m2, "
+        "int8), each loaded again and its calls timed in turn with the baseline's",
+    )
+    parser.add_argument(
+        "--checkpoints", type=int, default=1, metavar="N",
+        help="with --topology, N checkpoints of the model's architecture held on each chip (their weights N "
+        "times, the programs' other buffers once) (default: %(default)s)",
+    )
     parser.add_argument("--compare", choices=["diffusers"], help="also time diffusers' pipeline on the same weights")
     parser.add_argument(
         "--quick",
@@ -163,6 +180,9 @@ def command(args: argparse.Namespace) -> None:
     def log(message: str) -> None:
         print(message, file=sys.stderr)
 
+    if args.weights_dtype != "default" and not args.topology:
+        raise ValueError("--weights-dtype goes with --topology; to time weights modes beside the default, "
+                         "give --compare-weights")
     if args.refiner and not args.topology:
         raise ValueError("--refiner goes with --topology: the refiner's fit beside the model is compiled, not run")
     if args.topology:
@@ -179,6 +199,8 @@ def command(args: argparse.Namespace) -> None:
             stages=tuple(args.stages.split(",")),
             hires_scale=args.hires_scale,
             ip_adapter_kind=args.ip_adapter,
+            weights_dtype=args.weights_dtype,
+            checkpoints=args.checkpoints,
             log=log,
         )
         table, header, row = format_topology_table(result), TOPOLOGY_MARKDOWN_HEADER, topology_markdown_row(result)
@@ -212,6 +234,7 @@ def command(args: argparse.Namespace) -> None:
             quick=args.quick,
             progress=not args.no_progress,
             profile=args.profile and Path(args.profile),
+            compare_weights=weights.modes_of(args.compare_weights),
             log=log,
         )
         table, header, row = format_table(result), MARKDOWN_HEADER, markdown_row(result)

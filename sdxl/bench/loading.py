@@ -101,8 +101,9 @@ def default_dtype() -> str:
     return "float32" if jax.devices()[0].platform == "cpu" else "bfloat16"
 
 
-def load_on_devices(folder: Path, dtype: str, max_steps: int, num_devices: int | None):
-    return Pipeline.from_pretrained(str(folder), dtype=dtype, max_steps=max_steps, devices=jax.devices()[:num_devices])
+def load_on_devices(folder: Path, dtype: str, max_steps: int, num_devices: int | None, weights_dtype: str = "default"):
+    return Pipeline.from_pretrained(str(folder), dtype=dtype, max_steps=max_steps, devices=jax.devices()[:num_devices],
+                                    weights_dtype=weights_dtype)
 
 
 def evict_from_page_cache(files: list[Path]) -> None:

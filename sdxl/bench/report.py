@@ -78,10 +78,24 @@ def format_table(r: dict) -> str:
         p = r["profile"]
         rows.append(("profile", f"{p['step_ms']:.2f} ms of device time per denoising step; top ops in "
                                 f"{p['table']}"))
+    rows += _weights_rows(r)
     if not r["quick"]:
         rows += _full_rows(r)
     rows.append(("load average before / after", " / ".join(f"{x:.1f}" for x in r["load_average"])))
     return _aligned(rows)
+
+
+def _weights_rows(r: dict) -> list[tuple[str, str]]:
+    """With --compare-weights: each mode's speed against the baseline's, and its parameters' bytes per device."""
+    if "weights_default_param_bytes_per_device" not in r:
+        return []
+    rows = [("parameters per device", _mib(r["weights_default_param_bytes_per_device"]))]
+    for mode in (key.removeprefix("weights_").removesuffix("_cost") for key in r if key.endswith("_cost")
+                 and key.startswith("weights_")):
+        rows.append((f"{mode} weights", f"{_number(r[f'weights_{mode}_images_per_s'])} images/s, "
+                     f"{r[f'weights_{mode}_cost']:.2f}x the time; "
+                     f"{_mib(r[f'weights_{mode}_param_bytes_per_device'])} of parameters per device"))
+    return rows
 
 
 def _full_rows(r: dict) -> list[tuple[str, str]]:

@@ -15,7 +15,7 @@ from ..engine.compilation import enable_compilation_cache
 from ..engine.compiled import Executables
 from ..engine.request import Request
 from ..models import attention, convolution, unet
-from . import controlnet as control, counting, ip_adapter
+from . import controlnet as control, counting, ip_adapter, weights
 from .costs import HIRES, hires_memory, time_lora_switches, time_noise_draws, time_upscaler
 from .workload import (
     LONG_PROMPT_CHUNKS, SAMPLER, batch_request, count_compilations, prompt_of_chunks, sweep_requests, timed,
@@ -211,6 +211,7 @@ def run_benchmark(
     quick: bool = False,
     progress: bool = True,
     profile: Path | None = None,
+    compare_weights: tuple[str, ...] = (),
     log: Callable[[str], None] = lambda message: None,
 ) -> dict:
     """Measures generation as the package docstring (`sdxl.bench`) describes; returns a flat dict.
@@ -228,6 +229,8 @@ def run_benchmark(
       progress: also compile and time the progress programs (the demo's path), against the single program.
       profile: trace `profile.PROFILE_STEPS` warm steps of the batch into this folder, and summarise them
         into its profile.md (`sdxl.bench.profile`).
+      compare_weights: weights modes (`quantization.WEIGHT_DTYPES`) whose pipelines render the same batch,
+        timed in turn with the baseline's (`weights.py`).
       log: receives progress messages.
     """
     process_start = process_start_time()
@@ -259,6 +262,10 @@ def run_benchmark(
         if progress:  # as the demo shows it: a report and the images' previews after every step
             calls["progress"] = lambda: pipe.render(prepared, on_step=lambda done: None,
                                                     on_preview=lambda done, images: None)
+        weights_calls, weight_bytes = weights.first_runs(folder, dtype, max_steps, num_devices, request,
+                                                         compare_weights, log)
+        calls |= weights_calls
+        weight_bytes = {"default": weights.param_bytes_per_device(pipe), **weight_bytes} if compare_weights else {}
         fresh, variants = {}, {}
         if not quick:
             log("measuring load, warm compile and first image in a fresh process")
@@ -306,6 +313,7 @@ def run_benchmark(
         **variants,  # what a ControlNet and an IP-Adapter add
         **rest,  # recompilations over the sweep, LoRA switches, noise draws, hires memory, an upscaler
         param_bytes_bf16=bf16_bytes(pipe.spec),
+        **weights.speed(request, timings, _median_s, weight_bytes),
     )
     if not quick:
         result |= load_ratios(result) | _variant_speed(request, timings)
@@ -405,7 +413,7 @@ WARMUP_CALLS = {"ours": 0, "progress": 1, "unguided": 1, "long_prompt": 1, "cont
 def _interleaved_timings(calls: dict[str, Callable[[], object]], runs: int) -> dict[str, list[tuple[float, float]]]:
     """`runs` (wall, CPU) timings of each call, taking turns so that drifting machine load hits all alike."""
     for name, call in calls.items():
-        for _ in range(WARMUP_CALLS[name]):
+        for _ in range(WARMUP_CALLS.get(name, 0)):  # a weights mode's pipeline ran once already
             call()
     timings = {name: [] for name in calls}
     for _ in range(runs):

@@ -35,6 +35,7 @@ from ..engine.memory import bytes_beside_weights
 from ..engine.mesh import batch_mesh
 from ..engine.program import GenerateProgram
 from . import ip_adapter
+from ..models import quantization
 from ..models.attention import kernels_in
 from ..models.vae import tile_sizes
 from .loading import machine_description
@@ -73,7 +74,8 @@ def model_spec(model: str) -> ModelSpec:
         return ModelSpec.from_folder(Path(scratch))
 
 
-def program_named(name: str, spec: ModelSpec, height: int, width: int, batch: int, dtype) -> GenerateProgram:
+def program_named(name: str, spec: ModelSpec, height: int, width: int, batch: int, dtype,
+                  weights_dtype: str = "default") -> GenerateProgram:
     """One of `PROGRAMS` as the demo compiles it: the model's sampler, uint8 images, one prompt chunk."""
     kind, _, unguided = name.partition("-")
     start_from = "noise" if kind == "text" else "image"
@@ -88,26 +90,27 @@ def program_named(name: str, spec: ModelSpec, height: int, width: int, batch: in
         guided=not unguided,
         start_from=start_from,
         inpaint=kind == "inpaint",
+        weights_dtype=weights_dtype,
     )
 
 
 def hires_program(name: str, spec: ModelSpec, height: int, width: int, batch: int, dtype,
-                  scale: float) -> GenerateProgram:
+                  scale: float, weights_dtype: str = "default") -> GenerateProgram:
     """One of `HIRES` as the demo compiles it for a first pass at `height` x `width`: text-to-image's
     program at the size a latent upscaler's hires fix of `scale` renders (`Hires.size`), from the
     upscaled latents, its VAE tiling where the demo's pipeline tiles (`Pipeline._tiles_vae`)."""
-    first_pass = program_named(name.replace("hires", "text"), spec, height, width, batch, dtype)
+    first_pass = program_named(name.replace("hires", "text"), spec, height, width, batch, dtype, weights_dtype)
     height, width = Hires(scale=scale).size(height, width, spec)
     tile, _ = tile_sizes(spec.vae)
     return dataclasses.replace(first_pass, height=height, width=width, start_from="clean_latents",
                                vae_tiling=height * width > tile * tile)
 
 
-def refine_program(refiner: ModelSpec, height: int, width: int, batch: int, dtype) -> GenerateProgram:
+def refine_program(refiner: ModelSpec, height: int, width: int, batch: int, dtype,
+                   weights_dtype: str = "default") -> GenerateProgram:
     """The refiner's program as the demo compiles it: from the base's latents, guided, to uint8 images."""
-    return GenerateProgram(
-        refiner, refiner.default_sampler, height, width, batch, jnp.dtype(dtype), MAX_STEPS, start_from="latents"
-    )
+    return GenerateProgram(refiner, refiner.default_sampler, height, width, batch, jnp.dtype(dtype), MAX_STEPS,
+                           start_from="latents", weights_dtype=weights_dtype)
 
 
 def shared_components(spec: ModelSpec, beside: ModelSpec) -> list[str]:
@@ -122,12 +125,15 @@ def _shapes(tree):
     return jax.tree.map(lambda leaf: leaf.shape, tree)
 
 
-def param_bytes(spec: ModelSpec, dtype, beside: ModelSpec | None = None) -> int:
-    """A model's parameters on each chip (they are replicated), in `dtype`; with `beside`, less the
-    components the two share (`shared_components`)."""
+def param_bytes(spec: ModelSpec, dtype, beside: ModelSpec | None = None, weights_dtype: str = "default") -> int:
+    """A model's parameters on each chip (they are replicated), in `dtype` but for the large weights
+    `weights_dtype` stores in 8 bits (with their scales); with `beside`, less the components the two
+    share (`shared_components`)."""
     shared = shared_components(spec, beside) if beside else []
-    held = [tree for name, tree in spec.abstract_params().items() if name not in shared]
-    return jnp.dtype(dtype).itemsize * sum(leaf.size for leaf in jax.tree.leaves(held))
+    tree = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype), spec.abstract_params())
+    stored = quantization.in_components(tree, lambda component: quantization.abstract(component, weights_dtype))
+    held = [tree for name, tree in stored.items() if name not in shared]
+    return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(held))
 
 
 def hbm_bytes(device_kind: str) -> int | None:
@@ -148,6 +154,8 @@ def run_topology_benchmark(
     stages: tuple[str, ...] = STAGES,
     hires_scale: float = 2.0,
     ip_adapter_kind: str = "plus",
+    weights_dtype: str = "default",
+    checkpoints: int = 1,
     log=print,
 ) -> dict:
     """Compiles `programs` whole and in stages for the TPU slice `topology` ("v5e:2x2"); returns the report.
@@ -162,6 +170,10 @@ def run_topology_benchmark(
         to tens of minutes here): the whole program, and the staged ones that progress reports run.
       hires_scale: the upscale of the `HIRES` programs' hires fix, whose first pass is at `height` x `width`.
       ip_adapter_kind: the published SDXL IP-Adapter ("plain", "plus": `bench.ip_adapter`) of the `IP` programs.
+      weights_dtype: how the UNet's and ControlNets' large weights are stored (`quantization.WEIGHT_DTYPES`).
+      checkpoints: how many checkpoints of the model's architecture each chip holds (the demo's choice of
+        checkpoints): their weights side by side, and the programs' other buffers once, as one program
+        runs at a time and they compile alike.
     """
     # libtpu locks a file so that one process drives a host's chips; compiling drives none, so a test
     # may compile while a bench does.
@@ -171,6 +183,9 @@ def run_topology_benchmark(
     batch = batch or chips
     if batch % chips:
         raise ValueError(f"--batch must be a multiple of the {chips} chips of {topology}, got {batch}")
+    if checkpoints < 1:
+        raise ValueError(f"--checkpoints must be at least 1, got {checkpoints}")
+    weights_dtype = quantization.weights_dtype_name(weights_dtype)
     known = PROGRAMS + HIRES + IP + ((REFINE,) if refiner else ())
     if refiner and programs == PROGRAMS:
         programs = PROGRAMS + (REFINE,)
@@ -192,14 +207,14 @@ def run_topology_benchmark(
     compiled = []
     for name in programs:
         if name == REFINE:
-            program = refine_program(refiner_spec, height, width, batch, dtype)
+            program = refine_program(refiner_spec, height, width, batch, dtype, weights_dtype)
         elif name in HIRES:
-            program = hires_program(name, spec, height, width, batch, dtype, hires_scale)
+            program = hires_program(name, spec, height, width, batch, dtype, hires_scale, weights_dtype)
         elif name in IP:
-            program = dataclasses.replace(program_named(name.replace("ip", "text"), spec, height, width, batch, dtype),
-                                          ip_adapters=(adapter,))
+            text = program_named(name.replace("ip", "text"), spec, height, width, batch, dtype, weights_dtype)
+            program = dataclasses.replace(text, ip_adapters=(adapter,))
         else:
-            program = program_named(name, spec, height, width, batch, dtype)
+            program = program_named(name, spec, height, width, batch, dtype, weights_dtype)
         executables = Executables(mesh)  # one program's at a time: SDXL's executables are large
         # `denoise` and `finish` take what `prepare` returns: after it (compiled for them if not asked for).
         for stage in (s for s in STAGES if s in stages):
@@ -210,8 +225,11 @@ def run_topology_benchmark(
         model=model,
         refiner=refiner,
         # Every model's weights stay on each chip whichever program runs, a component they share once.
-        weight_bytes=param_bytes(spec, dtype) + (param_bytes(refiner_spec, dtype, spec) if refiner else 0)
+        weight_bytes=checkpoints * param_bytes(spec, dtype, weights_dtype=weights_dtype)
+        + (param_bytes(refiner_spec, dtype, spec, weights_dtype) if refiner else 0)
         + (sum(ip_adapter.param_bytes(adapter, spec, dtype).values()) if adapter else 0),
+        checkpoints=checkpoints,
+        weights_dtype=weights_dtype,
         shared=shared_components(spec, refiner_spec) if refiner else [],
         hires=hires,
         topology=topology,
@@ -253,8 +271,8 @@ def _compile(executables: Executables, program: GenerateProgram, stage: str) -> 
 
 
 def _report(
-    compiled: list[dict], *, model, refiner, weight_bytes, shared, hires, topology, devices, height, width, steps,
-    batch, dtype,
+    compiled: list[dict], *, model, refiner, weight_bytes, checkpoints, weights_dtype, shared, hires, topology, devices,
+    height, width, steps, batch, dtype,
 ) -> dict:
     kind = devices[0].device_kind
     ok = [c for c in compiled if c["compiled"]]
@@ -277,9 +295,11 @@ def _report(
         "chips": len(devices),
         "hosts": len({d.process_index for d in devices}),
         "model": model,
+        "checkpoints": checkpoints,
         "refiner": refiner,
         "shared_components": shared,
         "dtype": dtype,
+        "weights_dtype": weights_dtype,
         "height": height,
         "width": width,
         # Only with a hires program: its upscale and size ({"scale", "height", "width"}).
@@ -329,16 +349,22 @@ def _program_line(c: dict) -> str:
 
 
 def _models(r: dict) -> str:
-    if r["refiner"] is None:
-        return r["model"]
-    return f"{r['model']} + refiner {r['refiner']} (sharing {', '.join(r['shared_components']) or 'nothing'})"
+    model = r["model"] if r["checkpoints"] == 1 else f"{r['checkpoints']} checkpoints of {r['model']}"
+    if r["refiner"] is not None:
+        model += f" + refiner {r['refiner']} (sharing {', '.join(r['shared_components']) or 'nothing'})"
+    return model
+
+
+def _dtypes(r: dict) -> str:
+    """The compute dtype, and how the weights are stored where that differs ("bfloat16, int8 weights")."""
+    return r["dtype"] if r["weights_dtype"] == "default" else f"{r['dtype']}, {r['weights_dtype']} weights"
 
 
 def format_topology_table(r: dict) -> str:
     flops = r["unet_flops_per_step"]
     lines = [
         f"compiled for {r['topology']} ({r['chips']}x {r['device']}, {r['hosts']} host(s)) on this CPU, not run",
-        f"{_models(r)} {r['dtype']} at {_size(r['width'], r['height'], r.get('hires'))}, "
+        f"{_models(r)} {_dtypes(r)} at {_size(r['width'], r['height'], r.get('hires'))}, "
         f"{r['images_per_chip']} images per chip, "
         f"{', '.join(r['attention']) or 'no'} attention",
         f"weights {_gib(r['weight_bytes_per_chip'])} per chip, and the largest program beside them, "
@@ -368,7 +394,7 @@ def topology_markdown_row(r: dict) -> str:
         r["date"],
         r["machine"],
         f"{r['topology']} ({r['chips']}x {r['device']})",
-        f"{_models(r)} {r['dtype']}, {', '.join(r['attention'])} attention",
+        f"{_models(r)} {_dtypes(r)}, {', '.join(r['attention'])} attention",
         f"{_size(r['width'], r['height'], r.get('hires'))}, {r['images_per_chip']}",
         f"{_gib(r['bytes_per_chip'])} / {_gib(r['hbm_bytes_per_chip'])}" + ("" if r["fits"] else " (does not fit)"),
         r["largest_program"] or "",

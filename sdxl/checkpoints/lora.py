@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..models.quantization import Quantized
 from . import ModelSpec, locate_file
 from .single_file import unet_original
 from .weights import CheckpointError, SafetensorsFile, flatten, torch_axes, unflatten
@@ -248,7 +249,8 @@ def apply(base: dict, loras: list[tuple[Lora, float]], put: Callable[[np.ndarray
     """`base` with every layer a LoRA updates replaced by W + sum(scale * factor * up @ down).
 
     Layers no LoRA touches are `base`'s own arrays, so `apply(base, [], put)` is `base` exactly.
-    The updates run on the devices, in float32, and are cast to the parameters' dtype once.
+    The updates run on the devices, in float32, and are cast to the parameters' dtype once (a weight
+    stored in 8 bits is quantized again, with scales of its own: `quantization.Quantized.requantized`).
     """
     updates: dict[tuple[str, str], list] = {}
     for lora, scale in loras:
@@ -266,7 +268,7 @@ def apply(base: dict, loras: list[tuple[Lora, float]], put: Callable[[np.ndarray
         downs = [put(np.ascontiguousarray(layer.down.reshape(layer.down.shape[0], -1))) for layer, _ in layer_updates]
         ups = [put(np.ascontiguousarray(layer.up.reshape(layer.up.shape[0], -1))) for layer, _ in layer_updates]
         scales = put(np.array([scale * layer.factor for layer, scale in layer_updates], np.float32))
-        flat[path] = _updated(weight, downs, ups, scales, torch_axes(path, weight.ndim))
+        flat[path] = _updated(weight, downs, ups, scales, torch_axes(path, len(weight.shape)))
     return unflatten(flat)
 
 
@@ -275,6 +277,8 @@ def _updated(weight, downs, ups, scales, axes):
     torch_shape = tuple(weight.shape[a] for a in axes)
     delta = sum(s * (u @ d) for s, u, d in zip(scales, ups, downs, strict=True))
     flax_layout = jnp.transpose(delta.reshape(torch_shape), np.argsort(axes))
+    if isinstance(weight, Quantized):  # weights stored in 8 bits: updated in float32, then stored alike again
+        return weight.requantized(weight.dequantized(jnp.float32) + flax_layout)
     return (weight.astype(jnp.float32) + flax_layout).astype(weight.dtype)
 
 

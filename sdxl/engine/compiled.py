@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from ..checkpoints import ModelSpec
 from ..checkpoints.spec import cached_shapes
 from ..checkpoints import ip_adapters as ip_adapter_checkpoints
-from ..models import controlnet
+from ..models import controlnet, quantization
 from . import mesh as meshes
 from .inputs import abstract_inputs
 from .program import GenerateProgram, Inputs
@@ -63,7 +63,7 @@ class Executables:
         # `prepare` keeps the invariants as computed: the text's keys split by image, kernels on every device.
         fn = jax.jit(getattr(program, stage), out_shardings=(by_image, None) if stage == "prepare" else by_image)
         params = abstract_params(program.spec, program.controlnets, program.ip_adapters, program.embedding_rows,
-                                 program.dtype, meshes.replicated(self.mesh))
+                                 program.dtype, meshes.replicated(self.mesh), program.weights_dtype)
         # The mesh in context lets kernels XLA cannot partition (splash attention) split the batch.
         with jax.set_mesh(self.mesh):
             return fn.trace(params, *args).lower(lowering_platforms=platforms)
@@ -71,10 +71,10 @@ class Executables:
 
 @functools.lru_cache(maxsize=8)
 def abstract_params(spec: ModelSpec, controlnets: tuple, ip_adapters: tuple, embedding_rows: int, dtype,
-                    sharding) -> dict:
+                    sharding, weights_dtype: str = "default") -> dict:
     """The parameters a program of `spec` (steered by `controlnets`' and `ip_adapters`' configs, its prompts'
     textual-inversion vectors in `embedding_rows` rows per encoder) takes, as loaded: every leaf in `dtype`,
-    on every device."""
+    on every device, but the large weights that `weights_dtype` stores in 8 bits (`quantization.Quantized`)."""
     tree = spec.abstract_params()
     if embedding_rows:
         tree["embeddings"] = tuple(jax.ShapeDtypeStruct((embedding_rows, config.hidden_size), np.float32)
@@ -84,7 +84,8 @@ def abstract_params(spec: ModelSpec, controlnets: tuple, ip_adapters: tuple, emb
     if ip_adapters:
         unet = tree["unet"]
         tree["ip_adapters"] = tuple(ip_adapter_checkpoints.abstract_params(config, unet) for config in ip_adapters)
-    return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=sharding), tree)
+    tree = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=sharding), tree)
+    return quantization.in_components(tree, lambda component: quantization.abstract(component, weights_dtype))
 
 
 class ProgressReports:

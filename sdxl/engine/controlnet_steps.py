@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from ..models import controlnet_union
 from ..models.layers import STEP_INVARIANTS
+from ..models.quantization import dequantized
 from .mesh import interleave
 
 
@@ -36,8 +37,8 @@ def invariants(program, params, inputs, cond: dict) -> tuple:
     h, w, _ = program.spec.latent_shape(program.height, program.width)
     x_in, zeros = jnp.zeros((batch, h, w, program.spec.vae.latent_channels), program.dtype), jnp.zeros(batch)
     return tuple(
-        model.apply({"params": p}, x_in, zeros, conditioning_scale=zeros, **steered, **text_of(cond),
-                    mutable=[STEP_INVARIANTS])[1]
+        model.apply({"params": dequantized(p, program.dtype)}, x_in, zeros, conditioning_scale=zeros, **steered,
+                    **text_of(cond), mutable=[STEP_INVARIANTS])[1]
         for model, p, steered in zip(models(program), params.get("controlnets", ()), steering(program, inputs))
     )
 
@@ -57,7 +58,7 @@ def control(program, params, invariants: dict, inputs) -> Callable[..., dict]:
     count = (evaluations(inputs.schedule.num_steps) - first).astype(jnp.float32)
     steered, nets = steering(program, inputs), models(program)
     step_invariants = invariants.get("controlnets") or ({},) * len(nets)  # none in `whole`: XLA hoists them
-    variables = [{"params": p, **i} for p, i in zip(params["controlnets"], step_invariants)]
+    nets_params = params["controlnets"]
 
     def control(x_in, t, step, cond) -> dict:
         done = (step - first).astype(jnp.float32)
@@ -67,7 +68,9 @@ def control(program, params, invariants: dict, inputs) -> Callable[..., dict]:
         down, mid = None, None
         for k, model in enumerate(nets):
             scale = interleave(scales[:, k], scales[:, k]) if program.guided else scales[:, k]
-            residuals, middle = model.apply(variables[k], x_control, t, conditioning_scale=scale, **steered[k],
+            # Dequantized here, in the loop's body, where XLA fuses it into the weights' reads.
+            variables = {"params": dequantized(nets_params[k], program.dtype), **step_invariants[k]}
+            residuals, middle = model.apply(variables, x_control, t, conditioning_scale=scale, **steered[k],
                                             **text_of(cond))
             down = residuals if down is None else [a + b for a, b in zip(down, residuals)]
             mid = middle if mid is None else mid + middle

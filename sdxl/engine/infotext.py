@@ -62,6 +62,8 @@ def png_parameters(pipe, request, i: int, model: str, left_out: str | None = Non
         "Size": f"{request.width}x{request.height}",
         "Model hash": None if pipe.weights_file is None else hashes.model_hash(pipe.weights_file), "Model": model,
         "VAE": pipe.vae_name,
+        # Ours, which webui reads past: the UNet's weights stored in 8 bits, not in the dtype it computes in.
+        "Weights dtype": None if pipe.weights_dtype == "default" else pipe.weights_dtype,
         **_noise_fields(request, i),
         "Noise Schedule": ZERO_TERMINAL_SNR if pipe.spec.scheduler.rescale_betas_zero_snr else None,
         "Denoising strength": None if request.images is None else float(request.strength),
@@ -417,7 +419,7 @@ _SETTINGS = {
 }
 ZERO_TERMINAL_SNR = "Zero Terminal SNR"  # webui's "Noise schedule" setting for a rescaled schedule
 # What names files or programs rather than settings: nothing to apply, so never reported as unused.
-_METADATA = ("Version", "Model hash", "VAE hash", "Lora hashes", "TI hashes", "LoRAs", "Left out")
+_METADATA = ("Version", "Model hash", "VAE hash", "Lora hashes", "TI hashes", "LoRAs", "Left out", "Weights dtype")
 # The noise sources by webui's RNG names (and ours, JAX); webui's GPU source on NVIDIA cards is its NV.
 RNG_NAMES = {"jax": "JAX", "nv": "NV", "cpu": "CPU"}
 _RNG_SOURCES = {name: source for source, name in RNG_NAMES.items()} | {"GPU": "nv"}

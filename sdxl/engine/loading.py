@@ -15,6 +15,7 @@ from .. import checkpoints
 from ..checkpoints import controlnets as controlnet_checkpoints, embeddings, ip_adapters as ip_adapter_checkpoints
 from ..checkpoints.ip_adapters import IPAdapterConfig
 from ..checkpoints.tokenizer import load_tokenizer
+from ..models import quantization
 from ..models.previews import factors_for
 from ..prompts.tokens import Prompts
 from ..sampling.schedulers import PREDICTION_TYPES, ZERO_TERMINAL_SNR
@@ -27,7 +28,7 @@ from .model import LoadedModel
 def load(
     path_or_repo_id: str, *, dtype=None, max_steps: int = 100, devices: Sequence[jax.Device] | None = None,
     config: str | None = None, scheduler: dict | None = None, unet: str | None = None, vae: str | None = None,
-    controlnet: str | Sequence[str] | None = None, vae_tiling: bool = False,
+    controlnet: str | Sequence[str] | None = None, vae_tiling: bool = False, weights_dtype: str | None = None,
 ) -> LoadedModel:
     """A checkpoint and its ControlNets on `devices` (default: all), replicated over their mesh
     (`Pipeline.from_pretrained` says what each argument takes).
@@ -36,6 +37,7 @@ def load(
       CheckpointError: a file is missing or corrupt, or the model cannot run; ControlNets are checked
         against the model before their weights are fetched.
     """
+    weights_dtype = quantization.weights_dtype_name(weights_dtype)
     devices = list(devices or jax.devices())
     dtype = jnp.dtype(dtype or ("float32" if devices[0].platform == "cpu" else "bfloat16"))
     checkpoint = checkpoints.resolve(path_or_repo_id, dtype=dtype, config=config, scheduler=scheduler, unet=unet,
@@ -48,12 +50,13 @@ def load(
     params = checkpoint.load(dtype, put)
     if controlnets:
         params["controlnets"] = tuple(c.load(dtype, put) for c in controlnets)
+    params = quantization.in_components(params, lambda tree: quantization.quantized(tree, weights_dtype))
     return LoadedModel(
         checkpoint.spec, params, Prompts(checkpoint.spec, tokenizers), mesh, dtype, max_steps=max_steps,
         name=str(path_or_repo_id), weights_file=checkpoint.single_file,
         vae_name=None if checkpoint.vae is None else checkpoint.vae.name,
         vae_tiling=vae_tiling, preview_factors=checkpoint.preview_factors or factors_for(checkpoint.spec),
-        controlnets=tuple(controlnets),
+        controlnets=tuple(controlnets), weights_dtype=weights_dtype,
     )
 
 

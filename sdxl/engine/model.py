@@ -86,6 +86,8 @@ class LoadedModel:
     refiner: "LoadedModel | None" = None  # continues requests with `refine_from`
     upscalers: Mapping = dataclasses.field(default_factory=dict)  # model upscalers a hires fix may name, by name
     lora_cache: LoraCache = dataclasses.field(default_factory=LoraCache, repr=False)
+    # How the UNet's and ControlNets' large weights are stored (`sdxl.models.quantization.WEIGHT_DTYPES`).
+    weights_dtype: str = "default"
 
     def replace(self, **changes) -> "LoadedModel":
         return dataclasses.replace(self, **changes)
@@ -154,6 +156,6 @@ class LoadedModel:
     def key(self) -> tuple:
         """What tells this snapshot's loaded things apart, by name, for a process that must render with
         one loaded alike (`sdxl.serving.hosts`)."""
-        return (self.name, self.vae_name, str(self.dtype), tuple(c.name for c in self.controlnets),
+        return (self.name, self.vae_name, str(self.dtype), self.weights_dtype, tuple(c.name for c in self.controlnets),
                 tuple(a.name for a in self.ip_adapters), tuple(e.name for e in self.prompts.embeddings),
                 None if self.refiner is None else self.refiner.key)

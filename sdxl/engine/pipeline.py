@@ -67,6 +67,7 @@ class Pipeline:
         vae_tiling: bool = False,
         prediction_type: str | None = None,
         rescale_betas_zero_snr: bool | None = None,
+        weights_dtype: str | None = None,
     ) -> "Pipeline":
         """Loads an SDXL or SD 1.x/2.x checkpoint: a diffusers folder or Hub repo, or a single file.
 
@@ -103,10 +104,16 @@ class Pipeline:
             say (a single file's `ztsnr` key does): Lin et al.'s rescaled noise schedule, with "trailing"
             steps unless `scheduler` gives another timestep_spacing (`sampling.schedulers.ZERO_TERMINAL_SNR`);
             False: the checkpoint's schedule as trained without it.
+          weights_dtype: how the UNet's and ControlNets' large weights are stored on the devices, computed
+            in `dtype` all the same (`sdxl.models.quantization`): "default" (in `dtype`), "fp8_e4m3fn"
+            ("fp8"), "fp8_e5m2" (as ComfyUI's weight_dtype and Forge's `--unet-in-fp8-e4m3fn`, with a
+            scale per output channel) or "int8" (symmetric, a scale per output channel): half the bytes
+            of bfloat16 for 99% of the UNet's.
         """
         scheduler = loading.scheduler_overrides(scheduler, prediction_type, rescale_betas_zero_snr)
         model = loading.load(path_or_repo_id, dtype=dtype, max_steps=max_steps, devices=devices, config=config,
-                             scheduler=scheduler, unet=unet, vae=vae, controlnet=controlnet, vae_tiling=vae_tiling)
+                             scheduler=scheduler, unet=unet, vae=vae, controlnet=controlnet, vae_tiling=vae_tiling,
+                             weights_dtype=weights_dtype)
         return cls(model, executables)
 
     # The current snapshot, and what it holds
@@ -126,6 +133,7 @@ class Pipeline:
     prompts = property(lambda self: self._model.prompts)
     mesh = property(lambda self: self._model.mesh)
     dtype = property(lambda self: self._model.dtype)
+    weights_dtype = property(lambda self: self._model.weights_dtype)
     max_steps = property(lambda self: self._model.max_steps)
     name = property(lambda self: self._model.name)
     weights_file = property(lambda self: self._model.weights_file)

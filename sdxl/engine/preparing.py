@@ -103,7 +103,8 @@ def _prepared(
         given_step_noise=drawn and methods.loop(request.sampler, a1111).stochastic,
         chunks=tokens.num_chunks, conditionings=tokens.num_conditionings, preview_factors=model.preview_factors,
         a1111=a1111, vae_tiling=model.tiles_vae(request.height, request.width),
-        embedding_rows=model.embedding_rows(tokens), **conditionings.program_fields(request, model),
+        embedding_rows=model.embedding_rows(tokens), weights_dtype=model.weights_dtype,
+        **conditionings.program_fields(request, model),
     )
     plan = planned(program, request, first_step if start is not None else None)
     if drawn and request.noise is None:

@@ -44,6 +44,7 @@ from ..checkpoints import ModelSpec
 from ..checkpoints.ip_adapters import IPAdapterConfig
 from ..models import clip_vision, controlnet, controlnet_union, ip_adapter, previews, unet, vae
 from ..models.layers import STEP_INVARIANTS, ImagePromptTokens
+from ..models.quantization import dequantized
 from ..sampling import methods
 from ..sampling.samplers import Sampler, add_noise, denoised_from_model_output, model_input, run_steps
 from ..sampling.schedulers import Schedule
@@ -180,10 +181,11 @@ class GenerateProgram:
     negative prompts' ids are then not read.
 
     `params` is always the {"unet", "vae", "text_encoder"[, "text_encoder_2"][, "controlnets"][, "ip_adapters"]
-    [, "embeddings"]} parameter tree, in `dtype`; "controlnets" holds one tree per entry of `controlnets`,
-    "ip_adapters" one {"image_encoder", "image_proj", "unet"} per entry of `ip_adapters`, whose "unet" holds
-    `to_k_ip` and `to_v_ip` in every `attn2` of the UNet's tree; "embeddings" one [embedding_rows, C_e]
-    table of textual-inversion vectors per text encoder.
+    [, "embeddings"]} parameter tree, in `dtype` (but the UNet's and ControlNets' large weights, in
+    `weights_dtype`); "controlnets" holds one tree per entry of `controlnets`, "ip_adapters" one
+    {"image_encoder", "image_proj", "unet"} per entry of `ip_adapters`, whose "unet" holds `to_k_ip` and
+    `to_v_ip` in every `attn2` of the UNet's tree; "embeddings" one [embedding_rows, C_e] table of
+    textual-inversion vectors per text encoder.
     """
 
     spec: ModelSpec
@@ -217,6 +219,9 @@ class GenerateProgram:
     # The prompts' ids past each encoder's vocabulary select rows of `params["embeddings"]`, this many
     # (`sdxl.checkpoints.embeddings.table`: a multiple of a block, so loading one more seldom changes it).
     embedding_rows: int = 0
+    # How the weights are stored (`sdxl.models.quantization.WEIGHT_DTYPES`): the UNet's and ControlNets'
+    # large weights as `Quantized` leaves in 8 bits, dequantized to `dtype` where the model reads them.
+    weights_dtype: str = "default"
 
     @property
     def method(self) -> Sampler:
@@ -377,7 +382,8 @@ class GenerateProgram:
         # The models' outputs are unused, so the compiled program keeps only what computes the invariants.
         x_in = jnp.zeros((batch, h, w, self.spec.unet.in_channels), self.dtype)
         _, unet_invariants = self._unet().apply(
-            {"params": self._unet_params(params)}, x_in, zeros, **cond, mutable=[STEP_INVARIANTS]
+            {"params": dequantized(self._unet_params(params), self.dtype)}, x_in, zeros, **cond,
+            mutable=[STEP_INVARIANTS],
         )
         invariants = {"unet": unet_invariants, "controlnets": controlnet_steps.invariants(self, params, inputs, cond)}
         if self.conditionings > 1:  # the text's keys and values change with the step's text: computed per step
@@ -410,7 +416,7 @@ class GenerateProgram:
     def _denoise(self, params, invariants: dict, state: State, inputs: Inputs, start, stop, denoised=None) -> Any:
         """The denoising loop over iterations start..stop-1: the new carry (and given `denoised`, the
         last denoised prediction: `sampling.run_steps`)."""
-        model, variables = self._unet(), {"params": self._unet_params(params), **invariants.get("unet", {})}
+        model, unet_params, unet_invariants = self._unet(), self._unet_params(params), invariants.get("unet", {})
         control = controlnet_steps.control(self, params, invariants, inputs)
         g = inputs.guidance_scale[:, None, None, None]
         rescale = inputs.guidance_rescale[:, None, None, None]
@@ -432,6 +438,8 @@ class GenerateProgram:
             x_in = x_in.astype(self.dtype)
             t = jnp.broadcast_to(timestep, (len(x_in),))
             cond = self.step_cond(state.cond, inputs, step)
+            # Dequantized here, in the loop's body, where XLA fuses it into the weights' reads.
+            variables = {"params": dequantized(unet_params, self.dtype), **unet_invariants}
             out = model.apply(variables, x_in, t, **cond, **control(x_in, t, step, cond)).astype(jnp.float32)
             if self.guided:
                 out = out.reshape(batch, 2, *out.shape[1:])

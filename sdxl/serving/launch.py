@@ -113,6 +113,11 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
     return models[0]
 
 
+def dtypes_label(pipe: Pipeline) -> str:
+    """The dtype a model computes in, and how its weights are stored where that differs: "bfloat16, int8 weights"."""
+    return pipe.dtype.name if pipe.weights_dtype == "default" else f"{pipe.dtype.name}, {pipe.weights_dtype} weights"
+
+
 def load_models(options: argparse.Namespace, *, fallback: bool = False,
                 max_steps: int = 100) -> tuple[list[Model], dict[str, str]]:
     """The models `options.model` names (a list: the demo's `--model`, given once or more), each with the
@@ -137,7 +142,7 @@ def load_models(options: argparse.Namespace, *, fallback: bool = False,
     enable_compilation_cache(options.cache_dir)
     loras = dict(options.lora)
     load = functools.partial(Pipeline.from_pretrained, dtype=options.dtype, max_steps=max_steps,
-                             vae_tiling=not options.no_vae_tiling)
+                             vae_tiling=not options.no_vae_tiling, weights_dtype=options.weights_dtype)
     controlnets = _controlnets_by_model(options, names)
     models, failed, notice = [], {}, None
     for name in names:
@@ -333,7 +338,7 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
         service.queue.wait(service.queue.submit(warm))
     ready = time.perf_counter()
     for each in models:
-        print(f"model {each.label} ({each.pipe.dtype.name}, {each.pipe.spec.sampling}) on "
+        print(f"model {each.label} ({dtypes_label(each.pipe)}, {each.pipe.spec.sampling}) on "
               f"{each.pipe.device_description}" + (f", model hash {each.hash}" if each.pipe.weights_file else ""))
     for name, why in failed.items():
         print(f"model {name} did not load: {why}")

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping
 
 from ..engine.request import DEFAULT_MODEL
+from ..models.quantization import ALIASES, WEIGHT_DTYPES
 from ..prompts.syntax import EMPHASIS_MODES
 from ..sampling.schedulers import PREDICTION_TYPES
 from . import hosts as multihost
@@ -104,6 +105,13 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] |
     dtypes = ("float32", "bfloat16")
     parser.add_argument("--dtype", default=variable.get("SDXL_DTYPE"), type=_one_of(dtypes), choices=dtypes,
                         help="default: bfloat16 on accelerators, float32 on CPU" + variable.named("SDXL_DTYPE"))
+    weights_dtypes = (*WEIGHT_DTYPES, *ALIASES)
+    parser.add_argument("--weights-dtype", default=variable.get("SDXL_WEIGHTS_DTYPE", "default"),
+                        type=_one_of(weights_dtypes), choices=weights_dtypes,
+                        help="how the UNet's and ControlNets' large weights are stored, computed in --dtype all the "
+                        "same: default (in --dtype), fp8_e4m3fn (fp8) or fp8_e5m2 as ComfyUI's weight_dtype and "
+                        "Forge's --unet-in-fp8-e4m3fn, or int8; each with a scale per output channel, half "
+                        "bfloat16's bytes (default: %(default)s)" + variable.named("SDXL_WEIGHTS_DTYPE"))
     parser.add_argument("--emphasis", default=variable.get("SDXL_EMPHASIS", "original"), type=_one_of(EMPHASIS_MODES),
                         choices=EMPHASIS_MODES,
                         help="how (word:1.2) weights apply, as webui's Emphasis setting: original (its default, each "
