@@ -544,8 +544,9 @@ def _post(server: Server, route: str, payload: dict) -> tuple[int, dict, dict]:
 
 
 def _generate_values(**kwargs) -> list:
-    """/generate's 37 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
-    settings come before A1111's and the hires fix's; then its IP-Adapters' image prompt's)."""
+    """/generate's 39 values in order, for raw HTTP (the server has one LoRA and one ControlNet, whose
+    settings come before A1111's and the hires fix's; then its IP-Adapters' image prompt's, the model and
+    the CFG rescale)."""
     values = dict(prompt="a lighthouse", negative_prompt="", style="No style", seed=0, guidance_scale=5, steps=3,
                   width=128, height=128, images_per_core=1, sampler="euler", emphasis="original", refine=False,
                   refine_from=0.8, lora_style=0, control_image=None, control_preprocessor="canny", canny_low=100,
@@ -553,7 +554,7 @@ def _generate_values(**kwargs) -> list:
                   variation_seed=0, variation_strength=0, schedule_type="", clip_skip=1, sdxl_clip_l_skip=False,
                   hires=False, hires_upscaler="Latent", hires_scale=1.5, hires_steps=0, hires_strength=0.7,
                   ip_adapter_image=None, ip_adapter="ip-adapter",
-                  ip_adapter_scale=0.6, ip_adapter_layers="all")
+                  ip_adapter_scale=0.6, ip_adapter_layers="all", model="tiny", guidance_rescale=0)
     return list((values | kwargs).values())
 
 
