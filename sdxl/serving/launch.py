@@ -164,6 +164,14 @@ def load_models(options: argparse.Namespace, *, fallback: bool = False,
             failed[name] = e
             log.warning("model %s failed to load: %s", name, e)
             continue
+        except jax.errors.JaxRuntimeError as e:  # the devices' memory is full with the models before it
+            if not models or "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            failed[name] = CheckpointError(
+                f"it does not fit the devices' memory beside {', '.join(model.name for model in models)} (each model "
+                "is held on every device): give fewer --model, or hold weights in 8 bits (--weights-dtype int8)")
+            log.warning("model %s failed to load: %s", name, failed[name])
+            continue
         others = [model.pipe for model in models]
         shared_parts = pipe.hold_once(others)
         if shared_parts:
