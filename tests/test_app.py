@@ -917,6 +917,9 @@ def test_browser_generate(shapes_server, tmp_path):
         page.locator("#prompt textarea").press("Control+Enter")  # the keyboard shortcut generates
         expect(page.locator("#gallery img")).to_have_count(4, timeout=CALL_TIMEOUT * 1000)
         expect(page.locator("#status")).to_contain_text("4 images", timeout=30_000)
+        expect(page.locator("#generation-info textarea")).to_have_value(re.compile(r"Seed: 0,"), timeout=30_000)
+        page.wait_for_function("() => [...document.querySelectorAll('#gallery img')].every("
+                               "(img) => img.complete && img.naturalWidth > 0)", timeout=30_000)
         page.screenshot(path=str(artifacts / "app.png"), full_page=True)
         sources = [img.get_attribute("src") for img in page.locator("#gallery img").all()]
         # The session's history holds the four; a PNG dropped on the page brings its settings back.
