@@ -7,9 +7,9 @@ run, are killed mid-request: each is a process that submits one long request and
 the demo is serving it, so its connection drops as a crashed browser's does.
 
 Reported: the latency percentiles of the completed requests (submit to images downloaded), errors,
-lost requests (no answer within `REQUEST_TIMEOUT`), wrong images (not a decodable image of the
-requested size), how many of the killed clients' requests the demo gave up, and the server's
-resident memory before and after.
+lost requests (no answer within `REQUEST_TIMEOUT`), wrong images (not a decodable image of the size
+its client's first image has: a request naming none gets its model's first), how many of the killed
+clients' requests the demo gave up, and the server's resident memory before and after.
 
 The demo may also run on forced CPU devices, as one process or as several joined by
 jax.distributed (`running_demo(..., devices=D, processes=P)`: P processes of D/P devices each, as
@@ -205,21 +205,22 @@ def _wait_until_serving(process: subprocess.Popen, url: str, log: Path, timeout:
     raise RuntimeError(f"app.py did not answer on {url} within {timeout} s:\n{log.read_text()[-5000:]}")
 
 
-def _wrong_images(gallery: list[dict], size: tuple[int, int]) -> int:
-    """How many of a result's images are not a decodable image of `size` (width, height)."""
-    wrong = 0
+def _sizes(gallery: list[dict]) -> list[tuple[int, int] | None]:
+    """The (width, height) of each of a result's images, None for one that does not decode."""
+    sizes = []
     for item in gallery:
         try:
             with Image.open(item["image"]) as picture:
                 picture.load()
-                wrong += picture.size != size
+                sizes.append(picture.size)
         except (OSError, ValueError):
-            wrong += 1
-    return wrong
+            sizes.append(None)
+    return sizes
 
 
-def _request(client: "Client", seed: int, steps: int, size: tuple[int, int]) -> dict:
-    """One `/generate` call, timed from submit to its images on disk: its outcome."""
+def _request(client: "Client", seed: int, steps: int, size: tuple[int, int] | None) -> dict:
+    """One `/generate` call, timed from submit to its images on disk: its outcome, with the size of its images
+    (`size`: the one every image must have; None: its first image's)."""
     start = time.perf_counter()
     job = client.submit(prompt=PROMPT, seed=seed, steps=steps, api_name="/generate")
     try:
@@ -228,24 +229,23 @@ def _request(client: "Client", seed: int, steps: int, size: tuple[int, int]) -> 
         return dict(lost=True)
     except Exception as e:  # the demo's refusal (gradio_client's AppError) or a dropped connection
         return dict(error=f"{type(e).__name__}: {e}")
-    return dict(latency_s=time.perf_counter() - start, images=len(gallery), wrong=_wrong_images(gallery, size))
+    sizes = _sizes(gallery)
+    size = size or next((found for found in sizes if found), None)
+    return dict(latency_s=time.perf_counter() - start, images=len(gallery),
+                wrong=sum(found is None or found != size for found in sizes), size=size)
 
 
 def _session(url: str, downloads: Path, seeds: range, steps: int, finished: list[dict]) -> None:
-    """One client: its requests one after another, each outcome appended to `finished` as it comes."""
+    """One client: its requests one after another, each outcome appended to `finished` as it comes; every
+    image of the size its first one has (a request naming none gets its model's first size)."""
     from gradio_client import Client  # a dev dependency, needed by the soak alone
 
     client = Client(url, verbose=False, download_files=str(downloads))
-    size = _default_size(client)
+    size = None
     for seed in seeds:
-        finished.append(_request(client, seed, steps, size))
-
-
-def _default_size(client: "Client") -> tuple[int, int]:
-    """The size (width, height) the demo renders when a request names none: its model's native one."""
-    parameters = client.view_api(return_format="dict", print_info=False)["named_endpoints"]["/generate"]
-    defaults = {p["parameter_name"]: p["parameter_default"] for p in parameters["parameters"]}
-    return int(defaults["width"]), int(defaults["height"])
+        outcome = _request(client, seed, steps, size)
+        size = size or outcome.get("size")
+        finished.append(outcome)
 
 
 def _doomed_session(url: str, downloads: Path, seed: int, after: Callable[[], bool]) -> str:
@@ -306,7 +306,7 @@ def run_soak(model: str, clients: int, requests: int, killed: int, steps: int,
     return dict(
         date=datetime.date.today().isoformat(),
         machine=_cpu_description(),
-        demo=re.search(r"^model (.+); compilation cache", output, re.M).group(1),
+        demo=re.search(r"^model (.+)$", output, re.M).group(1),  # the first model's startup line
         steps=steps, clients=clients, requests_per_client=requests, killed_clients=killed,
         killed_states=killed_states,
         killed_given_up=len(re.findall(r"^gave up a (?:waiting request|batch) of", output, re.M)),
