@@ -82,11 +82,7 @@ class Handlers:
         is said so, and the fields keep what they hold."""
         path = path_of(file)
         try:
-            if path.lower().endswith(".txt"):
-                text = Path(path).read_text(errors="replace")
-            else:
-                with Image.open(path) as picture:
-                    text = picture.info.get("parameters", "")
+            text = Path(path).read_text(errors="replace") if path.lower().endswith(".txt") else _png_parameters(path)
         except OSError as e:
             return {}, f"Cannot reuse that file's settings: {e}"
         return self.reuse_text(text)
@@ -101,11 +97,8 @@ class Handlers:
     @staticmethod
     def parameters_of(path: str | None) -> str:
         """A picture's generation info (its PNG's parameters text): "" for none."""
-        if not path:
-            return ""
         try:
-            with Image.open(path_of(path)) as picture:
-                return picture.info.get("parameters", "")
+            return _png_parameters(path_of(path)) if path else ""
         except OSError:
             return ""
 
@@ -143,6 +136,12 @@ class Handlers:
                 if next_shown.previews is not None or time.monotonic() - quiet_since > KEEPALIVE_SECONDS:
                     yield gr.skip() if next_shown.previews is None else next_shown.previews
                     quiet_since = time.monotonic()
+
+
+def _png_parameters(path: str) -> str:
+    """A picture's "parameters" text ("" for none). Raises OSError where it is no picture."""
+    with Image.open(path) as picture:
+        return picture.info.get("parameters", "")
 
 
 @contextlib.contextmanager
@@ -446,8 +445,7 @@ def _advanced(service: DemoService) -> dict:
 
 def _results(service: DemoService) -> dict:
     """The gallery, the status and what acts on a result (send, reuse, history), by name."""
-    small = max(service.sizes[0]) <= 256  # pictures of a few dozen pixels are shown as pixels, not blurred
-    pixelated, c = "pixelated" if small else None, {}
+    pixelated, c = _pixelated(service), {}
     c["gallery"] = gr.Gallery(label="Images", columns=min(4, service.max_images), format="png", elem_id="gallery",
                               interactive=False, height="auto", object_fit="contain", elem_classes=pixelated)
     c["status"] = gr.Markdown(elem_id="status")
@@ -468,13 +466,18 @@ def _results(service: DemoService) -> dict:
     return c
 
 
+def _pixelated(service: DemoService) -> str | None:
+    """The galleries' class: pictures of a few dozen pixels are shown as pixels, not blurred."""
+    return "pixelated" if max(service.sizes[0]) <= 256 else None
+
+
 def _history(service: DemoService) -> dict:
     """This session's results, to reuse: below the settings, which a phone shows first."""
-    pixelated, c = "pixelated" if max(service.sizes[0]) <= 256 else None, {}
+    c = {}
     with gr.Accordion("History (this session)", open=False, elem_id="history-section"):
         c["history"] = gr.Gallery(label="Earlier results: select one, then reuse its settings", columns=6, height=200,
                                   format="png", elem_id="history", interactive=False, object_fit="contain",
-                                  elem_classes=pixelated)
+                                  elem_classes=_pixelated(service))
         c["history_reuse"] = gr.Button("Reuse the selected result's settings", size="sm")
     return c
 

@@ -228,10 +228,8 @@ class DemoService:
         styled = [self._styled(dataclasses.replace(settings, prompt=p)) for p in prompts]
         n, model = len(styled), self.model(settings.model)
         request = self._request(settings, model, styled[0], (settings.seed,) * n, (0,) * n)
-        names = self._lora_names(model)
         return self.prepare(dataclasses.replace(
-            request, prompts=tuple(prompt_syntax.without_loras(p, names)[0] for p, _ in styled),
-            negative_prompts=tuple(prompt_syntax.without_loras(q, names)[0] for _, q in styled)), model)
+            request, prompts=tuple(p for p, _ in styled), negative_prompts=tuple(q for _, q in styled)), model)
 
     def seed_comparison(self, settings: Settings, num_seeds) -> PreparedRequest:
         """One prompt from `num_seeds` consecutive seeds, side by side."""
@@ -282,7 +280,7 @@ class DemoService:
             if name == grid.MODEL_AXIS:  # at the form's size where the model offers it, else at its own first
                 other = self.model(value)
                 size = (settings.width, settings.height) if (settings.width, settings.height) in other.sizes else (
-                    other.sizes[0] if settings.width is not None else (None, None))
+                    None, None)  # `_size`: its first
                 changed = dataclasses.replace(settings, model=value, width=size[0], height=size[1])
                 return changed, self._controls(changed, other, *self._size(changed, other))
             return dataclasses.replace(settings, **{name: value}), controls
@@ -321,9 +319,14 @@ class DemoService:
 
     def prepare(self, request: Request, model: Model | None = None) -> PreparedRequest:
         """A request checked against the demo's limits for `model` (default: the first) and made what the
-        devices take (`Pipeline.prepare`)."""
+        devices take (`Pipeline.prepare`), its prompts' tags of LoRAs not loaded with the model left out (as
+        webui draws them; `left_out` says so)."""
         model = model or self.models[0]
-        return model.pipe.prepare(request, limits=self.limits(model))
+        names = self._lora_names(model)
+        drawable = dataclasses.replace(request, **{field: tuple(prompt_syntax.without_loras(text, names)[0]
+                                                                for text in getattr(request, field))
+                                                   for field in ("prompts", "negative_prompts")})
+        return model.pipe.prepare(drawable, limits=self.limits(model))
 
     def prompt_length(self, text, emphasis: str = "original", *, negative: bool = False, model=None) -> str:
         """A prompt box's length as the page shows it under the box, "84 tokens, 2 chunks", as `model`
@@ -449,8 +452,7 @@ class DemoService:
                  controls: tuple[Control, ...] | None = None) -> Request:
         """The request of `model` for images of `seeds` and `image_index`, with the settings' size, sampler,
         guidance, LoRAs (those loaded with it), refiner and ControlNets (`controls` where made already)."""
-        n, names = len(seeds), self._lora_names(model)
-        styled = tuple(prompt_syntax.without_loras(text, names)[0] for text in styled)  # said by `left_out`
+        n = len(seeds)
         width, height = self._size(settings, model)
         if controls is None:
             controls = self._controls(settings, model, width, height)

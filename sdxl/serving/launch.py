@@ -176,9 +176,8 @@ def load_models(options: argparse.Namespace, *, fallback: bool = False,
         shared_parts = pipe.hold_once(others)
         if shared_parts:
             log.info("%s holds %s of an earlier model once", name, " and ".join(shared_parts))
-        unet = options.unet
-        settings = recommended(name, unet, pipe.spec.default_sampler, tuple(loras))
-        models.append(Model(name, pipe, model_label(name, unet), settings))
+        settings = recommended(name, options.unet, pipe.spec.default_sampler, tuple(loras))
+        models.append(Model(name, pipe, model_label(name, options.unet), settings))
         log.info("loaded %s in %.1f s", name, time.perf_counter() - start)
     embedding = embedding_files(options.embedding)
     if not models:
@@ -280,6 +279,8 @@ def _read_lora(model: Model, source: str, scale: float) -> None:
     """Reads a LoRA file, checked against the model, and lists it with the model's LoRAs."""
     model.pipe.model.reading([source])  # read once: `set_loras` finds it read
     model.loras[source] = scale
+
+
 def demo_service(options: argparse.Namespace) -> DemoService | None:
     """The demo's service for `demo_parser`'s options, warmed up: the default request's programs are
     compiled and have run once; the others compile in the background while it serves.
