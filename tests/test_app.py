@@ -119,8 +119,9 @@ def shapes_server(tmp_path_factory, cache_dir):
 @pytest.fixture(scope="module")
 def models_server(tmp_path_factory, cache_dir):
     """The demo serving two models, as users compare checkpoints: the built-in shapes model (the default) and
-    the random tiny one."""
-    with serve(tmp_path_factory.mktemp("models-app"), cache_dir, "--model", "shapes", "--model", "tiny") as running:
+    the random tiny one, taking turns on the devices (the other waits in host memory)."""
+    with serve(tmp_path_factory.mktemp("models-app"), cache_dir, "--model", "shapes", "--model", "tiny",
+               "--models-on-devices", "1") as running:
         yield running
 
 
@@ -156,13 +157,16 @@ def _pixels(gallery: list[dict]) -> list[np.ndarray]:
 @pytest.mark.server
 def test_several_models_each_draw_as_their_demo_alone(models_server, client, downloads):
     """`model` names the model a request draws with; a grid over it puts each model's cells in calls of their own,
-    each cell image 0 of /generate with that model and seed."""
+    each cell image 0 of /generate with that model and seed. One model at a time is on the devices: tiny waits
+    in host memory, and moves in when asked for."""
+    assert re.search(r"^model tiny \(.*, in host memory until a request needs it$", models_server.output(), re.M)
     several = Client(models_server.url, verbose=False, download_files=downloads)
     parameters = several.view_api(print_info=False, return_format="dict")["named_endpoints"]["/generate"]["parameters"]
     assert "model" in [parameter["parameter_name"] for parameter in parameters]
     same = dict(seed=1, guidance_scale=5, sampler="euler")  # the API's defaults are the page's: the first model's
     tiny, status = _generate(several, model="tiny", **same)
-    assert status.startswith("4 images in "), status
+    assert status.startswith("4 images in ") and "s of it moving the model onto the devices" in status, status
+    assert re.search(r"^moved tiny onto the devices in [\d.]+ s, shapes to host memory$", models_server.output(), re.M)
     assert Image.open(tiny[0]["image"]).info["parameters"].count("Model: tiny") == 1
     assert tiny[0]["caption"].startswith("tiny · seed 1")
     alone, _ = _generate(client, **same)  # the demo of tiny (with other things loaded, none of them in use)

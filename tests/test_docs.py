@@ -146,9 +146,12 @@ def test_library_examples(tmp_path):
         assert written in script, f"the library examples no longer say {written}: update TINY"
         script = script.replace(written, tiny)
     script += textwrap.dedent("""
+        import numpy as np
         assert len(images) == pipe.num_devices == 4 and images[0].size == (128, 128), images
         assert result.images.shape == (2, 128, 128, 3), result.images.shape
         assert len(pictures["tuned"]) == 4 and tuned.params["vae"] is pipe.params["vae"]
+        assert all((a == b).all() for a, b in zip(map(np.asarray, again), map(np.asarray, pictures["base"])))
+        assert residency.on_devices == [pipe.name] and tuned.model.placement.where == "host memory"
         print("ran")
     """)
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_subprocess_env(),

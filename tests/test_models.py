@@ -12,8 +12,9 @@ from sdxl.checkpoints.random_models import configs_of, ensure_checkpoint, write_
 from sdxl.engine import infotext
 from sdxl.engine.compilation import CompileCounter
 from sdxl.engine.pipeline import Pipeline
+from sdxl.engine.residency import DEVICES, HOST
 from sdxl.serving import launch, results
-from sdxl.serving.demo import DemoService
+from sdxl.serving.demo import DemoService, Submission
 from sdxl.serving.forms import Settings
 from sdxl.serving.models import Model
 from sdxl.serving.options import add_shared_options, demo_parser
@@ -127,12 +128,14 @@ def test_a_single_files_model_hash_is_webuis(tmp_path):
     assert fields["Model hash"] == sha256(path)[:10] and fields["Model"] == "tiny-file"
 
 
-def _options(tmp_path, *models: str, lora_files=()) -> argparse.Namespace:
+def _options(tmp_path, *models: str, lora_files=(), models_on_devices: int | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_shared_options(parser, {}, several_models=True)
     args = [arg for model in models for arg in ("--model", model)]
     args += [arg for path in lora_files for arg in ("--lora", str(path))]
-    return parser.parse_args([*args, "--dtype", "float32", "--cache-dir", str(tmp_path / "xla")])
+    options = parser.parse_args([*args, "--dtype", "float32", "--cache-dir", str(tmp_path / "xla")])
+    options.models_on_devices = models_on_devices  # the demo's option
+    return options
 
 
 def test_a_launchs_options_load_with_the_models_they_fit(tmp_path):
@@ -143,6 +146,25 @@ def test_a_launchs_options_load_with_the_models_they_fit(tmp_path):
     assert list(failed) == [str(tmp_path / "missing")], "a model that fails to load leaves the others serving"
     assert models[0].loras == {str(sdxl_lora): 1.0} and models[1].loras == {}
     assert models[1].pipe.executables is models[0].pipe.executables
+
+
+def test_models_beyond_those_the_devices_hold_wait_in_host_memory_and_move_in_when_asked_for(tmp_path, alone,
+                                                                                             caplog):
+    """`--models-on-devices 1`: the launch leaves the last model loaded on the devices; a request for another
+    draws what that model draws alone, and its status says what the move took."""
+    sdxl_lora = lora.write_random(tmp_path / "sdxl.safetensors", Pipeline.from_pretrained("tiny").spec)
+    models, _ = launch.load_models(_options(tmp_path, "tiny", "tiny-sd1", lora_files=[sdxl_lora], models_on_devices=1))
+    assert [model.placement.where for model in models] == [HOST, DEVICES]
+    service = DemoService(models, max_images_per_core=1)
+    settings = Settings(prompt="a red circle <lora:sdxl:0>", seed=3, steps=3, guidance_scale=3.0)
+    with caplog.at_level("INFO", logger="sdxl"):
+        shown = list(results.rendered(service, Submission([service.images(settings)]), None))
+    gallery, status = shown[-1].answer
+    assert "s of it moving the model onto the devices from host memory" in status
+    assert "moved tiny onto the devices in" in caplog.text and "tiny-sd1 to host memory" in caplog.text
+    assert models[0].residency.on_devices == ["tiny"]
+    np.testing.assert_array_equal(np.stack([np.asarray(picture) for picture, _ in gallery]),
+                                  _drawn(alone["tiny"], alone["tiny"].images(settings)))
 
 
 def test_a_launch_refuses_an_option_that_fits_no_model_and_a_model_given_twice(tmp_path):

@@ -103,9 +103,10 @@ def held_once(model: LoadedModel, others: Sequence[LoadedModel]) -> LoadedModel:
             continue
         for other in others:
             mine = other.params.get(name)
-            if mine is None or mine is theirs:
+            if mine is None or mine is theirs or list(other.mesh.devices.flat) != list(model.mesh.devices.flat):
                 continue
-            shapes = [jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), tree) for tree in (mine, theirs)]
+            # Either may wait in host memory (`sdxl.engine.residency`): on the same devices, they place alike.
+            shapes = [jax.tree.map(lambda a: (a.shape, a.dtype), tree) for tree in (mine, theirs)]
             if jax.tree.structure(mine) == jax.tree.structure(theirs) and shapes[0] == shapes[1] and bool(
                     _all_equal(mine, theirs)):
                 equal[name] = mine

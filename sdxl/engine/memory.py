@@ -150,5 +150,6 @@ def _fit(n: int, setting: Callable[[int], str]) -> str:
 def refiner_bytes(pipe) -> int:
     """What the refiner's own weights take on one device: the arrays it does not share with the model."""
     held = {id(a) for a in jax.tree.leaves(pipe.params)}
-    own = {id(a): a for a in jax.tree.leaves(pipe.refiner.params) if id(a) not in held}
+    own = {id(a): a for a in jax.tree.leaves(pipe.refiner.params)
+           if id(a) not in held and isinstance(a, jax.Array)}  # not those waiting in host memory
     return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in own.values())

@@ -7,13 +7,16 @@ snapshot that shares every array it does not change, so nothing is copied twice 
 
 A prepared request holds the snapshot it was prepared against (`sdxl.engine.prepared`), and rendering
 reads only that one: whatever a `Pipeline` loads meanwhile, a prepared request draws the picture it
-was prepared for. Several snapshots, of one model or of several, can exist side by side.
+was prepared for. Several snapshots, of one model or of several, can exist side by side. Where a
+snapshot's arrays are (the devices, or host memory while another model uses the devices) may change;
+its values never do.
 """
 
 import dataclasses
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,9 @@ from ..models.vae import tile_sizes
 from ..prompts.tokens import Prompts
 from . import mesh as meshes
 from .request import Limits
+
+if TYPE_CHECKING:
+    from .residency import Placement
 
 
 class LoraCache:
@@ -47,6 +53,11 @@ class LoraCache:
             if source not in self._files:
                 self._files[source] = lora.read(lora.locate(source), spec, name=source)
             return self._files[source]
+
+    def forget(self) -> None:
+        """Lets the applied parameters go (their base has moved), keeping the files read."""
+        with self._lock:
+            self._applied = ((), None, None)
 
     def applied(self, params: dict, loras: tuple, layers: list, mesh: Mesh) -> dict:
         """`params` with `layers` ((Lora, scale) of `loras`) applied, on the devices; the last set's kept."""
@@ -88,6 +99,18 @@ class LoadedModel:
     lora_cache: LoraCache = dataclasses.field(default_factory=LoraCache, repr=False)
     # How the UNet's and ControlNets' large weights are stored (`sdxl.models.quantization.WEIGHT_DTYPES`).
     weights_dtype: str = "default"
+    # Where its arrays are, for a model that shares devices it does not always fit on (`sdxl.engine.residency`).
+    placement: "Placement | None" = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.placement is not None:
+            self.placement.track(self)
+
+    def placed(self, params: dict) -> None:
+        """Takes `params`, the same values placed elsewhere (`sdxl.engine.residency`): the one change a
+        snapshot sees, which leaves what it renders as it was. LoRAs applied to the old ones are let go."""
+        object.__setattr__(self, "params", params)
+        self.lora_cache.forget()
 
     def replace(self, **changes) -> "LoadedModel":
         return dataclasses.replace(self, **changes)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from .. import checkpoints
-from . import loading
+from . import loading, residency
 from .checks import number
 from .compiled import Executables
 from .generate import generate
@@ -183,6 +183,10 @@ class Pipeline:
         return [name for name, tree in self._model.params.items()
                 if any(model.params.get(name) is tree for model in models)]
 
+    def move_with(self, placement) -> None:
+        """Makes the current snapshot and those that follow move with `placement` (`sdxl.engine.residency`)."""
+        self._replace_model(lambda model: model.replace(placement=placement))
+
     def add_upscaler(self, source: str) -> str:
         """Reads a model upscaler (ESRGAN, Real-ESRGAN: `sdxl.engine.upscaler`) from a local file or a Hub
         file "owner/name/file.safetensors" for hires fixes and `upscale`, its weights left off the devices
@@ -279,7 +283,8 @@ class Pipeline:
 
         def with_loras(model: LoadedModel) -> LoadedModel:
             model = model.reading(wanted)  # each file checked now, at scale 0 too: a prompt's tag may turn it up
-            model.params_with(tuple(sorted((source, scale) for source, scale in wanted.items() if scale)))
+            if model.placement is None or model.placement.where == residency.DEVICES:  # else when it moves in
+                model.params_with(tuple(sorted((source, scale) for source, scale in wanted.items() if scale)))
             return model.replace(loras=wanted)
 
         self._replace_model(with_loras)

@@ -2,7 +2,8 @@
 (`sdxl.engine.compiled`) with the parameters of the loaded model it was prepared against, and its
 images fetched. A refiner's part continues the latents the first part leaves on the devices; a hires
 fix's second pass starts from the first pass's result, upscaled. Nothing here changes any state but the
-compiled programs' cache: a prepared request renders the same whatever is loaded meanwhile.
+compiled programs' cache and where weights are (a model waiting in host memory moves onto the devices:
+`sdxl.engine.residency`): a prepared request renders the same whatever is loaded meanwhile.
 """
 
 import dataclasses
@@ -31,10 +32,12 @@ class Generation:
     finite: np.ndarray  # [N] bool: False where the model produced NaN/inf
     devices: list[str]  # the device that rendered each image
     seconds: float  # the whole call's time, compilation included
+    moving_seconds: float = 0.0  # of it, moving the model's weights onto the devices (`sdxl.engine.residency`)
 
     def part(self, start: int, stop: int) -> "Generation":
         """Images start..stop-1 of a merged batch: one request's share."""
-        return Generation(self.images[start:stop], self.finite[start:stop], self.devices[start:stop], self.seconds)
+        return Generation(self.images[start:stop], self.finite[start:stop], self.devices[start:stop], self.seconds,
+                          self.moving_seconds)
 
     def raise_if_not_finite(self) -> None:
         if not self.finite.all():
@@ -50,6 +53,8 @@ def render(prepared: PreparedRequest, executables: Executables, on_step: Callabl
     progress (`Pipeline.render` says what `on_step` and `on_preview` hear); None where `on_step` gave
     the rendering up."""
     start = time.perf_counter()
+    placement = prepared.model.placement
+    moving = 0.0 if placement is None else placement.use()  # a model waiting in host memory moves in first
     result = _render_part(prepared, executables, on_step, on_preview, steps_per_report)
     if result is not None and prepared.refined is not None:
         refined = dataclasses.replace(prepared.refined, request=dataclasses.replace(
@@ -59,7 +64,7 @@ def render(prepared: PreparedRequest, executables: Executables, on_step: Callabl
         second = _second_pass_from(prepared, result.images)
         result = _render_part(second, executables, *_counting_on(prepared, on_step, on_preview), steps_per_report)
     if result is not None:
-        result.seconds = time.perf_counter() - start
+        result.seconds, result.moving_seconds = time.perf_counter() - start, moving
     return result
 
 

@@ -9,7 +9,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -25,6 +25,7 @@ from ..engine.images import model_label
 from ..engine.pipeline import Pipeline
 from ..engine.prepared import PreparedRequest
 from ..engine.request import DEFAULT_REFINE_FROM
+from ..engine.residency import HOST, Residency
 from . import hosts as multihost
 from .demo import DemoService
 from .forms import Settings
@@ -144,6 +145,8 @@ def load_models(options: argparse.Namespace, *, fallback: bool = False,
     load = functools.partial(Pipeline.from_pretrained, dtype=options.dtype, max_steps=max_steps,
                              vae_tiling=not options.no_vae_tiling, weights_dtype=options.weights_dtype)
     controlnets = _controlnets_by_model(options, names)
+    # Several models share the devices; those that do not fit beside the others wait in host memory.
+    residency = Residency(getattr(options, "models_on_devices", None)) if len(names) > 1 else None
     models, failed, notice = [], {}, None
     for name in names:
         shared = {} if not models else {"devices": list(models[0].pipe.mesh.devices.flat),
@@ -151,9 +154,10 @@ def load_models(options: argparse.Namespace, *, fallback: bool = False,
         scheduler = recommended(name, options.unet, loras=tuple(loras)).scheduler
         start = time.perf_counter()
         try:
-            pipe = load(name, config=options.config, scheduler=scheduler, unet=options.unet, vae=options.vae,
-                        controlnet=controlnets.get(name, options.controlnet), prediction_type=options.prediction_type,
-                        rescale_betas_zero_snr=options.zero_terminal_snr or None, **shared)
+            pipe = _load_beside(residency, functools.partial(
+                load, name, config=options.config, scheduler=scheduler, unet=options.unet, vae=options.vae,
+                controlnet=controlnets.get(name, options.controlnet), prediction_type=options.prediction_type,
+                rescale_betas_zero_snr=options.zero_terminal_snr or None, **shared))
         except CheckpointError as e:
             if len(names) == 1 and not (fallback and isinstance(e, HubUnavailableError)):
                 if isinstance(e, HubUnavailableError):  # the CLI: the model it asked for, or what to do
@@ -164,18 +168,20 @@ def load_models(options: argparse.Namespace, *, fallback: bool = False,
             failed[name] = e
             log.warning("model %s failed to load: %s", name, e)
             continue
-        except jax.errors.JaxRuntimeError as e:  # the devices' memory is full with the models before it
+        except jax.errors.JaxRuntimeError as e:  # the devices' memory is full, even with the others moved out
             if not models or "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             failed[name] = CheckpointError(
-                f"it does not fit the devices' memory beside {', '.join(model.name for model in models)} (each model "
-                "is held on every device): give fewer --model, or hold weights in 8 bits (--weights-dtype int8)")
+                "it does not fit the devices' memory, even with the other models in host memory: hold weights in 8 "
+                "bits (--weights-dtype int8)")
             log.warning("model %s failed to load: %s", name, failed[name])
             continue
         others = [model.pipe for model in models]
         shared_parts = pipe.hold_once(others)
         if shared_parts:
             log.info("%s holds %s of an earlier model once", name, " and ".join(shared_parts))
+        if residency is not None:
+            residency.add(pipe, name)
         settings = recommended(name, options.unet, pipe.spec.default_sampler, tuple(loras))
         models.append(Model(name, pipe, model_label(name, options.unet), settings))
         log.info("loaded %s in %.1f s", name, time.perf_counter() - start)
@@ -208,6 +214,29 @@ def load_models(options: argparse.Namespace, *, fallback: bool = False,
         _attach_each(list(served), "refiner", [(options.refiner, refiner)],
                      lambda name, _: served[name].pipe.set_refiner(refiner))
     return models, failed
+
+
+def _load_beside(residency: Residency | None, load_one: Callable[[], Pipeline]) -> Pipeline:
+    """`load_one()` beside the models loaded before it: first making room for it (`--models-on-devices`), then,
+    while the devices' memory is full, moving out the model used longest ago, the most held at once
+    becoming the count that fit.
+
+    Raises:
+      jax.errors.JaxRuntimeError: it does not fit alone either.
+    """
+    if residency is None:
+        return load_one()
+    residency.make_room()
+    while True:
+        try:
+            return load_one()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e) or not residency.on_devices:
+                raise
+            residency.limit(len(residency.on_devices))
+            residency.make_room()
+            log.warning("the devices' memory holds %d model(s) at once: the others wait in host memory",
+                        residency.most_on_devices)
 
 
 def _fallback_notice(reason: str, options: argparse.Namespace) -> str:
@@ -327,8 +356,9 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
     served = [request for each, warm in zip(models, warm_ups) for request in (warm, *_edits(each.pipe, warm).values())]
     batch = lambda n: pipe.padded_batch(n * pipe.num_devices)  # noqa: E731
     try:
-        memory.check_fits(pipe, lambda n: [p for r in served for p in r.programs_at(batch(n))], per_core,
-                          "--max-images-per-core {}".format)
+        _moving_models_out_to_fit(models[0].residency, options.models_on_devices, lambda: memory.check_fits(
+            pipe, lambda n: [p for r in served for p in r.programs_at(batch(n))], per_core,
+            "--max-images-per-core {}".format))
     except memory.DoesNotFitError as e:
         if options.max_images_per_core is not None or e.fitting is None:  # asked for, or not even 1 fits
             raise
@@ -343,12 +373,14 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
     with CompileCounter() as compiles:  # models of one architecture share their programs
         compile_seconds = service.queue.runner.compile([p for warm in warm_ups for p in warm.programs])
     warm_start = time.perf_counter()
-    for warm in warm_ups:
+    for warm in reversed(warm_ups):  # the first model last: it stays on the devices where not all do
         service.queue.wait(service.queue.submit(warm))
     ready = time.perf_counter()
     for each in models:
         print(f"model {each.label} ({dtypes_label(each.pipe)}, {each.pipe.spec.sampling}) on "
-              f"{each.pipe.device_description}" + (f", model hash {each.hash}" if each.pipe.weights_file else ""))
+              f"{each.pipe.device_description}" + (f", model hash {each.hash}" if each.pipe.weights_file else "")
+              + (", in host memory until a request needs it" if each.placement and each.placement.where == HOST
+                                                                  else ""))
     for name, why in failed.items():
         print(f"model {name} did not load: {why}")
     print(f"compilation cache {jax.config.jax_compilation_cache_dir}")
@@ -362,6 +394,24 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
                 label = label if len(models) == 1 else f"{each.name}: {label}"
                 compiling.add_done_callback(functools.partial(_report_background_compile, label))
     return service
+
+
+def _moving_models_out_to_fit(residency: Residency | None, asked: int | None, check: Callable[[], None]) -> None:
+    """Runs the launch's fit check (`check`), moving models to host memory, those loaded first first, while
+    it fails with more than one on the devices (unless `--models-on-devices` asked for how many).
+
+    Raises:
+      memory.DoesNotFitError: it fails with one model on the devices (or as many as asked).
+    """
+    while True:
+        try:
+            return check()
+        except memory.DoesNotFitError:
+            if residency is None or asked is not None or len(residency.on_devices) < 2:
+                raise
+            residency.limit(len(residency.on_devices) - 1)
+            log.warning("the devices' memory holds %d model(s) at once beside the programs: the others wait in "
+                        "host memory", residency.most_on_devices)
 
 
 def _warm_up_settings(model: Model, emphasis: str) -> Settings:

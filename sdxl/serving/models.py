@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from ..checkpoints import hashes
 from ..engine.pipeline import Pipeline
+from ..engine.residency import Placement, Residency
 from .forms import size_presets
 from .known import Recommended
 
@@ -29,6 +30,16 @@ class Model:
     def sizes(self) -> list[tuple[int, int]]:
         """The (width, height) sizes the demo offers for it, the first the default."""
         return list(self.settings.sizes) if self.settings.sizes else size_presets(self.pipe.spec)
+
+    @property
+    def placement(self) -> Placement | None:
+        """Where its weights are, where several models share the devices (`sdxl.engine.residency`)."""
+        return self.pipe.model.placement
+
+    @property
+    def residency(self) -> Residency | None:
+        """The models it shares the devices with, and which of them are there."""
+        return None if self.placement is None else self.placement.residency
 
     @property
     def hash(self) -> str | None:

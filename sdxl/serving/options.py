@@ -182,6 +182,11 @@ def add_demo_options(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
                         f"largest batch the queue merges requests into (default: {IMAGES_PER_CORE}, or the most that "
                         "fit a device's memory where fewer do; a count given here that does not fit stops the "
                         "launch)" + variable.named("SDXL_MAX_IMAGES_PER_CORE"))
+    parser.add_argument("--models-on-devices", type=_integer_from(1), default=variable.get("SDXL_MODELS_ON_DEVICES"),
+                        help="with several --model: the most whose weights the devices hold at once; the others wait "
+                        "in host memory and move in when a request needs one, the one used longest ago moving out "
+                        "(default: all that fit, as the launch finds on devices that report their memory)"
+                        + variable.named("SDXL_MODELS_ON_DEVICES"))
     parser.add_argument("--max-queue", type=_integer_from(1), default=variable.get("SDXL_MAX_QUEUE", "32"),
                         help="the most requests waiting, from all users together; more are refused with \"the queue "
                         "is full\" (default: %(default)s)" + variable.named("SDXL_MAX_QUEUE"))

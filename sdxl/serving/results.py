@@ -142,7 +142,7 @@ def answer(service, submission, ticket: Ticket, result: Generation, seconds: flo
     if ticket.batch_images > len(prepared):
         notes.append(f"batched with other requests: {ticket.batch_images} images")
     status = f"{image_count(len(prepared))} in {seconds:.1f} s on {service.pipe.device_description}"
-    return gallery, status + _compiled([ticket]) + (f" ({'; '.join(notes)})" if notes else "")
+    return gallery, status + _compiled([ticket]) + _moved([result]) + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _compiled(tickets: list[Ticket]) -> str:
@@ -155,6 +155,13 @@ def _compiled(tickets: list[Ticket]) -> str:
     return f", {seconds:.1f} s of it compiling for this size, batch, sampler and kind of prompt, cached for next time"
 
 
+def _moved(results: list[Generation]) -> str:
+    """What of a result's time went to moving a model from host memory onto the devices; "" for nothing."""
+    moved = [result.moving_seconds for result in results if result.moving_seconds]
+    what = "the model" if len(moved) == 1 else "models"
+    return f", {sum(moved):.1f} s of it moving {what} onto the devices from host memory" if moved else ""
+
+
 def grid_answer(service, submission, tickets: list[Ticket], results: list[Generation], seconds: float) -> tuple:
     """(sheet, gallery, status) of a finished grid: the labelled grid, its cells captioned with their
     axes' values, and the device calls it took."""
@@ -165,7 +172,8 @@ def grid_answer(service, submission, tickets: list[Ticket], results: list[Genera
     calls = len(plan.requests)
     status = (f"{image_count(len(cells))} in {seconds:.1f} s, {calls} device call{'' if calls == 1 else 's'} on "
               f"{service.pipe.device_description}")
-    return sheet, [(cell, cell_caption(plan, i)) for i, cell in enumerate(cells)], status + _compiled(tickets) + (
+    return sheet, [(cell, cell_caption(plan, i)) for i, cell in enumerate(cells)], status + _compiled(tickets) + _moved(
+        results) + (
         f" ({submission.left_out})" if submission.left_out else "")
 
 
