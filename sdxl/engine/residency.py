@@ -30,7 +30,7 @@ class Placement:
     def __init__(self, name: str, residency: "Residency"):
         self.name = name
         self.residency = residency
-        self.where = DEVICES
+        self.where = HOST  # until it moves in (`Residency.add`)
         self._snapshots = weakref.WeakSet()
 
     def track(self, snapshot) -> None:
@@ -92,8 +92,7 @@ class Residency:
             placement = Placement(name or pipe.name, self)
             pipe.move_with(placement)
             self._placements.append(placement)
-            placement.where = HOST  # until it moves in: what it shares with a model moving out stays
-            self.make_room(incoming=placement)
+            self.make_room(incoming=placement)  # what it shares with a model moving out stays
             self._move_in(placement)
 
     def use(self, placement: Placement) -> float:
