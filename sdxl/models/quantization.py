@@ -29,6 +29,8 @@ call's own largest magnitudes, so no prompt set is needed and none can be unrepr
 convolutions and the small weights keep the dequantized path.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,3 +196,15 @@ def product_in_8_bits(product, x: jax.Array, weight: Quantized, reduced: tuple[i
     x, x_scale = _scaled(x, stored, reduced)
     y = product(x, weight.values, preferred_element_type=ACCUMULATORS[jnp.dtype(stored)])
     return y.astype(dtype) * x_scale.astype(dtype) * weight.scale.reshape(-1).astype(dtype)
+
+
+# The 8-bit types as optimized HLO names them.
+HLO_8_BIT_TYPES = ("s8", "f8e4m3fn", "f8e5m2")
+
+
+def products_in(hlo: str) -> list[tuple[tuple[str, str], str]]:
+    """The dots and convolutions of a compiled program's optimized HLO (`compiled.as_text()`; a TPU runs
+    its dots as convolutions): each one's operand types, as HLO names them (("s8", "s8")), and its op name."""
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    return [((types[a], types[b]), name) for a, b, name in
+            re.findall(r" (?:convolution|dot)\(%([\w.\-]+), %([\w.\-]+)\).*?op_name=\"([^\"]*)\"", hlo)]
