@@ -236,12 +236,13 @@ def test_each_modes_pictures_are_within_a_bound_of_the_unquantized_models(loaded
 
 @pytest.mark.compiles
 def test_a_controlnets_weights_are_stored_alike_and_steer_within_a_bound(tmp_path):
-    """A ControlNet's large weights are quantized as the UNet's; its program is built for them and runs."""
+    """A ControlNet's large weights are quantized as the UNet's; its program is built for them and runs, and
+    computes in int8 too."""
     spec = Pipeline.from_pretrained("tiny").spec
     folder = random_models.write_controlnet(tmp_path / "cn", spec)
     control = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     pictures = {}
-    for mode in ("default", "int8"):
+    for mode in ("default", "int8", "int8_compute"):
         pipe = Pipeline.from_pretrained("tiny", dtype="float32", controlnet=str(folder), weights_dtype=mode)
         configs = tuple(controlnet.config for controlnet in pipe.controlnets)
         abstract = abstract_params(pipe.spec, configs, (), 0, pipe.dtype, replicated(pipe.mesh), mode)
@@ -254,3 +255,5 @@ def test_a_controlnets_weights_are_stored_alike_and_steer_within_a_bound(tmp_pat
     assert quantized and all(leaf.values.dtype == jnp.int8 for leaf in quantized)
     # Measured 0.0230 (the UNet's and the ControlNet's int8 weights together; 2 steps, 64x64, float32).
     assert 0 < np.abs(pictures["int8"] - pictures["default"]).max() < 0.026
+    # Both computing in int8 too (the ControlNet's stride-2 convolutions among them): measured 0.0721.
+    assert 0 < np.abs(pictures["int8_compute"] - pictures["default"]).max() < 0.08

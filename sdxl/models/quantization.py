@@ -170,7 +170,9 @@ def in_components(params: dict, quantize) -> dict:
 
 
 def _computed_in_8_bits(leaf: Quantized) -> bool:
-    """Whether a layer computes with `leaf` as it is stored: a Linear weight or a 3x3 kernel."""
+    """Whether a layer computes with `leaf` as it is stored: a Linear weight or a 3x3 kernel (in the
+    `COMPONENTS`, `layers.Linear` and `layers.Conv3x3` read those, and take a `Quantized` leaf; the 1x1
+    convolutions are Flax's `nn.Conv`, which does not)."""
     return leaf.values.ndim == 2 or leaf.shape[:2] == (3, 3)
 
 
