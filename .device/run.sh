@@ -4,8 +4,9 @@
 # fp16 weights written by `write-checkpoint`, 1024x1024, 20 steps (the goal's), bfloat16, in order:
 #   1. the benchmark at batch 4 (--quick --no-progress), then in the same process a profile of 3 warm
 #      steps of that batch (bench --profile: a jax.profiler trace, its top ops in profile.md);
-#   2. the weights modes (issue 55): the model loaded again with fp8_e4m3fn and with int8 weights
-#      (`bench --compare-weights`), each mode's batch 4 timed in turn with bfloat16 weights', in one process;
+#   2. the weights modes (issue 55): the model loaded again with fp8_e4m3fn weights, with them and fp8
+#      compute (fp8_e4m3fn_compute: the H200's fp8 tensor cores), and with int8 weights (`bench
+#      --compare-weights`), each mode's batch 4 timed in turn with bfloat16 weights', in one process;
 #   3. the same as 1 at batch 1, without the profile;
 #   4. each variant at batch 4, while the budget lasts; those it cannot fit are printed as skipped.
 # Beside the checkpoint's writing, preflight.py checks our attention kernels (PREFLIGHT=0 skips it);
@@ -13,8 +14,8 @@
 #
 # Budget (the default 540 s), from an H200's times (BENCHMARKS.md): writing the checkpoint 66 s; a run
 # about 90 s (71.9 s from its start to the first image, the cold compile 53.7 s of it, then the FLOP
-# count on the host and 3 timed batches of 2.4 s); the profile about 10 s more; the weights modes two
-# more loads and cold compiles, about 200 s. So batch 4, the weights modes, batch 1 and a variant or two. Every run is a process of its own with a cold compile; they share XLA's
+# count on the host and 3 timed batches of 2.4 s); the profile about 10 s more; the weights modes three
+# more loads and cold compiles, about 300 s. So batch 4 and the weights modes, then batch 1 and the variants as far as a larger SECONDS allows. Every run is a process of its own with a cold compile; they share XLA's
 # autotuning results (--xla_gpu_per_fusion_autotune_cache_dir), so a variant retunes only what it changed.
 #
 # The machine has its own jax, torch and transformers but neither diffusers nor our flax pin; they
@@ -48,10 +49,9 @@ for name, r in runs.items():
     mfu = "" if r["mfu"] is None else f", MFU {r['mfu']:.1%}"
     against = f", {base / r['s_per_image']:.3f}x b4's speed" if base and r["batch"] == 4 else ""
     print(f"{name}: batch {r['batch']}, {r['s_per_image']:.4f} s/image, {r['images_per_s']:.3f} images/s{mfu}{against}")
-    for mode in ("fp8_e4m3fn", "fp8_e5m2", "int8"):
-        if f"weights_{mode}_cost" in r:
-            print(f"  {mode} weights: {r['s_per_image'] * r[f'weights_{mode}_cost']:.4f} s/image, "
-                  f"{r[f'weights_{mode}_cost']:.3f}x the time of the run's own {r['dtype']} weights")
+    for key in [k for k in r if k.startswith("weights_") and k.endswith("_cost")]:
+        print(f"  {key[len('weights_'):-len('_cost')]} weights: {r['s_per_image'] * r[key]:.4f} s/image, "
+              f"{r[key]:.3f}x the time of the run's own {r['dtype']} weights")
 EOF
 }
 run() {  # NAME BATCH SECONDS [VAR=value] [bench options]: a run, when SECONDS fit in what is left
@@ -93,7 +93,7 @@ main() {
   run b4 4 120 "" --profile $work/trace
   cp $work/trace/profile.md $OUT/
   tar czf $OUT/trace.tgz -C $work trace && du -h $OUT/trace.tgz
-  run weights 4 200 "" --compare-weights fp8_e4m3fn,int8
+  run weights 4 300 "" --compare-weights fp8_e4m3fn,fp8_e4m3fn_compute,int8
   run b1 1 90 ""
   while IFS=$'\t' read -r name variable value; do
     if [ "$variable" = XLA_FLAGS ]; then

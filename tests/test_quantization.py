@@ -1,6 +1,6 @@
 """Weights stored in 8 bits (`sdxl.models.quantization`): each mode's rounding, its loading (the tree the
 compiled program is built for), a LoRA on it, and the UNet's output and the pictures against the
-unquantized model's."""
+unquantized model's; the compute modes' 8-bit products, and that the compiled program multiplies in 8 bits."""
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +12,10 @@ from sdxl.checkpoints import lora, random_models
 from sdxl.engine.compiled import abstract_params
 from sdxl.engine.mesh import replicated
 from sdxl.engine.pipeline import Pipeline
-from sdxl.models import quantization, unet
+from sdxl.models import layers, quantization, unet
 from sdxl.models.quantization import Quantized
 
-MODES = ("fp8_e4m3fn", "fp8_e5m2", "int8")
+MODES = ("fp8_e4m3fn", "fp8_e5m2", "int8", "int8_compute", "fp8_e4m3fn_compute")
 # fp8's significand bits (e4m3fn 3, e5m2 2): a scaled weight rounds to within 2^-(m+1) of itself.
 SIGNIFICAND_BITS = {jnp.float8_e4m3fn: 3, jnp.float8_e5m2: 2}
 
@@ -56,8 +56,55 @@ def test_a_channel_of_zeros_stays_zero():
 def test_the_mode_names_are_comfyuis_and_a_wrong_one_is_one_sentence():
     assert quantization.weights_dtype_name(None) == "default"
     assert quantization.weights_dtype_name("fp8") == "fp8_e4m3fn"
-    with pytest.raises(ValueError, match="weights dtype must be one of default, fp8_e4m3fn, fp8_e5m2, int8"):
+    assert quantization.weights_dtype_name("fp8_e4m3fn_fast") == "fp8_e4m3fn_compute"
+    with pytest.raises(ValueError, match="weights dtype must be one of default, fp8_e4m3fn, fp8_e5m2, int8, "
+                       "int8_compute, fp8_e4m3fn_compute, fp8, fp8_e4m3fn_fast, got 'fp4'"):
         quantization.weights_dtype_name("fp4")
+
+
+def _rounded(x: np.ndarray, dtype, reduced: tuple[int, ...]) -> np.ndarray:
+    """`x` as 8-bit compute rounds it: each slice over `reduced` scaled to `dtype`'s largest value, rounded
+    to `dtype`, and scaled back, in float64."""
+    largest = 127 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
+    scale = np.abs(x).max(axis=reduced, keepdims=True) / largest
+    values = np.round(x / scale) if dtype == jnp.int8 else np.asarray(jnp.asarray(x / scale, dtype), np.float64)
+    return values * scale
+
+
+COMPUTE_DTYPES = [jnp.int8, jnp.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+def test_a_linear_layer_multiplies_an_8_bit_weight_by_each_rows_own_rounding(dtype, rng):
+    """The product of the rounded operands, to float32's precision: each row (token) of the input has its
+    own scale, so rows a million times apart in size keep their precision."""
+    x = rng.standard_normal((2, 3, 64)) * np.array([1e-3, 1, 1e3])[:, None]  # [B, T, in]
+    q, bias = quantization.quantize(rng.standard_normal((32, 64)), dtype, 0), rng.standard_normal(32)
+    y = np.asarray(layers.Linear(32).apply({"params": {"weight": q, "bias": bias.astype(np.float32)}},
+                                           x.astype(np.float32)))
+    weight = np.asarray(q.dequantized(jnp.float32), np.float64)
+    expected = _rounded(x, dtype, (2,)) @ weight.T + bias
+    row_size = np.abs(expected - bias).max(axis=-1, keepdims=True)
+    assert (np.abs(y - expected) <= 1e-5 * row_size + 1e-6 * np.abs(bias)).all()
+    # The rounding is there: the unrounded input's product is further off than float32's precision.
+    assert (np.abs(y - (x @ weight.T + bias)) > 1e-4 * row_size).any()
+
+
+@pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
+@pytest.mark.parametrize(("strides", "padding"), [(1, 1), (2, ((0, 1), (0, 1)))])
+def test_a_3x3_convolution_multiplies_an_8_bit_kernel_by_each_images_own_rounding(dtype, strides, padding, rng):
+    x = rng.standard_normal((2, 12, 10, 16)) * np.array([1e-2, 1e2])[:, None, None, None]
+    q = quantization.quantize(rng.standard_normal((3, 3, 16, 24)), dtype, 3)
+    params = {"kernel": q, "bias": np.zeros(24, np.float32)}
+    y = np.asarray(layers.Conv3x3(24, strides=strides, padding=padding).apply({"params": params},
+                                                                             x.astype(np.float32)))
+    reference = layers.Conv3x3(24, strides=strides, padding=padding)
+    kernel = np.asarray(q.dequantized(jnp.float32))
+    with jax.default_matmul_precision("highest"):
+        expected = np.asarray(reference.apply({"params": {**params, "kernel": kernel}},
+                                              _rounded(x, dtype, (1, 2, 3)).astype(np.float32)))
+    image_size = np.abs(expected).max(axis=(1, 2, 3), keepdims=True)
+    assert (np.abs(y - expected) <= 1e-5 * image_size).all()
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +144,45 @@ def test_the_compiled_program_is_built_for_the_loaded_tree(loaded, mode):
 
 
 # The largest |difference| of the tiny UNet's output from the float32 model's (whose largest |output| is
-# 2.36), measured on the CPU in float32: fp8_e4m3fn 0.173, fp8_e5m2 0.200, int8 0.0394.
-UNET_BOUNDS = {"fp8_e4m3fn": 0.19, "fp8_e5m2": 0.22, "int8": 0.044}
+# 2.36), measured on the CPU in float32: fp8_e4m3fn 0.173, fp8_e5m2 0.200, int8 0.0394; with the activations
+# in 8 bits too, int8_compute 0.0707, fp8_e4m3fn_compute 0.167.
+UNET_BOUNDS = {"fp8_e4m3fn": 0.19, "fp8_e5m2": 0.22, "int8": 0.044, "int8_compute": 0.078,
+               "fp8_e4m3fn_compute": 0.185}
+
+
+@pytest.fixture(scope="module")
+def unet_programs(loaded) -> dict:
+    """Each mode's UNet on the same random inputs, in float32, compiled for the mode's loaded parameters as
+    its program reads them (`quantization.dequantized`): {mode: a compiled function of the parameters}."""
+    return {mode: _unet_output(pipe.spec, mode).lower(pipe.params["unet"]).compile() for mode, pipe in loaded.items()}
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_unet_computes_within_its_modes_rounding_of_the_unquantized_one(loaded, mode, rng):
-    spec = loaded["default"].spec
+def test_the_unet_computes_within_its_modes_rounding_of_the_unquantized_one(loaded, unet_programs, mode):
+    reference = np.asarray(unet_programs["default"](loaded["default"].params["unet"]))
+    difference = np.abs(np.asarray(unet_programs[mode](loaded[mode].params["unet"])) - reference).max()
+    assert 0 < difference < UNET_BOUNDS[mode], difference
+
+
+def test_int8_compute_multiplies_every_weight_it_keeps_in_8_bits(loaded, unet_programs):
+    """In the program compiled for this CPU, each Linear weight and 3x3 kernel that int8_compute keeps
+    quantized is read by one dot or convolution of two int8 operands, and every such product reads one
+    (`tests/test_topology.py` checks the programs compiled for a TPU)."""
+    params = loaded["int8_compute"].params["unet"]
+    kept = [path[:-1] for path, leaf in traverse_util.flatten_dict(
+        quantization.dequantized(params, jnp.float32, "int8_compute")).items() if isinstance(leaf, Quantized)]
+    products = quantization.products_in(unet_programs["int8_compute"].as_text())
+    layers = [tuple(name.split("/")[2:-1]) for types, name in products if types == ("s8", "s8")]
+    assert len(kept) > 20 and sorted(layers) == sorted(kept)
+    assert any(layer[-2:] == ("upsamplers.0", "conv") for layer in layers)  # a 3x3 convolution
+    weights_only = quantization.products_in(unet_programs["int8"].as_text())
+    assert weights_only and all(types == ("f32", "f32") for types, _ in weights_only)  # int8 dequantizes first
+
+
+def _unet_output(spec, mode: str):
+    """A jitted function of the UNet's parameters: its output, in float32, for random inputs, with the
+    parameters as a program of `mode` reads them."""
+    rng = np.random.default_rng(0)
     model = unet.UNet2DConditionModel(spec.unet, dtype=jnp.float32)
     x = rng.standard_normal((2, 8, 8, spec.unet.in_channels)).astype(np.float32)
     context = rng.standard_normal((2, 77, spec.unet.cross_attention_dim)).astype(np.float32)
@@ -113,12 +192,10 @@ def test_the_unet_computes_within_its_modes_rounding_of_the_unquantized_one(load
 
     @jax.jit
     def output(params):
-        return model.apply({"params": quantization.dequantized(params, jnp.float32)}, x, jnp.array([500, 20]),
-                           context, **extra)
+        return model.apply({"params": quantization.dequantized(params, jnp.float32, mode)}, x,
+                           jnp.array([500, 20]), context, **extra)
 
-    reference = np.asarray(output(loaded["default"].params["unet"]))
-    difference = np.abs(np.asarray(output(loaded[mode].params["unet"])) - reference).max()
-    assert 0 < difference < UNET_BOUNDS[mode], difference
+    return output
 
 
 def test_a_lora_on_8_bit_weights_is_applied_in_float32_and_stored_alike_again(loaded, tmp_path):
@@ -140,9 +217,10 @@ def test_a_lora_on_8_bit_weights_is_applied_in_float32_and_stored_alike_again(lo
 
 
 # The largest |difference| of a picture's pixels (in [0, 1]) from the float32 model's, 4 steps at 64x64,
-# measured: fp8_e4m3fn 0.0866, fp8_e5m2 0.285, int8 0.0322 (the tiny model's random weights amplify them: the
-# trained shapes model's are in BENCHMARKS.md).
-PICTURE_BOUNDS = {"fp8_e4m3fn": 0.1, "fp8_e5m2": 0.32, "int8": 0.037}
+# measured: fp8_e4m3fn 0.0866, fp8_e5m2 0.285, int8 0.0322, int8_compute 0.0602, fp8_e4m3fn_compute 0.175 (the
+# tiny model's random weights amplify them: the trained shapes model's are in BENCHMARKS.md).
+PICTURE_BOUNDS = {"fp8_e4m3fn": 0.1, "fp8_e5m2": 0.32, "int8": 0.037, "int8_compute": 0.068,
+                  "fp8_e4m3fn_compute": 0.2}
 
 
 @pytest.mark.compiles
@@ -158,12 +236,13 @@ def test_each_modes_pictures_are_within_a_bound_of_the_unquantized_models(loaded
 
 @pytest.mark.compiles
 def test_a_controlnets_weights_are_stored_alike_and_steer_within_a_bound(tmp_path):
-    """A ControlNet's large weights are quantized as the UNet's; its program is built for them and runs."""
+    """A ControlNet's large weights are quantized as the UNet's; its program is built for them and runs, and
+    computes in int8 too."""
     spec = Pipeline.from_pretrained("tiny").spec
     folder = random_models.write_controlnet(tmp_path / "cn", spec)
     control = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     pictures = {}
-    for mode in ("default", "int8"):
+    for mode in ("default", "int8", "int8_compute"):
         pipe = Pipeline.from_pretrained("tiny", dtype="float32", controlnet=str(folder), weights_dtype=mode)
         configs = tuple(controlnet.config for controlnet in pipe.controlnets)
         abstract = abstract_params(pipe.spec, configs, (), 0, pipe.dtype, replicated(pipe.mesh), mode)
@@ -176,3 +255,5 @@ def test_a_controlnets_weights_are_stored_alike_and_steer_within_a_bound(tmp_pat
     assert quantized and all(leaf.values.dtype == jnp.int8 for leaf in quantized)
     # Measured 0.0230 (the UNet's and the ControlNet's int8 weights together; 2 steps, 64x64, float32).
     assert 0 < np.abs(pictures["int8"] - pictures["default"]).max() < 0.026
+    # Both computing in int8 too (the ControlNet's stride-2 convolutions among them): measured 0.0721.
+    assert 0 < np.abs(pictures["int8_compute"] - pictures["default"]).max() < 0.08

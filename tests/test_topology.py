@@ -152,6 +152,23 @@ def test_8_bit_weights_and_several_checkpoints_count_on_each_chip(tmp_path):
     assert whole["beside_weights_bytes"] <= default_whole["beside_weights_bytes"]
     assert report["bytes_per_chip"] == report["weight_bytes_per_chip"] + whole["beside_weights_bytes"]
     assert "2 checkpoints of tiny bfloat16, int8 weights" in (tmp_path / "BENCHMARKS.md").read_text()
+    # int8 weights are converted before they are multiplied: no dot or convolution takes 8-bit operands.
+    assert whole["products"] > 0 and whole["products_8_bit"] == default_whole["products_8_bit"] == 0
+
+
+@pytest.mark.parametrize("mode", quantization.COMPUTE_MODES)
+def test_the_compute_modes_multiply_on_8_bit_operands_on_the_chip(tmp_path, capsys, mode):
+    """The program compiled for the TPU keeps both operands of a dot or convolution in 8 bits for each weight
+    the mode keeps quantized (the tiny UNet's are read once, in the denoising loop's body), and no other."""
+    spec = topology.model_spec("tiny")
+    stored = quantization.abstract(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, np.float32),
+                                                spec.abstract_params()["unet"]), mode)
+    read = jax.eval_shape(lambda tree: quantization.dequantized(tree, np.float32, mode), stored)
+    kept = [leaf for leaf in jax.tree.leaves(read, is_leaf=lambda x: isinstance(x, quantization.Quantized))
+            if isinstance(leaf, quantization.Quantized)]
+    whole = _program(_whole(tmp_path, "text", "--weights-dtype", mode), "text", "whole")
+    assert len(kept) > 20 and whole["products_8_bit"] == len(kept) < whole["products"]
+    assert f"{len(kept)} of {whole['products']} dots and convolutions in 8 bits" in capsys.readouterr().out
 
 
 def test_an_unknown_stage_is_refused_before_compiling(capsys):

@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare-weights", metavar="MODES",
         help="also time the model with its weights stored in these modes, comma-separated (fp8_e4m3fn, fp8_e5m2, "
-        "int8), each loaded again and its calls timed in turn with the baseline's",
+        "int8, int8_compute, fp8_e4m3fn_compute), each loaded again and its calls timed in turn with the baseline's",
     )
     parser.add_argument(
         "--checkpoints", type=int, default=1, metavar="N",

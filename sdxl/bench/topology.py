@@ -264,10 +264,19 @@ def _compile(executables: Executables, program: GenerateProgram, stage: str) -> 
         "beside_weights_bytes": bytes_beside_weights(compiled),
         "flops": cost.get("flops"),
         "attention": sorted(kernels_in(compiled)),
+        **_products(compiled.as_text()),
     }
     if cost.get("optimal_seconds", 0) > 0:
         result["estimated_s"] = cost["optimal_seconds"]
     return result
+
+
+def _products(hlo: str) -> dict:
+    """How many of a compiled program's dots and convolutions there are, and how many take two 8-bit
+    operands (the `quantization.COMPUTE_MODES`' evidence that the chip multiplies in 8 bits)."""
+    products = quantization.products_in(hlo)
+    eight_bit = [types for types, _ in products if set(types) <= set(quantization.HLO_8_BIT_TYPES)]
+    return {"products": len(products), "products_8_bit": len(eight_bit)}
 
 
 def _report(
@@ -344,8 +353,11 @@ def _program_line(c: dict) -> str:
     if not c["compiled"]:
         return what + f"not compiled: {c['error'].splitlines()[0]}"
     flops = "n/a" if c["flops"] is None else f"{c['flops'] / 1e12:.3g} TFLOP"
+    products = ""
+    if c["products_8_bit"]:
+        products = f", {c['products_8_bit']} of {c['products']} dots and convolutions in 8 bits"
     return what + (f"{_gib(c['bytes'])} per chip (temporaries {_gib(c['temp_bytes'])}; "
-                   f"{_gib(c['beside_weights_bytes'])} beside the weights), {flops}")
+                   f"{_gib(c['beside_weights_bytes'])} beside the weights), {flops}{products}")
 
 
 def _models(r: dict) -> str:

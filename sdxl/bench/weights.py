@@ -1,6 +1,7 @@
 """`bench --compare-weights MODES`: the benchmark's batch rendered by the model loaded again with its
-weights stored in 8 bits (`sdxl.models.quantization`: fp8_e4m3fn, fp8_e5m2, int8), each mode's calls
-timed in turn with the baseline's, and each one's parameters' bytes per device against the baseline's.
+weights stored in 8 bits (`sdxl.models.quantization.WEIGHT_DTYPES`: fp8_e4m3fn, fp8_e5m2, int8, and the
+modes that also compute in 8 bits), each mode's calls timed in turn with the baseline's, and each one's
+parameters' bytes per device against the baseline's.
 
 Each mode is a pipeline of its own on the same devices, whose first call compiles its program (the
 stored dtypes are the program's argument types) and is not timed.

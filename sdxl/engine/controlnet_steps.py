@@ -9,7 +9,6 @@ import jax.numpy as jnp
 
 from ..models import controlnet_union
 from ..models.layers import STEP_INVARIANTS
-from ..models.quantization import dequantized
 from .mesh import interleave
 
 
@@ -37,7 +36,7 @@ def invariants(program, params, inputs, cond: dict) -> tuple:
     h, w, _ = program.spec.latent_shape(program.height, program.width)
     x_in, zeros = jnp.zeros((batch, h, w, program.spec.vae.latent_channels), program.dtype), jnp.zeros(batch)
     return tuple(
-        model.apply({"params": dequantized(p, program.dtype)}, x_in, zeros, conditioning_scale=zeros, **steered,
+        model.apply({"params": program.as_read(p)}, x_in, zeros, conditioning_scale=zeros, **steered,
                     **text_of(cond), mutable=[STEP_INVARIANTS])[1]
         for model, p, steered in zip(models(program), params.get("controlnets", ()), steering(program, inputs))
     )
@@ -69,7 +68,7 @@ def control(program, params, invariants: dict, inputs) -> Callable[..., dict]:
         for k, model in enumerate(nets):
             scale = interleave(scales[:, k], scales[:, k]) if program.guided else scales[:, k]
             # Dequantized here, in the loop's body, where XLA fuses it into the weights' reads.
-            variables = {"params": dequantized(nets_params[k], program.dtype), **step_invariants[k]}
+            variables = {"params": program.as_read(nets_params[k]), **step_invariants[k]}
             residuals, middle = model.apply(variables, x_control, t, conditioning_scale=scale, **steered[k],
                                             **text_of(cond))
             down = residuals if down is None else [a + b for a, b in zip(down, residuals)]

@@ -108,7 +108,9 @@ class Pipeline:
             in `dtype` all the same (`sdxl.models.quantization`): "default" (in `dtype`), "fp8_e4m3fn"
             ("fp8"), "fp8_e5m2" (as ComfyUI's weight_dtype and Forge's `--unet-in-fp8-e4m3fn`, with a
             scale per output channel) or "int8" (symmetric, a scale per output channel): half the bytes
-            of bfloat16 for 99% of the UNet's.
+            of bfloat16 for 99% of the UNet's. Opt-in, "int8_compute" and "fp8_e4m3fn_compute" (ComfyUI's
+            "fp8_e4m3fn_fast") store alike and also multiply in 8 bits in the Linear layers and 3x3
+            convolutions, their inputs quantized on the fly.
         """
         scheduler = loading.scheduler_overrides(scheduler, prediction_type, rescale_betas_zero_snr)
         model = loading.load(path_or_repo_id, dtype=dtype, max_steps=max_steps, devices=devices, config=config,

@@ -220,8 +220,14 @@ class GenerateProgram:
     # (`sdxl.checkpoints.embeddings.table`: a multiple of a block, so loading one more seldom changes it).
     embedding_rows: int = 0
     # How the weights are stored (`sdxl.models.quantization.WEIGHT_DTYPES`): the UNet's and ControlNets'
-    # large weights as `Quantized` leaves in 8 bits, dequantized to `dtype` where the model reads them.
+    # large weights as `Quantized` leaves in 8 bits, dequantized to `dtype` where the model reads them (in
+    # the `quantization.COMPUTE_MODES`, but those its layers compute with in 8 bits).
     weights_dtype: str = "default"
+
+    def as_read(self, tree: dict) -> dict:
+        """A UNet's or ControlNet's parameters as its layers read them (`quantization.dequantized`): to call
+        inside the compiled program, where the model reads them."""
+        return dequantized(tree, self.dtype, self.weights_dtype)
 
     @property
     def method(self) -> Sampler:
@@ -382,7 +388,7 @@ class GenerateProgram:
         # The models' outputs are unused, so the compiled program keeps only what computes the invariants.
         x_in = jnp.zeros((batch, h, w, self.spec.unet.in_channels), self.dtype)
         _, unet_invariants = self._unet().apply(
-            {"params": dequantized(self._unet_params(params), self.dtype)}, x_in, zeros, **cond,
+            {"params": self.as_read(self._unet_params(params))}, x_in, zeros, **cond,
             mutable=[STEP_INVARIANTS],
         )
         invariants = {"unet": unet_invariants, "controlnets": controlnet_steps.invariants(self, params, inputs, cond)}
@@ -439,7 +445,7 @@ class GenerateProgram:
             t = jnp.broadcast_to(timestep, (len(x_in),))
             cond = self.step_cond(state.cond, inputs, step)
             # Dequantized here, in the loop's body, where XLA fuses it into the weights' reads.
-            variables = {"params": dequantized(unet_params, self.dtype), **unet_invariants}
+            variables = {"params": self.as_read(unet_params), **unet_invariants}
             out = model.apply(variables, x_in, t, **cond, **control(x_in, t, step, cond)).astype(jnp.float32)
             if self.guided:
                 out = out.reshape(batch, 2, *out.shape[1:])

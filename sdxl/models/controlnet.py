@@ -140,7 +140,7 @@ class ControlNetConditioningEmbedding(nn.Module):
         x = nn.silu(Conv3x3(channels[0], dtype=self.dtype, name="conv_in")(image))
         for i, (width, next_width) in enumerate(zip(channels, channels[1:])):
             x = nn.silu(Conv3x3(width, dtype=self.dtype, name=f"blocks.{2 * i}")(x))
-            x = nn.Conv(next_width, (3, 3), strides=2, padding=1, dtype=self.dtype, name=f"blocks.{2 * i + 1}")(x)
+            x = Conv3x3(next_width, self.dtype, strides=2, name=f"blocks.{2 * i + 1}")(x)
             x = nn.silu(x)
         return Conv3x3(self.out_channels, dtype=self.dtype, name="conv_out")(x)
 

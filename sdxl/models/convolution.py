@@ -28,6 +28,8 @@ from ..config import kernel_override
 from .attention import target_platform
 
 IMPLEMENTATIONS = ("xla", "winograd")
+# A convolution's zero padding: one count for every edge, or ((top, bottom), (left, right)).
+Padding = int | tuple[tuple[int, int], tuple[int, int]]
 
 # F(4x4, 3x3) over the interpolation points 0, 1, -1, 2, -2 and infinity: Y = A^T [(G g G^T) * (B^T d B)] A
 # for a 6x6 input tile d and a 3x3 kernel g.
@@ -74,9 +76,14 @@ def implementation(height: int, width: int, channels: int, dtype) -> str:
     return "winograd" if suits and pays else "xla"
 
 
-def direct_conv3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """torch's conv2d(padding=1), without bias: [B, H, W, C] by [3, 3, C, O] (HWIO) -> [B, H, W, O]."""
-    return jax.lax.conv_general_dilated(x, kernel, (1, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+def direct_conv3x3(x: jax.Array, kernel: jax.Array, strides: int = 1, padding: Padding = 1,
+                   preferred_element_type=None) -> jax.Array:
+    """torch's conv2d(stride=strides, padding=padding), without bias: [B, H, W, C] by [3, 3, C, O] (HWIO)
+    -> [B, H', W', O]; `padding` is one count for every edge or ((top, bottom), (left, right))."""
+    pairs = ((padding, padding),) * 2 if isinstance(padding, int) else padding
+    layout = ("NHWC", "HWIO", "NHWC")
+    return jax.lax.conv_general_dilated(x, kernel, (strides, strides), pairs, dimension_numbers=layout,
+                                        preferred_element_type=preferred_element_type)
 
 
 def _combine(coefficients: np.ndarray, parts: list[jax.Array]) -> jax.Array:

@@ -14,6 +14,7 @@ Conv kernels (12%) keep `nn.Conv`'s HWIO layout, which the loader transposes to.
 when a model is traced; two-pass by default.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -26,6 +27,7 @@ import numpy as np
 from ..config import kernel_override
 from . import convolution
 from .attention import dot_product_attention
+from .quantization import Quantized, product_in_8_bits
 
 # The Flax collection of values that every denoising step would compute alike: `Conv3x3`'s
 # Winograd-domain kernels and cross-attention's keys and values of the text. A caller that runs the
@@ -54,7 +56,8 @@ def quick_gelu(x: jax.Array) -> jax.Array:
 
 
 class Linear(nn.Module):
-    """torch.nn.Linear: y = x @ weight.T + bias, with `weight` [out, in] as the checkpoint stores it."""
+    """torch.nn.Linear: y = x @ weight.T + bias, with `weight` [out, in] as the checkpoint stores it; a
+    `Quantized` weight computes in 8 bits, the input quantized per row (`quantization.product_in_8_bits`)."""
 
     features: int
     use_bias: bool = True
@@ -64,29 +67,40 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.lecun_normal(in_axis=1, out_axis=0)
         weight = self.param("weight", init, (self.features, x.shape[-1]), jnp.float32)
-        y = jax.lax.dot_general(x.astype(self.dtype), weight.astype(self.dtype), (((x.ndim - 1,), (1,)), ((), ())))
+        contract = functools.partial(jax.lax.dot_general, dimension_numbers=(((x.ndim - 1,), (1,)), ((), ())))
+        if isinstance(weight, Quantized):
+            y = product_in_8_bits(contract, x, weight, (x.ndim - 1,), self.dtype)
+        else:
+            y = contract(x.astype(self.dtype), weight.astype(self.dtype))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32).astype(self.dtype)
         return y
 
 
 class Conv3x3(nn.Module):
-    """torch.nn.Conv2d(kernel_size=3, padding=1) over NHWC maps, with `nn.Conv`'s parameters
-    (`kernel` [3, 3, in, out]), by the algorithm that `sdxl.models.convolution` picks for the shape."""
+    """torch.nn.Conv2d(kernel_size=3, stride=strides, padding=padding) over NHWC maps, with `nn.Conv`'s
+    parameters (`kernel` [3, 3, in, out]); at stride 1 and padding 1, by the algorithm that `sdxl.models.convolution`
+    picks for the shape. A `Quantized` kernel computes in 8 bits, directly, the input quantized per image
+    (`quantization.product_in_8_bits`)."""
 
     features: int
     dtype: jnp.dtype = jnp.float32
+    strides: int = 1
+    padding: convolution.Padding = 1
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (3, 3, x.shape[-1], self.features), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
-        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
-        if convolution.implementation(*x.shape[1:], self.dtype) == "winograd":
-            transformed = step_invariant(self, "kernel", lambda: convolution.winograd_kernel(kernel))
-            y = convolution.winograd_conv3x3(x, transformed)
+        conv = functools.partial(convolution.direct_conv3x3, strides=self.strides, padding=self.padding)
+        implementation = convolution.implementation(*x.shape[1:], self.dtype)
+        if isinstance(kernel, Quantized):
+            y = product_in_8_bits(conv, x, kernel, (1, 2, 3), self.dtype)
+        elif (self.strides, self.padding) == (1, 1) and implementation == "winograd":
+            transformed = step_invariant(self, "kernel", lambda: convolution.winograd_kernel(kernel.astype(self.dtype)))
+            y = convolution.winograd_conv3x3(x.astype(self.dtype), transformed)
         else:
-            y = convolution.direct_conv3x3(x, kernel)
+            y = conv(x.astype(self.dtype), kernel.astype(self.dtype))
         return y + bias.astype(self.dtype)
 
 
@@ -247,7 +261,7 @@ class Downsample2D(nn.Module):
     @nn.compact
     def __call__(self, x):  # [B, H, W, C] -> [B, ceil(H/2), ceil(W/2), C]
         padding = ((0, 1), (0, 1)) if self.padding == 0 else self.padding
-        return nn.Conv(x.shape[-1], (3, 3), strides=2, padding=padding, dtype=self.dtype, name="conv")(x)
+        return Conv3x3(x.shape[-1], self.dtype, strides=2, padding=padding, name="conv")(x)
 
 
 class Upsample2D(nn.Module):

@@ -17,7 +17,19 @@ bfloat16 copy among its buffers) rather than holding a dequantized copy of the m
 
 Norms, biases, embeddings and small weights (the UNet's first and last convolutions among them: fewer
 than `MIN_ELEMENTS`) stay in the compute dtype: they are a sliver of the bytes and the most sensitive.
+
+The `COMPUTE_MODES` (opt-in) also multiply in 8 bits, at twice the bfloat16 rate of a TPU v5e's MXU (int8)
+or of an H100/H200's tensor cores (fp8): `dequantized` leaves the Linear weights and the 3x3 convolutions'
+kernels quantized, and those layers (`sdxl.models.layers`) call `product_in_8_bits`, which quantizes their
+activations on the fly, symmetrically: one scale per row of a Linear's input (per token), one per image
+of a convolution's (a per-pixel scale would not factor out of a 3x3 window's sum). The dot or convolution
+takes the two 8-bit operands and accumulates in int32 (int8) or float32 (fp8); the result times the
+activations' scale times the weight's is in the model's dtype. Nothing is calibrated: the scales are each
+call's own largest magnitudes, so no prompt set is needed and none can be unrepresentative. The 1x1
+convolutions and the small weights keep the dequantized path.
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +43,15 @@ WEIGHT_DTYPES = {
     "fp8_e4m3fn": jnp.float8_e4m3fn,
     "fp8_e5m2": jnp.float8_e5m2,
     "int8": jnp.int8,
+    "int8_compute": jnp.int8,
+    "fp8_e4m3fn_compute": jnp.float8_e4m3fn,
 }
-# Shorter names that mean the same.
-ALIASES = {"fp8": "fp8_e4m3fn"}
+# The modes that also compute in 8 bits (see the module's docstring).
+COMPUTE_MODES = ("int8_compute", "fp8_e4m3fn_compute")
+# Other names that mean the same: ComfyUI's fp8_e4m3fn_fast multiplies in fp8 too.
+ALIASES = {"fp8": "fp8_e4m3fn", "fp8_e4m3fn_fast": "fp8_e4m3fn_compute"}
+# What a product of 8-bit operands accumulates in.
+ACCUMULATORS = {jnp.dtype(jnp.int8): jnp.int32, jnp.dtype(jnp.float8_e4m3fn): jnp.float32}
 # Weights with fewer elements stay in the compute dtype.
 MIN_ELEMENTS = 1 << 14
 # The components of a model's parameter tree whose weights a mode stores in 8 bits ("controlnets": each
@@ -89,16 +107,21 @@ def _largest(dtype) -> float:
     return 127.0 if jnp.dtype(dtype) == jnp.int8 else float(jnp.finfo(dtype).max)
 
 
-def quantize(weight: jax.Array, dtype, axis: int) -> Quantized:
-    """`weight` in `dtype` with one float32 scale per index of `axis` (see the module's docstring)."""
-    reduced = tuple(a for a in range(weight.ndim) if a != axis)
-    weight = weight.astype(jnp.float32)
-    largest = jnp.max(jnp.abs(weight), axis=reduced, keepdims=True)
+def _scaled(x: jax.Array, dtype, reduced: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """`x` in `dtype`, and its float32 scale: one per slice over the `reduced` axes, that slice's largest
+    magnitude over `dtype`'s largest (1 for a slice of zeros)."""
+    x = x.astype(jnp.float32)
+    largest = jnp.max(jnp.abs(x), axis=reduced, keepdims=True)
     scale = jnp.where(largest > 0, largest / _largest(dtype), 1.0)
-    scaled = weight / scale
+    scaled = x / scale
     if jnp.dtype(dtype) == jnp.int8:
         scaled = jnp.clip(jnp.round(scaled), -127, 127)
-    return Quantized(scaled.astype(dtype), scale, axis)
+    return scaled.astype(dtype), scale
+
+
+def quantize(weight: jax.Array, dtype, axis: int) -> Quantized:
+    """`weight` in `dtype` with one float32 scale per index of `axis` (see the module's docstring)."""
+    return Quantized(*_scaled(weight, dtype, tuple(a for a in range(weight.ndim) if a != axis)), axis)
 
 
 _quantize = jax.jit(quantize, static_argnums=(1, 2))
@@ -146,8 +169,44 @@ def in_components(params: dict, quantize) -> dict:
             if name in COMPONENTS else tree for name, tree in params.items()}
 
 
-def dequantized(tree, dtype):
-    """`tree` with every `Quantized` leaf as an array of `dtype`: to call inside the compiled program, where
-    the model reads the weights (see the module's docstring)."""
-    return jax.tree.map(lambda leaf: leaf.dequantized(dtype) if isinstance(leaf, Quantized) else leaf, tree,
-                        is_leaf=lambda leaf: isinstance(leaf, Quantized))
+def _computed_in_8_bits(leaf: Quantized) -> bool:
+    """Whether a layer computes with `leaf` as it is stored: a Linear weight or a 3x3 kernel (in the
+    `COMPONENTS`, `layers.Linear` and `layers.Conv3x3` read those, and take a `Quantized` leaf; the 1x1
+    convolutions are Flax's `nn.Conv`, which does not)."""
+    return leaf.values.ndim == 2 or leaf.shape[:2] == (3, 3)
+
+
+def dequantized(tree, dtype, weights_dtype: str = "default"):
+    """`tree` with every `Quantized` leaf as an array of `dtype`, but in the `COMPUTE_MODES` those that
+    the layers compute with in 8 bits: to call inside the compiled program, where the model reads the
+    weights (see the module's docstring)."""
+    computes = weights_dtype in COMPUTE_MODES
+
+    def leaf_for_layer(leaf):
+        if not isinstance(leaf, Quantized) or computes and _computed_in_8_bits(leaf):
+            return leaf
+        return leaf.dequantized(dtype)
+
+    return jax.tree.map(leaf_for_layer, tree, is_leaf=lambda leaf: isinstance(leaf, Quantized))
+
+
+def product_in_8_bits(product, x: jax.Array, weight: Quantized, reduced: tuple[int, ...], dtype) -> jax.Array:
+    """`product(x, weight)`, a dot or convolution whose output channels are its last axis, on 8-bit operands:
+    `x` quantized to `weight`'s dtype with one scale per slice over the `reduced` axes, and the result
+    rescaled in `dtype` (see the module's docstring). `product` takes `preferred_element_type`."""
+    stored = weight.values.dtype
+    x, x_scale = _scaled(x, stored, reduced)
+    y = product(x, weight.values, preferred_element_type=ACCUMULATORS[jnp.dtype(stored)])
+    return y.astype(dtype) * x_scale.astype(dtype) * weight.scale.reshape(-1).astype(dtype)
+
+
+# The 8-bit types as optimized HLO names them.
+HLO_8_BIT_TYPES = ("s8", "f8e4m3fn", "f8e5m2")
+
+
+def products_in(hlo: str) -> list[tuple[tuple[str, str], str]]:
+    """The dots and convolutions of a compiled program's optimized HLO (`compiled.as_text()`; a TPU runs
+    its dots as convolutions): each one's operand types, as HLO names them (("s8", "s8")), and its op name."""
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    return [((types[a], types[b]), name) for a, b, name in
+            re.findall(r" (?:convolution|dot)\(%([\w.\-]+), %([\w.\-]+)\).*?op_name=\"([^\"]*)\"", hlo)]

@@ -111,7 +111,9 @@ def add_shared_options(parser: argparse.ArgumentParser, env: Mapping[str, str] |
                         help="how the UNet's and ControlNets' large weights are stored, computed in --dtype all the "
                         "same: default (in --dtype), fp8_e4m3fn (fp8) or fp8_e5m2 as ComfyUI's weight_dtype and "
                         "Forge's --unet-in-fp8-e4m3fn, or int8; each with a scale per output channel, half "
-                        "bfloat16's bytes (default: %(default)s)" + variable.named("SDXL_WEIGHTS_DTYPE"))
+                        "bfloat16's bytes; int8_compute or fp8_e4m3fn_compute (fp8_e4m3fn_fast, ComfyUI's) also "
+                        "multiply in 8 bits in the Linear layers and 3x3 convolutions (default: %(default)s)"
+                        + variable.named("SDXL_WEIGHTS_DTYPE"))
     parser.add_argument("--emphasis", default=variable.get("SDXL_EMPHASIS", "original"), type=_one_of(EMPHASIS_MODES),
                         choices=EMPHASIS_MODES,
                         help="how (word:1.2) weights apply, as webui's Emphasis setting: original (its default, each "
