@@ -43,6 +43,9 @@ def test_the_weights_dtype_option_loads_the_model_so_and_takes_comfyuis_names(tm
     assert pipe.weights_dtype == "fp8_e4m3fn"
     assert launch.dtypes_label(pipe) == "float32, fp8_e4m3fn weights"  # the startup line's
     assert parser.parse_args([]).weights_dtype == "default"
+    fast = launch.load(parser.parse_args(["--model", "shapes", "--weights-dtype", "fp8_e4m3fn_fast", "--cache-dir",
+                                          str(tmp_path)])).pipe
+    assert launch.dtypes_label(fast) == "float32, fp8_e4m3fn weights multiplied in fp8_e4m3fn", "ComfyUI's name"
 
 
 def test_the_shapes_models_notice_says_it_knows_only_its_english_words(tmp_path, monkeypatch):

@@ -26,6 +26,7 @@ from ..engine.pipeline import Pipeline
 from ..engine.prepared import PreparedRequest
 from ..engine.request import DEFAULT_REFINE_FROM
 from ..engine.residency import HOST, Residency
+from ..models import quantization
 from . import hosts as multihost
 from .demo import DemoService
 from .forms import Settings
@@ -115,8 +116,13 @@ def load(options: argparse.Namespace, *, fallback: bool = False, max_steps: int 
 
 
 def dtypes_label(pipe: Pipeline) -> str:
-    """The dtype a model computes in, and how its weights are stored where that differs: "bfloat16, int8 weights"."""
-    return pipe.dtype.name if pipe.weights_dtype == "default" else f"{pipe.dtype.name}, {pipe.weights_dtype} weights"
+    """The dtype a model computes in, and how its weights are stored where that differs: "bfloat16, int8 weights",
+    "bfloat16, int8 weights multiplied in int8" (`quantization.COMPUTE_MODES`)."""
+    if pipe.weights_dtype == "default":
+        return pipe.dtype.name
+    stored = pipe.weights_dtype.removesuffix("_compute")
+    multiplied = f" multiplied in {stored}" if pipe.weights_dtype in quantization.COMPUTE_MODES else ""
+    return f"{pipe.dtype.name}, {stored} weights{multiplied}"
 
 
 def load_models(options: argparse.Namespace, *, fallback: bool = False,
