@@ -26,7 +26,7 @@ from sdxl.engine.request import CLIP_SKIP_RANGE
 from sdxl.serving import endpoints, launch, results
 from sdxl.serving.demo import UPSCALE_RANGE, DemoService, Submission
 from sdxl.serving.forms import (
-    COMPARE_PROMPTS, COMPARE_SEEDS, IP_ADAPTER_FIELDS, ControlForm, Settings, path_of, picture_and_mask,
+    COMPARE_PROMPTS, IP_ADAPTER_FIELDS, ControlForm, Settings, path_of, picture_and_mask,
 )
 from sdxl.serving.http_errors import HttpErrors, owner, route
 from sdxl.serving.options import demo_parser
@@ -271,7 +271,7 @@ def _image_tab(service: DemoService) -> dict:
 def _compare_tab(service: DemoService) -> dict:
     styles, c = service.choices.styles, {}
     with gr.Tab("Compare"):
-        c["mode"] = gr.Radio([COMPARE_PROMPTS, COMPARE_SEEDS], value=COMPARE_PROMPTS, label="Compare")
+        c["mode"] = gr.Radio(list(service.compare_modes), value=COMPARE_PROMPTS, label="Compare")
         c["compare_prompts"] = gr.Textbox("", label="Prompts (one per line) or one prompt", lines=4)
         c["compare_negative"] = gr.Textbox("", label="Negative prompt")
         c["compare_style"] = gr.Dropdown(styles, value=styles[0], label="Style")

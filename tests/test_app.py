@@ -44,6 +44,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 STARTUP_TIMEOUT = 300  # seconds: load + compile + warm-up on a slow 2-core machine
 CALL_TIMEOUT = 180  # seconds for one request, compilation of a new size included
 COMPARE_SEEDS = "One prompt, consecutive seeds"  # app.COMPARE_SEEDS; not imported, the app is a subprocess
+COMPARE_MODELS = "One prompt and seed, each model"  # app.COMPARE_MODELS
 FAST = dict(prompt="a lighthouse at dusk", steps=3)  # steps are a runtime input: no recompilation
 
 _servers: list["Server"] = []  # every server this module started, for the failure log
@@ -182,6 +183,11 @@ def test_several_models_each_draw_as_their_demo_alone(models_server, client, dow
     for (model, seed), cell in zip([("shapes", 1), ("tiny", 1), ("shapes", 2), ("tiny", 2)], _pixels(cells)):
         single, _ = _generate(several, seed=seed, model=model)
         np.testing.assert_array_equal(cell, _pixels(single)[0])
+    compared, status = several.submit(mode=COMPARE_MODELS, prompts=FAST["prompt"], seed=2, steps=FAST["steps"],
+                                      api_name="/compare").result(timeout=CALL_TIMEOUT)
+    assert "2 images" in status, status
+    for model, picture in zip(("shapes", "tiny"), _pixels(compared)):  # each /generate's image 0 of that model
+        np.testing.assert_array_equal(picture, _pixels(_generate(several, seed=2, model=model)[0])[0])
     _generate(several, seed=3)  # switching back: the first model's own again
 
 
@@ -521,7 +527,7 @@ def _bad(endpoint: str, message: str, **kwargs):
         _bad("/generate", "images per core must be an integer from 1 to 4, got 5", images_per_core=5),
         _bad("/generate", "prompt must be text, got list ['a fox', 'a cat']", prompt=["a fox", "a cat"]),
         _bad("/generate", "must be a number from -4 to 4, got 9", lora_style=9),
-        _bad("/compare", "compare mode must be 'One prompt per line, same seed' or", mode=None, prompts="a fox"),
+        _bad("/compare", "compare mode must be one of 'One prompt per line, same seed', ", mode=None, prompts="a fox"),
         _bad("/compare", "prompts must be text (one per line), got list", prompts=["a fox"]),
         _bad("/compare", "seeds 4294967295..4294967296 go past 4294967295",
              mode=COMPARE_SEEDS, prompts="a fox", seed=2**32 - 1, num_seeds=2),

@@ -15,7 +15,7 @@ from sdxl.engine.pipeline import Pipeline
 from sdxl.engine.residency import DEVICES, HOST
 from sdxl.serving import launch, results
 from sdxl.serving.demo import DemoService, Submission
-from sdxl.serving.forms import Settings
+from sdxl.serving.forms import COMPARE_MODELS, Settings
 from sdxl.serving.models import Model
 from sdxl.serving.options import add_shared_options, demo_parser
 
@@ -71,6 +71,21 @@ def test_a_model_by_seed_grid_draws_each_cell_as_its_model_alone(service, alone)
         single = alone[name].images(Settings(prompt="a blue square", steps=2, seed=seed))
         assert plan.requests[call].model.name == name
         np.testing.assert_array_equal(drawn[call][index], _drawn(alone[name], single)[0])
+
+
+def test_the_compare_tab_draws_one_prompt_and_seed_through_each_model(service, alone):
+    form = dict(mode=COMPARE_MODELS, prompts="a blue square", seed=2, steps=2, guidance_scale=3.0)
+    submission = service.submission("compare", form)
+    assert [call.model.name for call in submission.calls] == ["tiny", "tiny-sd1"]
+    gallery, status = list(results.rendered(service, submission, None))[-1].answer  # a gallery: no sheet
+    assert "2 images" in status and "2 device calls" in status, status
+    for (picture, caption), name in zip(gallery, ("tiny", "tiny-sd1")):
+        single = alone[name].images(Settings(prompt="a blue square", seed=2, steps=2, guidance_scale=3.0))
+        np.testing.assert_array_equal(np.asarray(picture), _drawn(alone[name], single)[0])
+        assert caption == f"model {name}"
+    assert COMPARE_MODELS not in alone["tiny"].compare_modes
+    with pytest.raises(ValueError, match=r"one model is loaded \(tiny\): compare models with several --model"):
+        alone["tiny"].submission("compare", form)
 
 
 def test_requests_of_two_models_never_share_a_device_call(service):

@@ -33,8 +33,8 @@ from ..prompts.syntax import EMPHASIS_MODES
 from . import grid
 from .choices import choices_of, ip_adapter_labels
 from .forms import (
-    COMPARE_PROMPTS, COMPARE_SEEDS, HIRES_FIELDS, REUSED, ControlForm, Settings, control_parameters, fit_to_sizes,
-    lora_parameters, nearest_size, read_upload,
+    COMPARE_MODELS, COMPARE_PROMPTS, COMPARE_SEEDS, HIRES_FIELDS, REUSED, ControlForm, Settings, control_parameters,
+    fit_to_sizes, lora_parameters, nearest_size, read_upload,
 )
 from .grid import GridPlan
 from .models import Model, named, union
@@ -60,6 +60,7 @@ class Submission:
     # What the settings name that is not loaded and was left out, as webui says it ("Failed to find networks:
     # ..."): on the page beside the result, and in each picture's parameters.
     left_out: str | None = None
+    sheet: bool = True  # whether a grid's answer has its labelled sheet (the Compare tab's models: a gallery only)
 
 
 class DemoService:
@@ -161,6 +162,9 @@ class DemoService:
         if tab == "image_to_image":
             prepared, note = self.image_edit(settings, form.get("image"), form.get("mask"), form.get("strength"))
             return Submission([prepared], note, left_out=left_out)
+        if tab == "compare" and form.get("mode") == COMPARE_MODELS:
+            plan = self.model_comparison(dataclasses.replace(settings, prompt=(form.get("prompts") or "").strip()))
+            return Submission(plan.requests, grid=plan, left_out=left_out, sheet=False)
         if tab == "compare":
             return Submission([self.comparison(settings, form.get("mode"), form.get("prompts"), form.get("num_seeds"))],
                               left_out=left_out)
@@ -211,11 +215,13 @@ class DemoService:
 
     def comparison(self, settings: Settings, mode, prompts, num_seeds) -> PreparedRequest:
         """The Compare tab: several prompts (one per line) from the same seed, or one prompt over
-        `num_seeds` consecutive seeds (`COMPARE_PROMPTS`, `COMPARE_SEEDS`)."""
+        `num_seeds` consecutive seeds (`COMPARE_PROMPTS`, `COMPARE_SEEDS`; `model_comparison` for
+        `COMPARE_MODELS`)."""
         if not isinstance(prompts, (str, type(None))):
             raise ValueError(f"prompts must be text (one per line), got {type(prompts).__name__} {prompts!r:.80}")
         if mode not in (COMPARE_PROMPTS, COMPARE_SEEDS):
-            raise ValueError(f"compare mode must be {COMPARE_PROMPTS!r} or {COMPARE_SEEDS!r}, got {mode!r}")
+            modes = ", ".join(repr(m) for m in self.compare_modes)
+            raise ValueError(f"compare mode must be one of {modes}, got {mode!r}")
         if mode == COMPARE_PROMPTS:
             return self.prompt_comparison(settings, (prompts or "").splitlines())
         return self.seed_comparison(dataclasses.replace(settings, prompt=(prompts or "").strip()), num_seeds)
@@ -230,6 +236,22 @@ class DemoService:
         request = self._request(settings, model, styled[0], (settings.seed,) * n, (0,) * n)
         return self.prepare(dataclasses.replace(
             request, prompts=tuple(p for p, _ in styled), negative_prompts=tuple(q for _, q in styled)), model)
+
+    @property
+    def compare_modes(self) -> tuple[str, ...]:
+        """The Compare tab's ways: each model's where several are served."""
+        return (COMPARE_PROMPTS, COMPARE_SEEDS) + ((COMPARE_MODELS,) if len(self.models) > 1 else ())
+
+    def model_comparison(self, settings: Settings) -> GridPlan:
+        """One prompt and seed through each model (image 0 of each), as a grid over the model axis: each model's
+        picture in a call of its own, at the form's size where the model has it, else at its own first.
+
+        Raises:
+          ValueError: one model is served.
+        """
+        if len(self.models) == 1:
+            raise ValueError(f"one model is loaded ({self.models[0].name}): compare models with several --model")
+        return self.grid(settings, grid.MODEL_AXIS, ", ".join(model.name for model in self.models), None, "")
 
     def seed_comparison(self, settings: Settings, num_seeds) -> PreparedRequest:
         """One prompt from `num_seeds` consecutive seeds, side by side."""

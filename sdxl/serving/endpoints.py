@@ -55,7 +55,8 @@ PARAMETERS = {
     "image": "the picture to redraw (a file)",
     "mask": "where to redraw: white redrawn, black kept (a file; omit it to redraw everywhere)",
     "strength": "how much changes, 0.05 to 1: low keeps the picture, 1 redraws it",
-    "mode": "'One prompt per line, same seed' or 'One prompt, consecutive seeds'",
+    "mode": "'One prompt per line, same seed', 'One prompt, consecutive seeds' or, where several models are loaded, "
+            "'One prompt and seed, each model'",
     "prompts": "the prompts, one per line (or one prompt, for consecutive seeds)",
     "num_seeds": "how many consecutive seeds, from seed",
     "x_axis": f"the setting that varies across: {', '.join(AXES)}, lora:<name>, or model (the models' names)",

@@ -22,8 +22,9 @@ from ..prompts.styles import NO_STYLE
 
 # SDXL's training buckets (width, height); other models get them scaled to their native size.
 SDXL_SIZES = ((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344))
-# The Compare tab's two ways, as the page names them.
+# The Compare tab's ways, as the page names them (the last where several models are served).
 COMPARE_PROMPTS, COMPARE_SEEDS = "One prompt per line, same seed", "One prompt, consecutive seeds"
+COMPARE_MODELS = "One prompt and seed, each model"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,8 @@ def rendered(service, submission, owner: str | None) -> Iterator[Shown]:
     generations = [ticket.future.result() for ticket in tickets]
     seconds = time.perf_counter() - start
     if grid:
-        yield Shown(answer=grid_answer(service, submission, tickets, generations, seconds))
+        answered = grid_answer(service, submission, tickets, generations, seconds)
+        yield Shown(answer=answered if submission.sheet else answered[1:])
     else:
         yield Shown(answer=answer(service, submission, tickets[0], generations[0], seconds))
 
