@@ -229,7 +229,7 @@ def _model_choice(service: DemoService) -> gr.Dropdown:
     """The model every tab draws with, as A1111's checkpoint selector: shown where several are served."""
     choices = service.choices.models
     return gr.Dropdown(choices, value=choices[0][1], label="Model", elem_id="model", visible=len(choices) > 1,
-                       info="the models served; they share their compiled programs, so switching is instant")
+                       info="the models served: every tab draws with the one chosen here")
 
 
 def _generate_tab(service: DemoService) -> dict:
