@@ -83,6 +83,8 @@ def test_the_compare_tab_draws_one_prompt_and_seed_through_each_model(service, a
         single = alone[name].images(Settings(prompt="a blue square", seed=2, steps=2, guidance_scale=3.0))
         np.testing.assert_array_equal(np.asarray(picture), _drawn(alone[name], single)[0])
         assert caption == f"model {name}"
+    with pytest.raises(ValueError, match=r"prompts must be text \(one per line\), got list"):
+        service.submission("compare", {**form, "prompts": ["a fox", "a cat"]})
     assert COMPARE_MODELS not in alone["tiny"].compare_modes
     with pytest.raises(ValueError, match=r"one model is loaded \(tiny\): compare models with several --model"):
         alone["tiny"].submission("compare", form)

@@ -63,6 +63,13 @@ class Submission:
     sheet: bool = True  # whether a grid's answer has its labelled sheet (the Compare tab's models: a gallery only)
 
 
+def _prompts(value) -> str:
+    """The Compare tab's prompts text ("" for none). Raises ValueError where it is no text."""
+    if not isinstance(value, (str, type(None))):
+        raise ValueError(f"prompts must be text (one per line), got {type(value).__name__} {value!r:.80}")
+    return value or ""
+
+
 class DemoService:
     """A pipeline served to the demo's visitors: their settings as prepared requests, and the device queue."""
 
@@ -163,7 +170,7 @@ class DemoService:
             prepared, note = self.image_edit(settings, form.get("image"), form.get("mask"), form.get("strength"))
             return Submission([prepared], note, left_out=left_out)
         if tab == "compare" and form.get("mode") == COMPARE_MODELS:
-            plan = self.model_comparison(dataclasses.replace(settings, prompt=(form.get("prompts") or "").strip()))
+            plan = self.model_comparison(dataclasses.replace(settings, prompt=_prompts(form.get("prompts")).strip()))
             return Submission(plan.requests, grid=plan, left_out=left_out, sheet=False)
         if tab == "compare":
             return Submission([self.comparison(settings, form.get("mode"), form.get("prompts"), form.get("num_seeds"))],
@@ -217,14 +224,13 @@ class DemoService:
         """The Compare tab: several prompts (one per line) from the same seed, or one prompt over
         `num_seeds` consecutive seeds (`COMPARE_PROMPTS`, `COMPARE_SEEDS`; `model_comparison` for
         `COMPARE_MODELS`)."""
-        if not isinstance(prompts, (str, type(None))):
-            raise ValueError(f"prompts must be text (one per line), got {type(prompts).__name__} {prompts!r:.80}")
+        prompts = _prompts(prompts)
         if mode not in (COMPARE_PROMPTS, COMPARE_SEEDS):
             modes = ", ".join(repr(m) for m in self.compare_modes)
             raise ValueError(f"compare mode must be one of {modes}, got {mode!r}")
         if mode == COMPARE_PROMPTS:
-            return self.prompt_comparison(settings, (prompts or "").splitlines())
-        return self.seed_comparison(dataclasses.replace(settings, prompt=(prompts or "").strip()), num_seeds)
+            return self.prompt_comparison(settings, prompts.splitlines())
+        return self.seed_comparison(dataclasses.replace(settings, prompt=prompts.strip()), num_seeds)
 
     def prompt_comparison(self, settings: Settings, prompts: Sequence[str]) -> PreparedRequest:
         """Several prompts from the same starting noise (seed, image 0), side by side."""

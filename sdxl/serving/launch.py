@@ -403,7 +403,7 @@ def demo_service(options: argparse.Namespace) -> DemoService | None:
 
 
 def _moving_models_out_to_fit(residency: Residency | None, asked: int | None, check: Callable[[], None]) -> None:
-    """Runs the launch's fit check (`check`), moving models to host memory, those loaded first first, while
+    """Runs the launch's fit check (`check`), moving models to host memory, those used longest ago first, while
     it fails with more than one on the devices (unless `--models-on-devices` asked for how many).
 
     Raises:

@@ -173,9 +173,8 @@ def grid_answer(service, submission, tickets: list[Ticket], results: list[Genera
     calls = len(plan.requests)
     status = (f"{image_count(len(cells))} in {seconds:.1f} s, {calls} device call{'' if calls == 1 else 's'} on "
               f"{service.pipe.device_description}")
-    return sheet, [(cell, cell_caption(plan, i)) for i, cell in enumerate(cells)], status + _compiled(tickets) + _moved(
-        results) + (
-        f" ({submission.left_out})" if submission.left_out else "")
+    status += _compiled(tickets) + _moved(results) + (f" ({submission.left_out})" if submission.left_out else "")
+    return sheet, [(cell, cell_caption(plan, i)) for i, cell in enumerate(cells)], status
 
 
 def cell_caption(plan: GridPlan, i: int) -> str:
