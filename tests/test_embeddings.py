@@ -143,6 +143,7 @@ def test_embeddings_keep_the_programs_of_prompts_without_them_and_text_changes_n
     assert keys[0] != keys[1], "the device queue merges requests of one program only"
 
 
+@pytest.mark.compiles
 def test_a_grid_merging_a_cell_without_embeddings_first_draws_the_embedding_cell_as_alone(sdxl):
     """A grid's cells merge by their settings alone: the merged program reads the vectors where any cell does."""
     _, pipe, _ = sdxl

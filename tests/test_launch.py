@@ -85,6 +85,7 @@ def test_the_demo_refuses_an_images_per_core_that_does_not_fit_before_it_serves(
     assert len(measured) == 3, "4, 3, then 2 per device, which fits"
 
 
+@pytest.mark.compiles
 def test_without_a_count_asked_for_the_demo_serves_the_most_images_per_core_that_fit(tmp_path, monkeypatch):
     """The default count (4) that does not fit is no reason to show an error instead of a demo (a Space
     on a small GPU): the launch serves the most that fit, and says so."""

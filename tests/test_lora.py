@@ -192,6 +192,7 @@ def test_peft_lora_matches_diffusers(sdxl, alpha, tmp_path):
     assert_matches_diffusers(sdxl, {path: 0.6})
 
 
+@pytest.mark.oracle
 def test_old_attention_processor_lora_matches_diffusers(sdxl, tmp_path):
     path = peft_file(tmp_path / "old.safetensors", sdxl[0], seed=4, old_names=True)
     assert_matches_diffusers(sdxl, {path: 1.0})

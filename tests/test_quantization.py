@@ -157,6 +157,7 @@ def unet_programs(loaded) -> dict:
     return {mode: _unet_output(pipe.spec, mode).lower(pipe.params["unet"]).compile() for mode, pipe in loaded.items()}
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("mode", MODES)
 def test_the_unet_computes_within_its_modes_rounding_of_the_unquantized_one(loaded, unet_programs, mode):
     reference = np.asarray(unet_programs["default"](loaded["default"].params["unet"]))
@@ -164,6 +165,7 @@ def test_the_unet_computes_within_its_modes_rounding_of_the_unquantized_one(load
     assert 0 < difference < UNET_BOUNDS[mode], difference
 
 
+@pytest.mark.compiles
 def test_int8_compute_multiplies_every_weight_it_keeps_in_8_bits(loaded, unet_programs):
     """In the program compiled for this CPU, each Linear weight and 3x3 kernel that int8_compute keeps
     quantized is read by one dot or convolution of two int8 operands, and every such product reads one

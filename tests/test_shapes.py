@@ -204,10 +204,12 @@ def test_background_color():
     assert demo_accuracy()["background"] >= 0.95, demo_accuracy()
 
 
+@pytest.mark.compiles
 def test_shape():
     assert demo_accuracy()["shape"] >= 0.80, demo_accuracy()
 
 
+@pytest.mark.compiles
 def test_position():
     assert demo_accuracy()["position"] >= 0.80, demo_accuracy()
 
@@ -221,6 +223,7 @@ def test_guidance_matters():
     assert np.mean(list(unguided.values())) < np.mean(list(default.values())), (unguided, default)
 
 
+@pytest.mark.compiles
 def test_seeds_give_different_pictures():
     """Seeds 0 and 1 of each prompt: nearly every prompt's two pictures differ (a fully specified
     prompt leaves little to the seed: its position jitter, and for 1 of the 48 nothing visible)."""
