@@ -220,20 +220,21 @@ def test_a_lora_on_8_bit_weights_is_applied_in_float32_and_stored_alike_again(lo
 
 # The largest |difference| of a picture's pixels (in [0, 1]) from the float32 model's, 4 steps at 64x64,
 # measured: fp8_e4m3fn 0.0866, fp8_e5m2 0.285, int8 0.0322, int8_compute 0.0602, fp8_e4m3fn_compute 0.175 (the
-# tiny model's random weights amplify them: the trained shapes model's are in BENCHMARKS.md).
-PICTURE_BOUNDS = {"fp8_e4m3fn": 0.1, "fp8_e5m2": 0.32, "int8": 0.037, "int8_compute": 0.068,
-                  "fp8_e4m3fn_compute": 0.2}
+# tiny model's random weights amplify them: the trained shapes model's are in BENCHMARKS.md). Each mode's UNet
+# has its bound above; whole pictures are drawn for one mode that dequantizes and one that multiplies in 8 bits
+# (a program each, the rest of the pipeline shared by every mode).
+PICTURE_BOUNDS = {"fp8_e4m3fn": 0.1, "int8_compute": 0.068}
 
 
 @pytest.mark.compiles
-def test_each_modes_pictures_are_within_a_bound_of_the_unquantized_models(loaded):
+def test_pictures_are_within_a_bound_of_the_unquantized_models(loaded):
     def picture(pipe):
         return pipe.generate("a red circle", seed=3, steps=4, height=64, width=64, output_type="np")
 
     reference = picture(loaded["default"])
-    for mode in MODES:
+    for mode, bound in PICTURE_BOUNDS.items():
         difference = np.abs(picture(loaded[mode]) - reference).max()
-        assert 0 < difference < PICTURE_BOUNDS[mode], (mode, difference)
+        assert 0 < difference < bound, (mode, difference)
 
 
 @pytest.mark.compiles
