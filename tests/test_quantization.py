@@ -239,13 +239,14 @@ def test_pictures_are_within_a_bound_of_the_unquantized_models(loaded):
 
 @pytest.mark.compiles
 def test_a_controlnets_weights_are_stored_alike_and_steer_within_a_bound(tmp_path):
-    """A ControlNet's large weights are quantized as the UNet's; its program is built for them and runs, and
-    computes in int8 too."""
+    """A ControlNet's large weights are quantized as the UNet's; its program is built for them, runs and
+    computes in int8 (the weights-only modes read the same stored weights, and dequantize them as the UNet's
+    do, which the tests above bound)."""
     spec = Pipeline.from_pretrained("tiny").spec
     folder = random_models.write_controlnet(tmp_path / "cn", spec)
     control = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     pictures = {}
-    for mode in ("default", "int8", "int8_compute"):
+    for mode in ("default", "int8_compute"):
         pipe = Pipeline.from_pretrained("tiny", dtype="float32", controlnet=str(folder), weights_dtype=mode)
         configs = tuple(controlnet.config for controlnet in pipe.controlnets)
         abstract = abstract_params(pipe.spec, configs, (), 0, pipe.dtype, replicated(pipe.mesh), mode)
@@ -256,7 +257,6 @@ def test_a_controlnets_weights_are_stored_alike_and_steer_within_a_bound(tmp_pat
     leaves = jax.tree.leaves(pipe.params["controlnets"], is_leaf=lambda leaf: isinstance(leaf, Quantized))
     quantized = [leaf for leaf in leaves if isinstance(leaf, Quantized)]
     assert quantized and all(leaf.values.dtype == jnp.int8 for leaf in quantized)
-    # Measured 0.0230 (the UNet's and the ControlNet's int8 weights together; 2 steps, 64x64, float32).
-    assert 0 < np.abs(pictures["int8"] - pictures["default"]).max() < 0.026
-    # Both computing in int8 too (the ControlNet's stride-2 convolutions among them): measured 0.0721.
+    # The UNet and the ControlNet computing in int8 (the ControlNet's stride-2 convolutions among them), 2 steps
+    # at 64x64 in float32: measured 0.0721 (int8 weights alone: 0.0230).
     assert 0 < np.abs(pictures["int8_compute"] - pictures["default"]).max() < 0.08
