@@ -22,19 +22,29 @@ def _cli(*args, model="tiny", env=None):
     )
 
 
+GENERATE = ("--prompt", "a lighthouse", "--negative-prompt", "fog", "--seed", "3", "--steps", "2", "--num-images", "2",
+            "--sampler", "euler", "--schedule-type", "Karras")
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """`generate GENERATE`'s run and its output folder: its images are also the LoRA test's without a LoRA."""
+    out = tmp_path_factory.mktemp("generated")
+    return _cli(*GENERATE, "--out", str(out)), out
+
+
 @pytest.mark.cli
-def test_generate_writes_pngs_with_parameters_and_a_grid(tmp_path):
-    result = _cli("--prompt", "a lighthouse", "--negative-prompt", "fog", "--seed", "3", "--steps", "2",
-                  "--num-images", "2", "--sampler", "euler", "--schedule-type", "Karras", "--out", str(tmp_path))
+def test_generate_writes_pngs_with_parameters_and_a_grid(generated):
+    result, out = generated
     assert result.returncode == 0, result.stderr
     assert "loaded tiny" in result.stdout and "compiled" in result.stdout and "generated 2 images" in result.stdout
-    image = Image.open(tmp_path / "3-1.png")
+    image = Image.open(out / "3-1.png")
     assert image.size == (128, 128)
     parameters = image.text["parameters"]
     assert parameters.startswith("a lighthouse\nNegative prompt: fog\n")
     assert "Steps: 2" in parameters and "Seed: 3" in parameters and "Image index: 1" in parameters
     assert "Sampler: Euler, Schedule type: Karras" in parameters
-    assert Image.open(tmp_path / "3-grid.png").size == (256, 128)
+    assert Image.open(out / "3-grid.png").size == (256, 128)
 
 
 @pytest.mark.cli
@@ -52,7 +62,6 @@ def test_a_hires_fix_renders_the_upscaled_size_and_names_itself_in_the_parameter
     assert refused.returncode == 2 and refused.stderr.startswith("error: hires upscaler must be one of Latent, ")
 
 
-@pytest.mark.cli
 @pytest.mark.parametrize(
     "args, reason",
     [
@@ -73,30 +82,22 @@ def test_a_hires_fix_renders_the_upscaled_size_and_names_itself_in_the_parameter
          "error: DDIM runs on diffusers' schedule only, not on the Karras schedule type"),
         (["--hires-resize", "1920"], "error: --hires-resize must be WIDTHxHEIGHT, 0 for a side kept in proportion"),
         (["--image", "missing.png", "--hires-scale", "2"], "error: a hires fix follows a text-to-image pass"),
+        (["--sampler", "heun", "--schedule-type", "diffusers"],
+         "error: Heun is one of A1111's samplers, not diffusers'"),
+        (["--clip-skip", "13"], "error: clip skip must be an integer from 1 to 12, got 13\n"),
     ],
 )
-def test_bad_input_exits_before_loading_the_model_with_one_line_reason(args, reason):
-    """A typo fails in seconds: the values that need no model are checked before it loads."""
-    result = _cli("--prompt", "a lighthouse", *args)
-    assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0
-    assert result.stderr.startswith(reason), result.stderr
-    assert "loaded" not in result.stdout
-
-
-def test_bad_input_is_refused_in_this_process_too(capsys):
-    """The fast tier's own run of `sdxl.__main__` (the others start a process): every command's parser
-    builds, and a bad value is one line and status 2 before anything loads."""
+def test_bad_input_exits_before_loading_the_model_with_one_line_reason(capsys, args, reason):
+    """A typo fails in seconds: the values that need no model are checked before it loads. In this process
+    (`sdxl.__main__.main`, as `python -m sdxl` runs it): nothing loads, so nothing compiles; the tests below
+    that start a process check that its stderr is that one line too."""
     from sdxl.__main__ import main
 
-    assert main(["generate", "--model", "tiny", "--prompt", "a lighthouse", "--guidance-scale", "-1"]) == 2
+    assert main(["generate", "--model", "tiny", "--prompt", "a lighthouse", *args]) == 2
     out, err = capsys.readouterr()
-    assert err == "error: guidance scale must be a number from 0 to 20, got -1.0\n" and "loaded" not in out
-    assert main(["generate", "--model", "tiny", "--prompt", "a fox", "--sampler", "heun", "--schedule-type",
-                 "diffusers"]) == 2
-    assert capsys.readouterr().err.startswith("error: Heun is one of A1111's samplers, not diffusers'")
-    assert main(["generate", "--model", "tiny", "--prompt", "a fox", "--clip-skip", "13"]) == 2
-    assert capsys.readouterr().err == "error: clip skip must be an integer from 1 to 12, got 13\n"
+    assert err.strip().count("\n") == 0
+    assert err.startswith(reason), err
+    assert "loaded" not in out
 
 
 @pytest.mark.cli
@@ -106,15 +107,15 @@ def test_a_refiner_that_cannot_continue_the_model_exits_nonzero_with_one_line_re
     assert result.stderr.startswith("error: the refiner tiny-sd1 cannot continue tiny's latents: its latent scaling")
 
 
-@pytest.mark.cli
-def test_an_empty_prompt_is_refused_with_the_demos_sentence():
+def test_an_empty_prompt_is_refused_with_the_demos_sentence(capsys):
+    from sdxl.__main__ import main
     from sdxl.serving.demo import DemoService
     from sdxl.serving.forms import Settings
 
     with pytest.raises(ValueError) as refused:
         DemoService._styled(Settings(prompt=""))
-    result = _cli("--prompt", "")
-    assert result.returncode == 2 and result.stderr.strip() == f"error: {refused.value}"
+    assert main(["generate", "--model", "tiny", "--prompt", ""]) == 2
+    assert capsys.readouterr().err == f"error: {refused.value}\n"
 
 
 @pytest.mark.cli
@@ -177,20 +178,20 @@ def test_missing_checkpoint_exits_nonzero(tmp_path):
 
 
 @pytest.mark.cli
-def test_loras_apply_with_their_scales_and_a_missing_one_is_refused(tmp_path):
+def test_loras_apply_with_their_scales_and_a_missing_one_is_refused(tmp_path, generated):
+    """Against the first test's images, without a LoRA (and the same program, from the compilation cache)."""
     ink = lora.write_random(tmp_path / "ink.safetensors", resolve("tiny").spec)
-    common = ("--prompt", "a lighthouse", "--steps", "2", "--num-images", "1")
-    plain = _cli(*common, "--out", str(tmp_path / "plain"))
-    styled = _cli(*common, "--lora", f"{ink}:0.6", "--lora", f"{ink}", "--out", str(tmp_path / "styled"))
+    plain, plain_out = generated
+    styled = _cli(*GENERATE, "--lora", f"{ink}:0.6", "--lora", f"{ink}", "--out", str(tmp_path / "styled"))
     assert plain.returncode == 0 and styled.returncode == 0, styled.stderr
     assert "applied 1 LoRA(s)" in styled.stdout  # the same file twice: the last scale wins
-    parameters = Image.open(tmp_path / "styled" / "0-0.png").text["parameters"]
+    parameters = Image.open(tmp_path / "styled" / "3-0.png").text["parameters"]
     expected = f'Model: tiny, RNG: JAX, LoRAs: "ink:1", Lora hashes: "ink: {lora.short_hash(ink)}"'
     assert parameters.endswith(expected), parameters
-    pixels = [np.asarray(Image.open(tmp_path / d / "0-0.png"), int) for d in ("plain", "styled")]
+    pixels = [np.asarray(Image.open(folder / "3-0.png"), int) for folder in (plain_out, tmp_path / "styled")]
     assert np.abs(pixels[0] - pixels[1]).mean() > 5
 
-    missing = _cli(*common, "--lora", str(tmp_path / "nope.safetensors:0.5"))
+    missing = _cli(*GENERATE, "--lora", str(tmp_path / "nope.safetensors:0.5"))
     assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0
     assert missing.stderr.startswith(f"error: LoRA {tmp_path / 'nope.safetensors'}: no such file"), missing.stderr
 

@@ -63,9 +63,9 @@ def cache_dir(xla_cache) -> Path:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, cache_dir) -> np.ndarray:
-    """REQUEST's images from one process with 4 devices."""
+    """REQUEST's images from one process with 4 devices: one request, so one batch size to compile."""
     tmp = tmp_path_factory.mktemp("one")
-    args = ["--model", "tiny", "--cache-dir", str(cache_dir), "--max-images-per-core", "2"]
+    args = ["--model", "tiny", "--cache-dir", str(cache_dir), "--max-images-per-core", "1"]
     with running_app(args, tmp / "server.log", _env(tmp, 4), STARTUP_TIMEOUT) as (_, url):
         images, status = _images(url, tmp / "downloads")
     assert "4 images" in status and "4× cpu" in status, status
