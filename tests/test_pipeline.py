@@ -56,6 +56,13 @@ def pipe(reference):
     return Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
 
 
+@pytest.fixture(scope="module")
+def winograd(reference):
+    """A pipeline whose programs compile with Winograd convolutions: tests that use it set SDXL_CONV=winograd
+    (read as a program is traced) before it compiles anything. One for the module, so that they share programs."""
+    return Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
+
+
 def _latents(n, seed=0):
     return random_latents(n, HEIGHT, WIDTH, seed)
 
@@ -523,10 +530,10 @@ def _tensor_shape(mlir_type: str) -> tuple[int, ...]:  # "tensor<2x10x128x64xbf1
 @pytest.mark.parametrize("convolution", ["default", "winograd"])
 # Prompt edits: `prepare` then leaves the text's keys and values to each step, which reads its own text.
 @pytest.mark.parametrize(("prompt", "negative"), [("a cat", "dog"), ("[a cat|a dog]", "[dog:fog:0.4]")])
-def test_progress_reports_every_step_and_changes_no_pixel(reference, pipe, monkeypatch, convolution, prompt, negative):
+def test_progress_reports_every_step_and_changes_no_pixel(pipe, winograd, monkeypatch, convolution, prompt, negative):
     if convolution != "default":  # the per-step programs then reuse the kernels that `prepare` transformed
         monkeypatch.setenv("SDXL_CONV", convolution)
-        pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
+        pipe = winograd
     kwargs = dict(steps=5, height=HEIGHT, width=WIDTH)
     request = Request((prompt,) * 4, (negative,) * 4, (3,) * 4, tuple(range(4)), (6.0,) * 4, **kwargs)
     whole = pipe.render(request)
@@ -559,14 +566,14 @@ def test_is_compiled_tells_what_warmup_compiled(reference):
 
 
 @pytest.mark.compiles
-def test_denoising_loops_leave_the_step_invariants_outside(reference, monkeypatch):
+def test_denoising_loops_leave_the_step_invariants_outside(winograd, monkeypatch):
     """The text's keys and values and the Winograd kernels are alike in every step: the per-step
     program takes them from `prepare`, and XLA hoists them out of the single program's loop."""
     monkeypatch.setenv("SDXL_CONV", "winograd")
-    pipe = Pipeline.from_pretrained(reference[0], dtype="float32", max_steps=8)
 
     def products(stage):  # the program's matmuls and convolutions that compute step invariants
-        return _products_named(pipe.executables.compiled(_text_to_image(pipe), stage).as_text(), STEP_INVARIANTS)
+        return _products_named(winograd.executables.compiled(_text_to_image(winograd), stage).as_text(),
+                               STEP_INVARIANTS)
 
     _, prepared = products("prepare")
     for invariant in ("attn2/step_invariants/to_k", "attn2/step_invariants/to_v", "conv1/step_invariants"):
