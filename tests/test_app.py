@@ -736,7 +736,6 @@ def test_corrupt_checkpoint_stops_the_launch_with_the_reason(tmp_path, cache_dir
     assert "Traceback" not in launch.stderr
 
 
-@pytest.mark.server
 @pytest.mark.parametrize(
     "args, env, message",
     [
@@ -746,16 +745,31 @@ def test_corrupt_checkpoint_stops_the_launch_with_the_reason(tmp_path, cache_dir
         ),
         (["--port", "99999"], {}, "argument --port: must be an integer from 1 to 65535, got '99999'"),
         ([], {"SDXL_MAX_QUEUE": "many"}, "argument --max-queue: must be an integer of at least 1, got 'many'"),
-        (["--model", "tiny", "--refiner", "tiny-sd1"], {},
-         "error: the refiner tiny-sd1 cannot continue tiny's latents: its latent scaling differ "
-         "((0.18215, None, None) vs (0.13025, None, None))"),
     ],
 )
-def test_bad_launch_options_are_refused_before_loading(tmp_path, args, env, message):
+def test_bad_launch_options_are_refused_before_loading(monkeypatch, capsys, args, env, message):
+    """app.py's `main` with bad options, run in this process: it reads its options first, so it exits before it
+    loads anything (the next test launches app.py as a process of its own)."""
+    import app
+
+    monkeypatch.setattr(sys, "argv", [str(REPO / "app.py"), *args])
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exited:
+        app.main()
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and err.strip().endswith(message), err
+    assert "loading" not in out and "startup" not in out
+
+
+@pytest.mark.server
+def test_a_refiner_that_cannot_continue_the_model_is_refused_before_loading(tmp_path):
     launch = subprocess.run(
-        [sys.executable, str(REPO / "app.py"), *args],
-        cwd=REPO, env=_app_env(tmp_path) | env, capture_output=True, text=True, timeout=STARTUP_TIMEOUT,
+        [sys.executable, str(REPO / "app.py"), "--model", "tiny", "--refiner", "tiny-sd1"],
+        cwd=REPO, env=_app_env(tmp_path), capture_output=True, text=True, timeout=STARTUP_TIMEOUT,
     )
+    message = ("error: the refiner tiny-sd1 cannot continue tiny's latents: its latent scaling differ "
+               "((0.18215, None, None) vs (0.13025, None, None))")
     assert launch.returncode == 2 and launch.stderr.strip().endswith(message), launch.stderr
     assert "loading" not in launch.stdout and "startup" not in launch.stdout
 
