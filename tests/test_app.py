@@ -709,16 +709,48 @@ def test_one_user_cannot_take_the_queue(server, downloads):
     _assert_serving(greedy)  # and the greedy user is served again once their requests are done
 
 
-@pytest.mark.server
-def test_nan_output_is_an_error_and_the_queue_keeps_going(tmp_path, cache_dir, downloads):
-    model = write_checkpoint(tmp_path / "nan-vae")
-    vae = model / "vae" / "diffusion_pytorch_model.safetensors"
+@pytest.fixture(scope="module")
+def few_step_server(tmp_path_factory, cache_dir):
+    """The demo of a few-step model (tiny with a UNet file named as SDXL-Lightning's 2-step one, random) and,
+    beside it, a model whose VAE gives NaN (of tiny's architecture: --unet replaces its UNet too, and it runs
+    tiny's programs); and the second model's name. One image per core."""
+    tmp = tmp_path_factory.mktemp("few-step-app")
+    distilled = write_checkpoint(tmp / "distilled", seed=3)
+    unet = tmp / "sdxl_lightning_2step_unet.safetensors"
+    (distilled / "unet/diffusion_pytorch_model.safetensors").rename(unet)
+    nan = write_checkpoint(tmp / "nan-vae")
+    vae = nan / "vae" / "diffusion_pytorch_model.safetensors"
     save_file({name: np.full_like(value, np.nan) for name, value in load_file(vae).items()}, vae)
-    with serve(tmp_path / "app", cache_dir, "--model", str(model), "--max-images-per-core", "1") as running:
-        nan_client = Client(running.url, verbose=False, download_files=downloads)
-        for seed in (0, 1):  # the second call shows the queue is not stuck after the first failure
-            with pytest.raises(AppError, match="NaN/inf"):
-                nan_client.submit(**(FAST | dict(seed=seed)), api_name="/generate").result(timeout=CALL_TIMEOUT)
+    with serve(tmp / "app", cache_dir, "--model", "tiny", "--model", str(nan), "--unet", str(unet),
+               "--max-images-per-core", "1") as running:
+        yield running, str(nan)
+
+
+@pytest.mark.server
+def test_a_few_step_model_gets_its_own_defaults(few_step_server, downloads):
+    running, _ = few_step_server
+    few_step = Client(running.url, verbose=False, download_files=downloads)
+    info = few_step.view_api(return_format="dict", print_info=False)
+    parameters = info["named_endpoints"]["/generate"]["parameters"]
+    defaults = {p["parameter_name"]: p["parameter_default"] for p in parameters}
+    assert (defaults["steps"], defaults["guidance_scale"]) == (2, 0)
+    gallery, status = few_step.predict(prompt="a lighthouse", api_name="/generate")
+    page = urllib.request.urlopen(running.url, timeout=30).read().decode()
+    assert status.startswith("4 images in")
+    parameters = Image.open(gallery[0]["image"]).info["parameters"]
+    assert "Steps: 2, Sampler: Euler, Schedule type: diffusers, CFG scale: 0," in parameters
+    assert "Model: tiny + sdxl_lightning_2step_unet.safetensors" in parameters
+    assert "SDXL-Lightning 2-step UNet" in page
+
+
+@pytest.mark.server
+def test_nan_output_is_an_error_and_the_queue_keeps_going(few_step_server, downloads):
+    running, nan = few_step_server
+    nan_client = Client(running.url, verbose=False, download_files=downloads)
+    for seed in (0, 1):  # the second call shows the queue is not stuck after the first failure
+        with pytest.raises(AppError, match="NaN/inf"):
+            nan_client.submit(**(FAST | dict(seed=seed, model=nan)), api_name="/generate").result(
+                timeout=CALL_TIMEOUT)
 
 
 @pytest.mark.server
@@ -783,27 +815,6 @@ def test_sd1_layout_model_serves_its_own_presets(tmp_path, cache_dir, downloads)
     assert status.startswith("4 images in")
     assert [Image.open(item["image"]).size for item in gallery] == [(144, 112)] * 4
     assert all("Model: tiny-sd1" in Image.open(item["image"]).text["parameters"] for item in gallery)
-
-
-@pytest.mark.server
-def test_a_few_step_model_gets_its_own_defaults(tmp_path, cache_dir, downloads):
-    distilled = write_checkpoint(tmp_path / "distilled", seed=3)
-    unet = tmp_path / "sdxl_lightning_2step_unet.safetensors"
-    (distilled / "unet/diffusion_pytorch_model.safetensors").rename(unet)
-    with serve(tmp_path / "app", cache_dir, "--model", "tiny", "--unet", str(unet),
-               "--max-images-per-core", "1") as running:
-        few_step = Client(running.url, verbose=False, download_files=downloads)
-        info = few_step.view_api(return_format="dict", print_info=False)
-        parameters = info["named_endpoints"]["/generate"]["parameters"]
-        defaults = {p["parameter_name"]: p["parameter_default"] for p in parameters}
-        assert (defaults["steps"], defaults["guidance_scale"]) == (2, 0)
-        gallery, status = few_step.predict(prompt="a lighthouse", api_name="/generate")
-        page = urllib.request.urlopen(running.url, timeout=30).read().decode()
-    assert status.startswith("4 images in")
-    parameters = Image.open(gallery[0]["image"]).info["parameters"]
-    assert "Steps: 2, Sampler: Euler, Schedule type: diffusers, CFG scale: 0," in parameters
-    assert "Model: tiny + sdxl_lightning_2step_unet.safetensors" in parameters
-    assert "SDXL-Lightning 2-step UNet" in page
 
 
 @contextlib.contextmanager
