@@ -23,17 +23,20 @@ pytestmark = pytest.mark.compiles
 
 
 @pytest.fixture(scope="module")
-def alone() -> dict[str, DemoService]:
-    """A demo of each model alone."""
-    return {name: DemoService([Model(name, Pipeline.from_pretrained(name, dtype="float32"))], max_images_per_core=1)
-            for name in ("tiny", "tiny-sd1")}
-
-
-@pytest.fixture(scope="module")
 def service() -> DemoService:
     first = Pipeline.from_pretrained("tiny", dtype="float32")
     second = Pipeline.from_pretrained("tiny-sd1", dtype="float32", executables=first.executables)
     return DemoService([Model("tiny", first), Model("tiny-sd1", second)], max_images_per_core=1)
+
+
+@pytest.fixture(scope="module")
+def alone(service) -> dict[str, DemoService]:
+    """A demo of each model alone: its own pipeline (its own weights), running the service's compiled programs,
+    so that each program compiles once in this module (a program is the same whichever pipeline runs it)."""
+    executables = service.pipe.executables
+    return {name: DemoService([Model(name, Pipeline.from_pretrained(name, dtype="float32", executables=executables))],
+                              max_images_per_core=1)
+            for name in ("tiny", "tiny-sd1")}
 
 
 def _drawn(service: DemoService, prepared) -> np.ndarray:
@@ -111,9 +114,9 @@ def test_a_pictures_settings_select_the_model_they_name(service):
     assert "Model juggernautXL_v9 (loaded: tiny, tiny-sd1; tiny is chosen)" in said
 
 
-def test_models_of_one_architecture_share_their_programs(tmp_path):
+def test_models_of_one_architecture_share_their_programs(tmp_path, service):
     """A fine-tune is the same program with other weights: switching between them compiles nothing."""
-    first = Pipeline.from_pretrained("tiny", dtype="float32")
+    first = Pipeline.from_pretrained("tiny", dtype="float32", executables=service.pipe.executables)  # compiled once
     tuned = Pipeline.from_pretrained(str(write_checkpoint(tmp_path / "tuned", configs_of("tiny"), seed=1)),
                                      dtype="float32", executables=first.executables)
     service = DemoService([Model("tiny", first), Model("tuned", tuned)], max_images_per_core=1)

@@ -27,6 +27,13 @@ def _request(seed: int) -> Request:
     return Request(("a cat",) * 4, ("",) * 4, (seed,) * 4, tuple(range(4)), (5.0,) * 4, STEPS, HEIGHT, WIDTH)
 
 
+def _staged(pipe: Pipeline, request: Request) -> np.ndarray:
+    """`request`'s images drawn alone, with progress reports as the device queue draws: by the staged programs
+    that the queue's renders compiled (a render without reports compiles its whole-run program besides;
+    test_pipeline checks that the two draw alike)."""
+    return pipe.render(request, on_step=lambda done: True).images
+
+
 def _render_at_once(queue: DeviceQueue, seeds) -> list:
     """The tickets of requests submitted together, once they are done."""
     tickets = [queue.submit(queue.pipe.prepare(_request(seed))) for seed in seeds]
@@ -37,7 +44,8 @@ def _render_at_once(queue: DeviceQueue, seeds) -> list:
 
 @pytest.mark.compiles
 def test_requests_merge_only_into_compiled_batch_sizes(pipe):
-    queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
+    # At most 8: three requests waiting at once then never have a batch of 12 compiled in the background.
+    queue = DeviceQueue(pipe, max_batch_images=8, max_queued=8)
     merged = pipe.programs_for(_request(0), 8)
     assert pipe.num_devices == 4 and not pipe.is_compiled(merged, progress=True)
 
@@ -52,13 +60,13 @@ def test_requests_merge_only_into_compiled_batch_sizes(pipe):
     tickets = _render_at_once(queue, range(3, 6))
     assert 8 in [t.batch_images for t in tickets]
     assert not any(t.compiling for t in tickets)
-    assert DeviceQueue(pipe, max_batch_images=16, max_queued=8).compile_in_background(merged) is None
+    assert DeviceQueue(pipe, max_batch_images=8, max_queued=8).compile_in_background(merged) is None
 
 
 @pytest.mark.compiles
 def test_a_batch_being_compiled_in_the_background_waits_for_it(pipe):
     queue = DeviceQueue(pipe, max_batch_images=16, max_queued=8)
-    # 16: the previous test's merges may have started compiling 12 on the same pipeline.
+    # 16: a batch size that no other test compiles on the same pipeline.
     request = Request(("a dog",) * 16, ("",) * 16, (7,) * 16, tuple(range(16)), (5.0,) * 16, STEPS, HEIGHT, WIDTH)
     compiling = queue.compile_in_background(pipe.programs_for(request))
     assert compiling is not None
@@ -104,7 +112,7 @@ def test_requests_with_other_loras_never_share_a_batch(pipe, tmp_path):
                            for loras in ((), ((style, 1.0),), ((style, 0.5),)))
     expected = {}
     for request in (plain, styled, half):
-        expected[request.loras] = pipe.render(request).images
+        expected[request.loras] = _staged(pipe, request)
     tickets = [queue.submit(pipe.prepare(request)) for request in (plain, styled, half, plain)]
     results = [queue.wait(ticket) for ticket in tickets]
     # Only the two plain requests may merge (when a batch of 8 is compiled); no batch mixes LoRAs.
@@ -130,8 +138,8 @@ def test_prompts_are_read_when_a_request_is_prepared_never_in_the_device_worker(
                for seed, prompt in ((1, "a cat"), (2, long))]
     results = [queue.wait(ticket) for ticket in tickets]
     assert threads and "device-queue" not in threads
-    alone = pipe.render(dataclasses.replace(_request(2), prompts=(long,) * 4))
-    np.testing.assert_array_equal(results[1].images, alone.images)
+    alone = _staged(pipe, dataclasses.replace(_request(2), prompts=(long,) * 4))
+    np.testing.assert_array_equal(results[1].images, alone)
     with pytest.raises(ValueError, match="over the limit of 8 chunks"):
         pipe.prepare(dataclasses.replace(_request(3), prompts=("w " * 700,) * 4))
 
