@@ -1,6 +1,8 @@
 """Parity of sdxl.models.unet with diffusers' UNet2DConditionModel, on tiny random models saved to disk."""
 
 import dataclasses
+import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,8 @@ from sdxl.models.unet import UNet2DConditionModel, UNetConfig, abstract_params
 POOLED_DIM = 16
 TIME_EMBED_DIM = 8
 NUM_TIME_IDS = 6
+# The environment variables that pick a kernel where the model is traced (`sdxl.config.kernel_override`).
+KERNEL_VARIABLES = ("SDXL_ATTENTION", "SDXL_CONV", "SDXL_GROUP_NORM")
 
 SDXL_STYLE = dict(
     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
@@ -119,9 +123,16 @@ def load_jax(path, dtype):
 
 
 def jax_forward(config: UNetConfig, params: dict, values: dict, dtype=jnp.float32) -> np.ndarray:
-    # Jitted with the timesteps as an argument: they must work traced.
-    forward = jax.jit(lambda p, v: UNet2DConditionModel(config, dtype).apply({"params": p}, **v))
-    return np.asarray(forward(params, values).astype(jnp.float32))
+    kernels = tuple(os.environ.get(variable, "") for variable in KERNEL_VARIABLES)
+    return np.asarray(_jitted_forward(config, dtype, kernels)(params, values).astype(jnp.float32))
+
+
+@functools.cache
+def _jitted_forward(config: UNetConfig, dtype, kernels: tuple[str, ...]):
+    """The UNet's forward jitted, with the timesteps as an argument (they must work traced): one function per
+    model and choice of kernels (read where it is traced), so that tests that run the same computation
+    compile it once."""
+    return jax.jit(lambda p, v: UNet2DConditionModel(config, dtype).apply({"params": p}, **v))
 
 
 @pytest.fixture(scope="module")

@@ -48,13 +48,14 @@ def randomised(config: dict) -> TorchAutoencoderKL:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """A random torch VAE saved with save_pretrained, and its inputs in NCHW."""
+    """A random torch VAE saved with save_pretrained, and its inputs in NCHW. Each fills one tile, no more, so
+    that `test_small_inputs_are_not_tiled` runs (eagerly) the operations the tests before it compiled."""
     vae = randomised(TINY_CONFIG)
     path = tmp_path_factory.mktemp("vae")
     vae.save_pretrained(path)
     rng = np.random.default_rng(0)
-    images = rng.uniform(-1, 1, (2, 3, 32, 48)).astype(np.float32)
-    latents = rng.standard_normal((2, 4, 8, 12)).astype(np.float32)
+    images = rng.uniform(-1, 1, (2, 3, 32, 24)).astype(np.float32)
+    latents = rng.standard_normal((2, 4, 8, 6)).astype(np.float32)
     return vae, path, images, latents
 
 
@@ -108,7 +109,7 @@ def test_encode_matches_diffusers(reference):
     with torch.no_grad():
         posterior = vae.encode(torch.from_numpy(images)).latent_dist
     mean, logvar = AutoencoderKL(config).apply({"params": params}, nhwc(images), method=AutoencoderKL.encode)
-    assert mean.shape == (2, 32 // config.downscale_factor, 48 // config.downscale_factor, 4)
+    assert mean.shape == (2, 32 // config.downscale_factor, 24 // config.downscale_factor, 4)
     check_close("encode mean", mean, nhwc(posterior.mean.numpy()))
     check_close("encode logvar", logvar, nhwc(posterior.logvar.numpy()))
 
@@ -182,11 +183,14 @@ def test_tiled_decode_matches_diffusers(tiling, shape):
     latents = np.random.default_rng(1).standard_normal((2, 4, *shape)).astype(np.float32)
     with torch.no_grad():
         expected = vae.decode(torch.from_numpy(latents)).sample.numpy()
+        vae.disable_tiling()
+        whole = vae.decode(torch.from_numpy(latents)).sample.numpy()
+        vae.enable_tiling()
     model = AutoencoderKL(config)
     got = jax.jit(lambda p, z: tiled_decode(model, p, z))(params, nhwc(latents))
     check_close(f"tiled decode {shape}", got, nhwc(expected))
-    # The tiles' seams are there to see: the whole decode differs.
-    assert np.abs(np.asarray(got) - decode(config, params, nhwc(latents))).max() > 1e-2
+    # The tiles' seams are there to see: the whole decode (diffusers', which ours matches) differs.
+    assert np.abs(np.asarray(got) - nhwc(whole)).max() > 1e-2
 
 
 @pytest.mark.oracle
@@ -204,15 +208,16 @@ def test_tiled_encode_matches_diffusers(tiling, shape):
 
 
 def test_small_inputs_are_not_tiled(reference):
-    """As diffusers, what fits one tile is decoded or encoded whole."""
-    _, path, images, _ = reference
+    """As diffusers, what fits one tile (the reference's inputs) is decoded or encoded whole."""
+    _, path, images, latents = reference
     config, params = load(path)
     model = AutoencoderKL(config)
-    latents = nhwc(np.random.default_rng(3).standard_normal((1, 4, 8, 6)).astype(np.float32))
+    sample, latent = tile_sizes(config)
+    assert max(images.shape[2:]) == sample and max(latents.shape[2:]) == latent, "each fills a tile, no more"
+    latents, images = nhwc(latents), nhwc(images)
     np.testing.assert_array_equal(tiled_decode(model, params, latents), decode(config, params, latents))
-    whole = model.apply({"params": params}, nhwc(images)[:, :32, :32], method=AutoencoderKL.encode)
-    tiled = tiled_encode(model, params, nhwc(images)[:, :32, :32])
-    jax.tree.map(np.testing.assert_array_equal, tiled, whole)
+    whole = model.apply({"params": params}, images, method=AutoencoderKL.encode)
+    jax.tree.map(np.testing.assert_array_equal, tiled_encode(model, params, images), whole)
 
 
 def temp_bytes(function, *args) -> int:
