@@ -38,9 +38,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sdxl-jax"
 
 
+# The environment variables that pick a kernel where a model is traced (`kernel_override`).
+KERNEL_VARIABLES = ("SDXL_ATTENTION", "SDXL_CONV", "SDXL_GROUP_NORM")
+
+
 def kernel_override(variable: str, choices: tuple[str, ...]) -> str:
-    """The kernel that environment `variable` (SDXL_ATTENTION, SDXL_CONV, SDXL_GROUP_NORM) names, or "" when
-    it is unset."""
+    """The kernel that environment `variable` (one of `KERNEL_VARIABLES`) names, or "" when it is unset."""
     chosen = os.environ.get(variable, "").strip().lower()
     if chosen not in choices + ("",):
         raise ValueError(f"{variable} must be one of {', '.join(choices)}, got {chosen!r}")

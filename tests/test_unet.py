@@ -14,14 +14,12 @@ from diffusers import UNet2DConditionModel as TorchUNet
 
 from sdxl.checkpoints import BUILTIN_CONFIGS
 from sdxl.checkpoints.weights import flatten, load_params
-from sdxl.config import config_from_dict, config_from_file, read_json
+from sdxl.config import KERNEL_VARIABLES, config_from_dict, config_from_file, read_json
 from sdxl.models.unet import UNet2DConditionModel, UNetConfig, abstract_params
 
 POOLED_DIM = 16
 TIME_EMBED_DIM = 8
 NUM_TIME_IDS = 6
-# The environment variables that pick a kernel where the model is traced (`sdxl.config.kernel_override`).
-KERNEL_VARIABLES = ("SDXL_ATTENTION", "SDXL_CONV", "SDXL_GROUP_NORM")
 
 SDXL_STYLE = dict(
     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from ..config import KERNEL_VARIABLES
 from ..engine.compilation import enable_compilation_cache
 from ..engine.compiled import Executables
 from ..engine.request import Request
@@ -43,7 +44,7 @@ PEAK_BF16_TFLOPS = (
 )
 
 # The environment variables that change how a program compiles, not what it computes (`sdxl.bench.variants`).
-OVERRIDES = ("SDXL_ATTENTION", "SDXL_CONV", "SDXL_GROUP_NORM", "XLA_FLAGS")
+OVERRIDES = (*KERNEL_VARIABLES, "XLA_FLAGS")
 
 
 def overrides() -> str:
