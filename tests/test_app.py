@@ -78,11 +78,13 @@ def _app_env(tmp: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def serve(tmp: Path, cache_dir: Path, *args: str):
-    """Runs `python app.py ARGS` until the block ends; yields once the page answers."""
+def serve(tmp: Path, cache_dir: Path, *args: str, images_per_core: int = 1):
+    """Runs `python app.py ARGS --max-images-per-core IMAGES_PER_CORE` until the block ends; yields once the page
+    answers."""
     tmp.mkdir(parents=True, exist_ok=True)
     log = tmp / "server.log"
-    with running_app(["--cache-dir", str(cache_dir), *args], log, _app_env(tmp), STARTUP_TIMEOUT) as (process, url):
+    args = ("--cache-dir", str(cache_dir), *args, "--max-images-per-core", str(images_per_core))
+    with running_app(list(args), log, _app_env(tmp), STARTUP_TIMEOUT) as (process, url):
         server = Server(process, url, log)
         _servers.append(server)
         yield server
@@ -111,7 +113,7 @@ def server(tmp_path_factory, cache_dir):
     with serve(tmp, cache_dir, "--model", "tiny", "--lora", f"{style}:0", "--refiner", "tiny-refiner",
                "--controlnet", str(controlnet), "--upscaler", str(upscaler), "--ip-adapter",
                str(adapters / "ip-adapter.safetensors"), "--ip-adapter",
-               str(adapters / "ip-adapter-plus.safetensors"), "--max-images-per-core", "2") as running:
+               str(adapters / "ip-adapter-plus.safetensors"), images_per_core=2) as running:
         yield running
 
 
@@ -119,7 +121,7 @@ def server(tmp_path_factory, cache_dir):
 def shapes_server(tmp_path_factory, cache_dir):
     """The demo as started by default: no --model, so the SDXL repo id falls back to `shapes` offline. One image
     per core, all its tests ask for."""
-    with serve(tmp_path_factory.mktemp("shapes-app"), cache_dir, "--max-images-per-core", "1") as running:
+    with serve(tmp_path_factory.mktemp("shapes-app"), cache_dir) as running:
         yield running
 
 
@@ -128,7 +130,7 @@ def models_server(tmp_path_factory, cache_dir):
     """The demo serving two models, as users compare checkpoints: the built-in shapes model (the default) and
     the random tiny one, taking turns on the devices (the other waits in host memory). One image per core."""
     with serve(tmp_path_factory.mktemp("models-app"), cache_dir, "--model", "shapes", "--model", "tiny",
-               "--models-on-devices", "1", "--max-images-per-core", "1") as running:
+               "--models-on-devices", "1") as running:
         yield running
 
 
@@ -721,8 +723,7 @@ def few_step_server(tmp_path_factory, cache_dir):
     nan = write_checkpoint(tmp / "nan-vae")
     vae = nan / "vae" / "diffusion_pytorch_model.safetensors"
     save_file({name: np.full_like(value, np.nan) for name, value in load_file(vae).items()}, vae)
-    with serve(tmp / "app", cache_dir, "--model", "tiny", "--model", str(nan), "--unet", str(unet),
-               "--max-images-per-core", "1") as running:
+    with serve(tmp / "app", cache_dir, "--model", "tiny", "--model", str(nan), "--unet", str(unet)) as running:
         yield running, str(nan)
 
 
@@ -808,7 +809,7 @@ def test_a_refiner_that_cannot_continue_the_model_is_refused_before_loading(tmp_
 
 @pytest.mark.server
 def test_sd1_layout_model_serves_its_own_presets(tmp_path, cache_dir, downloads):
-    with serve(tmp_path / "app", cache_dir, "--model", "tiny-sd1", "--max-images-per-core", "1") as running:
+    with serve(tmp_path / "app", cache_dir, "--model", "tiny-sd1") as running:
         sd1_client = Client(running.url, verbose=False, download_files=downloads)
         job = sd1_client.submit(**(FAST | dict(prompt="a lighthouse", width=144, height=112)), api_name="/generate")
         gallery, status = job.result(timeout=CALL_TIMEOUT)
