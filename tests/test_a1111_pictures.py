@@ -67,11 +67,12 @@ CASES = {
     # webui writes an SDXL picture's clip skip but ignores it (its setting sdxl_clip_l_skip is off by default).
     "Euler, Karras, Clip skip 2 ignored, NV": {"Sampler": "Euler", "Schedule type": "Karras", "Clip skip": 2},
 }
-# SD 1.x, where clip skip reads an earlier layer of the text encoder.
+# SD 1.x, where clip skip reads an earlier layer of the text encoder. One sampler (the SDXL cases cover
+# the others), so that both cases run one compiled program: the clip skip is its input.
 SD1_CASES = {
     "Euler a, Karras, Clip skip 2, NV": {"Sampler": "Euler a", "Schedule type": "Karras", "Clip skip": 2, "RNG": "NV"},
-    "DPM++ 2M, Automatic, Clip skip 3, CPU": {"Sampler": "DPM++ 2M", "Schedule type": "Automatic", "Clip skip": 3,
-                                              "RNG": "CPU"},
+    "Euler a, Automatic, Clip skip 3, CPU": {"Sampler": "Euler a", "Schedule type": "Automatic", "Clip skip": 3,
+                                             "RNG": "CPU"},
 }
 # The SDE samplers' Brownian trees round their times to 6 decimals, so a sigma one float32 ulp away (numpy's
 # exp against torch's, in the Exponential schedule or DPM++ SDE's midpoints) can move a split of the tree:
@@ -121,10 +122,11 @@ ZERO_SNR_CASES = {
 
 
 # Prompt editing and alternation (the prompts' own fields, beside the settings'), with a one- and a
-# two-evaluation-per-step sampler: webui's denoiser counts its calls.
+# two-evaluation-per-step sampler: webui's denoiser counts its calls. The first two share a sampler and so
+# a compiled program (two conditionings; the prompts' are its input).
 EDIT_CASES = {
     "[cat:dog:0.5], Euler a": {"prompt": "[cat:dog:0.5]", "Sampler": "Euler a", "Schedule type": "Automatic"},
-    "[red|blue], Euler": {"prompt": "[red|blue]", "Sampler": "Euler", "Schedule type": "Automatic", "RNG": "CPU"},
+    "[red|blue], Euler a": {"prompt": "[red|blue]", "Sampler": "Euler a", "Schedule type": "Automatic", "RNG": "CPU"},
     "edits in both prompts, Heun": {
         "prompt": "a [red|blue|] cube, [(soft light:1.2)::4]", "negative": "[blurry:noisy:0.25]", "Sampler": "Heun",
         "Schedule type": "Karras",

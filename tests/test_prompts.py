@@ -145,13 +145,17 @@ def test_sd1_reads_prompts_as_webui(sd1):
 @pytest.mark.compiles
 def test_a_prompt_gives_its_images_whatever_its_batch(sdxl):
     """A short prompt merged with a long one is padded and masked, not changed (webui would pad it with
-    empty chunks, which changes it)."""
+    empty chunks, which changes it). Two chunks and three (compiled as four), two images each, with given noise:
+    the programs of the webui comparisons above, so that this test compiles none of its own."""
     _, pipe = sdxl
-    short = Request.from_prompt("a (red:1.2) fox", "blur", num_images=4, seed=5, steps=2, height=HEIGHT, width=WIDTH)
-    long = dataclasses.replace(short, prompts=(MANY,) * 4, seeds=(6,) * 4)
+    noise = random_latents(4, HEIGHT, WIDTH, seed=5).transpose(0, 2, 3, 1)
+    short = Request.from_prompt("a (red:1.2) fox BREAK snow", "blur", num_images=2, guidance_scale=5.0,
+                                steps=STEPS, height=HEIGHT, width=WIDTH, noise=noise[:2])
+    long = dataclasses.replace(short, prompts=(MANY,) * 2, noise=noise[2:])
+    assert [_chunks(pipe, p) for p in (short.prompts[0], MANY)] == [2, 3]
     merged = pipe.render(Request.merged([short, long]), output_type="np").images
-    np.testing.assert_allclose(merged[:4], pipe.render(short, output_type="np").images, atol=1e-5)
-    np.testing.assert_allclose(merged[4:], pipe.render(long, output_type="np").images, atol=1e-5)
+    np.testing.assert_allclose(merged[:2], pipe.render(short, output_type="np").images, atol=1e-5)
+    np.testing.assert_allclose(merged[2:], pipe.render(long, output_type="np").images, atol=1e-5)
 
 
 @pytest.mark.compiles
