@@ -26,7 +26,7 @@ from sdxl.engine.request import CLIP_SKIP_RANGE
 from sdxl.serving import endpoints, launch, results
 from sdxl.serving.demo import UPSCALE_RANGE, DemoService, Submission
 from sdxl.serving.forms import (
-    COMPARE_PROMPTS, IP_ADAPTER_FIELDS, ControlForm, Settings, path_of, picture_and_mask,
+    COMPARE_PROMPTS, COMPARE_SEEDS, IP_ADAPTER_FIELDS, ControlForm, Settings, path_of, picture_and_mask,
 )
 from sdxl.serving.http_errors import HttpErrors, owner, route
 from sdxl.serving.options import demo_parser
@@ -275,11 +275,18 @@ def _compare_tab(service: DemoService) -> dict:
         c["compare_prompts"] = gr.Textbox("", label="Prompts (one per line) or one prompt", lines=4)
         c["compare_negative"] = gr.Textbox("", label="Negative prompt")
         c["compare_style"] = gr.Dropdown(styles, value=styles[0], label="Style")
-        # A slider's range needs two ends: one image a call leaves nothing to choose.
+        # A slider's range needs two ends, even where one image a call hides it.
         c["num_seeds"] = gr.Slider(1, max(2, service.max_images), value=service.pipe.num_devices, step=1,
-                                   label="Seeds", visible=service.max_images > 1)
+                                   label="Seeds", visible=_seeds_shown(service, COMPARE_PROMPTS),
+                                   elem_id="compare-seeds")
         c["compare_run"] = gr.Button("Compare", variant="primary")
     return c
+
+
+def _seeds_shown(service: DemoService, mode: str) -> bool:
+    """Whether Compare's Seeds slider is shown: only consecutive seeds read it, and one image a call leaves nothing
+    to choose."""
+    return mode == COMPARE_SEEDS and service.max_images > 1
 
 
 def _grid_tab(service: DemoService) -> dict:
@@ -606,7 +613,8 @@ def _wire_submits(handlers: Handlers, p: dict, forms: dict[str, dict]) -> None:
 
 
 def _wire_live(handlers: Handlers, p: dict, controls: list[dict]) -> None:
-    """What follows the form as it is filled in: the size's numbers, each prompt's length, the control maps."""
+    """What follows the form as it is filled in: the size's numbers, each prompt's length, the control maps,
+    Compare's Seeds slider."""
     service = handlers.service
     sizes = {results.size_label(*size): size for model in service.models for size in model.sizes}  # every model's
     p["size"].change(lambda label: list(sizes[label]), p["size"], [p["width"], p["height"]], api_name=False)
@@ -620,6 +628,8 @@ def _wire_live(handlers: Handlers, p: dict, controls: list[dict]) -> None:
         gr.on([box.change, p["emphasis"].change, p["model"].change],
               functools.partial(handlers.prompt_length, negative=negative), [box, p["emphasis"], p["model"]], line,
               api_name=False, queue=False, show_progress="hidden")
+    p["mode"].change(lambda mode: gr.update(visible=_seeds_shown(service, mode)), p["mode"], p["num_seeds"],
+                     api_name=False, queue=False, show_progress="hidden")
     for fields in controls:
         map_inputs = [fields[name] for name in ("picture", "preprocessor", "canny_low", "canny_high")]
         changes = [fields["picture"].change, fields["preprocessor"].change, fields["canny_low"].release,

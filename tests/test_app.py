@@ -49,6 +49,7 @@ STARTUP_TIMEOUT = 300  # seconds: load + compile + warm-up on a slow 2-core mach
 CALL_TIMEOUT = 180  # seconds for one request, compilation of a new size included
 COMPARE_SEEDS = "One prompt, consecutive seeds"  # app.COMPARE_SEEDS; not imported, the app is a subprocess
 COMPARE_MODELS = "One prompt and seed, each model"  # app.COMPARE_MODELS
+COMPARE_PROMPTS = "One prompt per line, same seed"  # app.COMPARE_PROMPTS
 FAST = dict(prompt="a lighthouse at dusk", steps=3)  # steps are a runtime input: no recompilation
 
 _servers: list["Server"] = []  # every server this module started, for the failure log
@@ -1178,6 +1179,13 @@ def test_browser_a_civitai_picture_draws_what_it_can(shapes_server, tmp_path):
             "a red circle on a blue background <lora:detail_tweaker:0.5>")
         # A lone picture (Compare's one prompt) is shown whole, its caption too, on a laptop's window and a phone's.
         page.get_by_role("tab", name="Compare").click()
+        # The Seeds slider is there for the one mode that reads it.
+        expect(page.locator("#compare-seeds")).to_be_hidden()
+        page.get_by_label(COMPARE_SEEDS).check()
+        expect(page.locator("#compare-seeds")).to_be_visible()
+        page.screenshot(path=str(_artifacts() / "compare-seeds.png"))
+        page.get_by_label(COMPARE_PROMPTS).check()
+        expect(page.locator("#compare-seeds")).to_be_hidden()
         page.get_by_label("Prompts (one per line) or one prompt").fill("a large red circle on a blue background")
         page.get_by_role("button", name="Compare", exact=True).click()
         expect(page.locator("#status")).to_contain_text("1 image in", timeout=CALL_TIMEOUT * 1000)
