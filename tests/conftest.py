@@ -42,6 +42,23 @@ def xla_cache(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _no_persistent_cache_in_this_process():
+    """A test that launches the demo in this process (`launch.load_models`) turns JAX's persistent cache on
+    here; it is turned off after it, so later tests compile as the docstring of `xla_cache` says (a write per
+    compile costs, and a hit would not count as a compile)."""
+    yield
+    import jax
+    from jax._src import compilation_cache, compiler
+
+    from sdxl.engine import compilation
+
+    if jax.config.jax_compilation_cache_dir is not None:
+        jax.config.update("jax_compilation_cache_dir", None)
+        compiler._cache_write = compilation._jax_cache_write
+        compilation_cache.reset_cache()
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
