@@ -272,7 +272,7 @@ def _compare_tab(service: DemoService) -> dict:
     styles, c = service.choices.styles, {}
     with gr.Tab("Compare"):
         c["mode"] = gr.Radio(list(service.compare_modes), value=COMPARE_PROMPTS, label="Compare")
-        c["compare_prompts"] = gr.Textbox("", label="Prompts (one per line) or one prompt", lines=4)
+        c["compare_prompts"] = gr.Textbox("", label=_prompts_label(COMPARE_PROMPTS), lines=4, elem_id="compare-prompts")
         c["compare_negative"] = gr.Textbox("", label="Negative prompt")
         c["compare_style"] = gr.Dropdown(styles, value=styles[0], label="Style")
         # A slider's range needs two ends, even where one image a call hides it.
@@ -281,6 +281,11 @@ def _compare_tab(service: DemoService) -> dict:
                                    elem_id="compare-seeds")
         c["compare_run"] = gr.Button("Compare", variant="primary")
     return c
+
+
+def _prompts_label(mode: str) -> str:
+    """Compare's text box's label: several prompts are compared in one mode, the others take one."""
+    return "Prompts (one per line) or one prompt" if mode == COMPARE_PROMPTS else "Prompt"
 
 
 def _seeds_shown(service: DemoService, mode: str) -> bool:
@@ -614,7 +619,7 @@ def _wire_submits(handlers: Handlers, p: dict, forms: dict[str, dict]) -> None:
 
 def _wire_live(handlers: Handlers, p: dict, controls: list[dict]) -> None:
     """What follows the form as it is filled in: the size's numbers, each prompt's length, the control maps,
-    Compare's Seeds slider."""
+    Compare's text box and Seeds slider."""
     service = handlers.service
     sizes = {results.size_label(*size): size for model in service.models for size in model.sizes}  # every model's
     p["size"].change(lambda label: list(sizes[label]), p["size"], [p["width"], p["height"]], api_name=False)
@@ -628,8 +633,12 @@ def _wire_live(handlers: Handlers, p: dict, controls: list[dict]) -> None:
         gr.on([box.change, p["emphasis"].change, p["model"].change],
               functools.partial(handlers.prompt_length, negative=negative), [box, p["emphasis"], p["model"]], line,
               api_name=False, queue=False, show_progress="hidden")
-    p["mode"].change(lambda mode: gr.update(visible=_seeds_shown(service, mode)), p["mode"], p["num_seeds"],
-                     api_name=False, queue=False, show_progress="hidden")
+
+    def compare_mode(mode: str) -> list:
+        return [gr.update(label=_prompts_label(mode)), gr.update(visible=_seeds_shown(service, mode))]
+
+    p["mode"].change(compare_mode, p["mode"], [p["compare_prompts"], p["num_seeds"]], api_name=False, queue=False,
+                     show_progress="hidden")
     for fields in controls:
         map_inputs = [fields[name] for name in ("picture", "preprocessor", "canny_low", "canny_high")]
         changes = [fields["picture"].change, fields["preprocessor"].change, fields["canny_low"].release,

@@ -1179,10 +1179,12 @@ def test_browser_a_civitai_picture_draws_what_it_can(shapes_server, tmp_path):
             "a red circle on a blue background <lora:detail_tweaker:0.5>")
         # A lone picture (Compare's one prompt) is shown whole, its caption too, on a laptop's window and a phone's.
         page.get_by_role("tab", name="Compare").click()
-        # The Seeds slider is there for the one mode that reads it.
+        # The Seeds slider is there for the one mode that reads it, which takes one prompt.
         expect(page.locator("#compare-seeds")).to_be_hidden()
         page.get_by_label(COMPARE_SEEDS).check()
         expect(page.locator("#compare-seeds")).to_be_visible()
+        expect(page.locator("#compare-prompts")).to_contain_text("Prompt")
+        expect(page.locator("#compare-prompts")).not_to_contain_text("one per line")
         page.screenshot(path=str(_artifacts() / "compare-seeds.png"))
         page.get_by_label(COMPARE_PROMPTS).check()
         expect(page.locator("#compare-seeds")).to_be_hidden()
