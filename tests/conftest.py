@@ -48,15 +48,9 @@ def _no_persistent_cache_in_this_process():
     here; it is turned off after it, so later tests compile as the docstring of `xla_cache` says (a write per
     compile costs, and a hit would not count as a compile)."""
     yield
-    import jax
-    from jax._src import compilation_cache, compiler
+    from sdxl.engine.compilation import disable_compilation_cache
 
-    from sdxl.engine import compilation
-
-    if jax.config.jax_compilation_cache_dir is not None:
-        jax.config.update("jax_compilation_cache_dir", None)
-        compiler._cache_write = compilation._jax_cache_write
-        compilation_cache.reset_cache()
+    disable_compilation_cache()
 
 
 @pytest.fixture

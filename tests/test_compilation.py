@@ -1,5 +1,6 @@
 """The persistent compilation cache (`sdxl/engine/compilation.py`), across restarts: an entry cut short
-is replaced by the fresh compile, and every process of a multi-host run finds its own entries."""
+is replaced by the fresh compile, and every process of a multi-host run finds its own entries; and turned off
+again."""
 
 import json
 import os
@@ -40,6 +41,25 @@ def _start_hosts(cache_dirs: list[Path]) -> list[dict]:
     for process, (_, stderr) in zip(processes, outputs):
         assert process.returncode == 0, stderr[-3000:]
     return [json.loads(stdout.splitlines()[-1]) for stdout, _ in outputs]
+
+
+def test_the_cache_turned_off_again_neither_reads_nor_writes(tmp_path):
+    """`disable_compilation_cache` undoes `enable_compilation_cache`: a program compiled after it is a compile
+    of its own, and leaves no entry (conftest turns the cache off so after each test that launches a demo here)."""
+    import jax
+
+    from sdxl.engine.compilation import CompileCounter, disable_compilation_cache, enable_compilation_cache
+
+    enable_compilation_cache(tmp_path / "on")
+    jax.jit(lambda x: x * 5 + 1)(1.0)
+    assert list((tmp_path / "on").iterdir()), "on: an entry per compile"
+    disable_compilation_cache()
+    entries = sorted((tmp_path / "on").iterdir())
+    with CompileCounter() as compiles:
+        jax.jit(lambda x: x * 7 + 3)(1.0)
+    assert (compiles.count, compiles.cached) == (1, 0) and jax.config.jax_compilation_cache_dir is None
+    assert sorted((tmp_path / "on").iterdir()) == entries
+    disable_compilation_cache()  # already off: nothing to do
 
 
 @pytest.mark.cli

@@ -46,6 +46,16 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def disable_compilation_cache() -> None:
+    """Turns JAX's persistent compilation cache off again, as it was before `enable_compilation_cache` (nothing
+    to do when it is off): later compiles neither read nor write entries."""
+    if jax.config.jax_compilation_cache_dir is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", None)
+    compiler._cache_write = _jax_cache_write
+    compilation_cache.reset_cache()
+
+
 def _write_entry(cache_key: str, compile_time_secs: float, module_name: str, backend, executable,
                  host_callbacks) -> None:
     """JAX's write of a cache entry after a miss, with two differences.
