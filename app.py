@@ -661,13 +661,17 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
             raise gr.Error("select an image first (click one in the gallery, or in the history)",
                            title="Nothing selected", print_exception=False)
 
+    # A selection and the clicks that read it queue in one line, so a click runs after the select before it: a
+    # select answered outside the queue could land after a quick click on a loaded server, which then read none.
+    in_line = dict(concurrency_id="selection", concurrency_limit=1)
+
     def chosen(button, picked):
         """`button`'s click, refused with a message unless an image is picked; returns the `success` chain."""
-        return button.click(require_picked, picked, None, api_name=False, show_progress="hidden").success
+        return button.click(require_picked, picked, None, api_name=False, show_progress="hidden", **in_line).success
 
-    p["gallery"].select(select, None, p["selected"], api_name=False, queue=False).then(
+    p["gallery"].select(select, None, p["selected"], api_name=False, show_progress="hidden", **in_line).then(
         handlers.parameters_of, p["selected"], p["info"], api_name=False, queue=False)  # its generation info
-    p["history"].select(select, None, p["history_selected"], api_name=False, queue=False)
+    p["history"].select(select, None, p["history_selected"], api_name=False, show_progress="hidden", **in_line)
     # The editor cleared in the page first (`CLEAR_EDITOR`), then the picture, the image prompt
     # (Generate's, unless it has its own) and the tab, in one update.
     chosen(p["send"], p["selected"])(None, js=CLEAR_EDITOR, api_name=False, queue=False).then(

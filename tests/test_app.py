@@ -1142,7 +1142,7 @@ def test_browser_model_grid(models_server, tmp_path):
 def test_browser_a_civitai_picture_draws_what_it_can(shapes_server, tmp_path):
     """A PNG from Civitai names a LoRA, an upscaler and a size this demo lacks: it draws anyway, and says what it left
     out, beside the picture and in its info. A pasted parameters text fills the form. A lone picture shows whole.
-    A picture too big for the image editor is refused in seconds, and the next request is served."""
+    A picture too big for the image editor is refused with a sentence, and the next request is served."""
     from playwright.sync_api import expect
 
     civitai = tmp_path / "civitai.png"
@@ -1204,12 +1204,10 @@ def test_browser_a_civitai_picture_draws_what_it_can(shapes_server, tmp_path):
             assert thumbnail["height"] <= 0.6 * height + 2, "within the window"
             page.locator("#gallery").screenshot(path=str(_artifacts() / f"lone-picture-{width}.png"))
         page.set_viewport_size({"width": 1280, "height": 800})
-        # A picture over the upload limit, in the image editor: a sentence within seconds, not a silent wait.
+        # A picture over the upload limit, in the image editor: a sentence, not a silent wait (nor a timed test).
         page.get_by_role("tab", name="Image to image").click()
-        start = time.monotonic()
         page.locator("#image-editor input[type=file]").set_input_files(str(big))
-        expect(page.locator("#image-note")).to_contain_text("this demo takes pictures of up to 8.0 MB", timeout=10_000)
-        assert time.monotonic() - start < 10
+        expect(page.locator("#image-note")).to_contain_text("this demo takes pictures of up to 8.0 MB")
         page.get_by_role("tab", name="Generate").click()
         page.locator("#prompt textarea").fill("a green square on a white background")
         page.locator("#generate").click()
@@ -1229,3 +1227,8 @@ def test_the_page_builds_for_one_image_a_call():
     blocks = app.create_demo(app.Handlers(DemoService([Model("tiny", pipe)], max_images_per_core=1)))
     hidden = {getattr(c, "label", None) for c in blocks.blocks.values() if getattr(c, "visible", True) is False}
     assert {"Images per core", "Seeds"} <= hidden
+    # A click that reads the selected image queues behind the select before it, in one line: a select answered
+    # outside the queue could land after the click on a loaded server, which then said "select an image first".
+    lines = {(fn.name, fn.queue, fn.concurrency_id, fn.concurrency_limit) for fn in blocks.fns.values()
+             if fn.name in ("select", "require_picked")}
+    assert lines == {("select", True, "selection", 1), ("require_picked", True, "selection", 1)}, lines
