@@ -140,12 +140,16 @@ def models_server(tmp_path_factory, cache_dir):
 
 @pytest.fixture(autouse=True)
 def _server_log_on_failure(request):
-    """Prints the servers' output after a failed test (pytest shows it with the failure)."""
+    """Prints what the servers logged during a failed test (pytest shows it with the failure): that alone, so that
+    an excerpt of a CI log still holds the failure's own lines, which earlier tests' refusals had pushed out."""
     failed_before = request.session.testsfailed  # counts the call phase before teardown runs
+    logged = {running.log: len(running.output()) for running in _servers}
     yield
     if request.session.testsfailed > failed_before:
         for running in _servers:
-            print(f"\n----- output of {running.url} ({running.log}) -----\n{running.output()[-20000:]}")
+            during = running.output()[logged.get(running.log, 0):]
+            if during:
+                print(f"\n----- output of {running.url} ({running.log}) during the test -----\n{during[-8000:]}")
 
 
 @pytest.fixture(scope="module")
