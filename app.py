@@ -518,7 +518,9 @@ def create_demo(handlers: Handlers) -> gr.Blocks:
                 page |= _history(service)
         # The API's image inputs, filled from the editor for the page's own requests.
         page["image_in"], page["mask_in"] = (gr.Image(type="filepath", format="png", visible=False) for _ in "12")
-        page["selected"], page["history_selected"] = gr.State(None), gr.State(None)  # the image last selected
+        # The selected thumbnail's index, which a click's `SELECTED` reads from the page; the image it picked.
+        page["selected_index"] = gr.Number(-1, visible=False)
+        page["picked"], page["history_picked"] = gr.State(None), gr.State(None)
         page["past"] = gr.State([])  # this browser session's results, newest first
         forms = _forms(service, page, controls)
         for field in {id(field): field for form in forms.values() for field in form.values()}.values():
@@ -653,41 +655,41 @@ def _wire_live(handlers: Handlers, p: dict, controls: list[dict]) -> None:
 def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
     """Selecting an image, and what acts on it: send it to a tab, or reuse its settings (or a dropped PNG's)."""
 
-    def select(event: gr.SelectData):
-        return event.value["image"]["path"] if event.value else None
+    def selected_info(event: gr.SelectData) -> str:
+        return handlers.parameters_of(event.value["image"]["path"] if event.value else None)
 
-    def require_picked(path: str | None) -> None:
-        if path is None:
+    def picked(images: list | None, index: float | None) -> str:
+        """The path of the image at `index` (the page's selected thumbnail, -1 for none) among `images`."""
+        if not images or index is None or not 0 <= index < len(images):
             raise gr.Error("select an image first (click one in the gallery, or in the history)",
                            title="Nothing selected", print_exception=False)
+        return images[int(index)][0]
 
-    # A selection and the clicks that read it queue in one line, so a click runs after the select before it: a
-    # select answered outside the queue could land after a quick click on a loaded server, which then read none.
-    in_line = dict(concurrency_id="selection", concurrency_limit=1)
+    def chosen(button, gallery, picked_path):
+        """`button`'s click, refused with a message unless an image of `gallery` is selected, whose path it keeps
+        in `picked_path`; returns the `success` chain. The selection is read in the page as the click is sent: a
+        gallery's select, a request of its own, can reach a loaded server after the click sent right behind it."""
+        return button.click(picked, [gallery, p["selected_index"]], picked_path, js=SELECTED % gallery.elem_id,
+                            api_name=False, show_progress="hidden").success
 
-    def chosen(button, picked):
-        """`button`'s click, refused with a message unless an image is picked; returns the `success` chain."""
-        return button.click(require_picked, picked, None, api_name=False, show_progress="hidden", **in_line).success
-
-    p["gallery"].select(select, None, p["selected"], api_name=False, show_progress="hidden", **in_line).then(
-        handlers.parameters_of, p["selected"], p["info"], api_name=False, queue=False)  # its generation info
-    p["history"].select(select, None, p["history_selected"], api_name=False, show_progress="hidden", **in_line)
+    p["gallery"].select(selected_info, None, p["info"], api_name=False, queue=False)  # its generation info
     # The editor cleared in the page first (`CLEAR_EDITOR`), then the picture, the image prompt
     # (Generate's, unless it has its own) and the tab, in one update.
-    chosen(p["send"], p["selected"])(None, js=CLEAR_EDITOR, api_name=False, queue=False).then(
+    chosen(p["send"], p["gallery"], p["picked"])(None, js=CLEAR_EDITOR, api_name=False, queue=False).then(
         lambda path, text, own: [path, own or text, gr.Tabs(selected="image-tab")],
-        [p["selected"], p["prompt"], p["image_prompt"]], [p["editor"], p["image_prompt"], p["tabs"]], api_name=False,
+        [p["picked"], p["prompt"], p["image_prompt"]], [p["editor"], p["image_prompt"], p["tabs"]], api_name=False,
         queue=False)
-    chosen(p["send_upscale"], p["selected"])(lambda path: [path, gr.Tabs(selected="upscale-tab")], p["selected"],
-                                             [p["upscale_in"], p["tabs"]], api_name=False, queue=False)
+    chosen(p["send_upscale"], p["gallery"], p["picked"])(
+        lambda path: [path, gr.Tabs(selected="upscale-tab")], p["picked"], [p["upscale_in"], p["tabs"]],
+        api_name=False, queue=False)
     if controls:
-        chosen(p["send_control"], p["selected"])(lambda path: [path, gr.Accordion(open=True)], p["selected"],
-                                                 [controls[0]["picture"], p["control_panel"]], api_name=False,
-                                                 queue=False)
+        chosen(p["send_control"], p["gallery"], p["picked"])(
+            lambda path: [path, gr.Accordion(open=True)], p["picked"], [controls[0]["picture"], p["control_panel"]],
+            api_name=False, queue=False)
     if "ip_adapter_panel" in p:
-        chosen(p["send_ip_adapter"], p["selected"])(lambda path: [path, gr.Accordion(open=True)], p["selected"],
-                                                    [p["ip_adapter_image"], p["ip_adapter_panel"]], api_name=False,
-                                                    queue=False)
+        chosen(p["send_ip_adapter"], p["gallery"], p["picked"])(
+            lambda path: [path, gr.Accordion(open=True)], p["picked"], [p["ip_adapter_image"], p["ip_adapter_panel"]],
+            api_name=False, queue=False)
     # The image prompt's fields but its picture, which no PNG holds; with IP-Adapters only.
     fields = {"model": p["model"], "prompt": p["prompt"], "negative_prompt": p["negative"], "seed": p["seed"],
               "guidance_scale": p["guidance"], "steps": p["steps"], "sampler": p["sampler"],
@@ -709,8 +711,9 @@ def _wire_results(handlers: Handlers, p: dict, controls: list[dict]) -> None:
     outputs = [*fields.values(), p["randomize"], p["advanced"], p["hires_panel"], p["reuse_report"],
                *([p["ip_adapter_panel"]] if "ip_adapter_panel" in p else [])]
     from_file = lambda file: reuse(*handlers.reuse(file))  # noqa: E731
-    chosen(p["reuse_run"], p["selected"])(from_file, p["selected"], outputs, api_name=False)
-    chosen(p["history_reuse"], p["history_selected"])(from_file, p["history_selected"], outputs, api_name=False)
+    chosen(p["reuse_run"], p["gallery"], p["picked"])(from_file, p["picked"], outputs, api_name=False)
+    chosen(p["history_reuse"], p["history"], p["history_picked"])(from_file, p["history_picked"], outputs,
+                                                                  api_name=False)
     p["reuse_file"].upload(from_file, p["reuse_file"], outputs, api_name=False)
     p["read_settings"].click(lambda text: reuse(*handlers.reuse_text(text)), p["prompt"], outputs, api_name=False)
 
@@ -727,6 +730,13 @@ SHOW_RESULTS = """() => {
 # The Upscale tab's result sits under its picture and settings: brought into view once made.
 SHOW_UPSCALED = """() => {
   document.querySelector('#upscaled')?.scrollIntoView({behavior: 'smooth', block: 'center'});
+}"""
+
+# The index of the thumbnail a gallery (by elem_id) shows selected, -1 for none, beside the gallery's images: what
+# Send and Reuse act on (Gradio 6.31 marks it with the class `selected`, labelled "Thumbnail N of M").
+SELECTED = """(images) => {
+  const label = document.querySelector('#%s .thumbnail-item.selected')?.getAttribute('aria-label');
+  return [images, label ? Number(label.match(/\\d+/)[0]) - 1 : -1];
 }"""
 
 # Gradio 6.31's image editor, once it holds an upload, never shows a picture a handler sets (it spins

@@ -50,7 +50,18 @@ CALL_TIMEOUT = 180  # seconds for one request, compilation of a new size include
 # Seconds the browser tests give a page's round trip (a queued event such as Reuse, a layout): CI's two cores,
 # shared with the other test worker, made 30 too few (a pass costs none of it: a wait ends once its condition holds).
 PAGE_TIMEOUT = 90
-COMPARE_SEEDS = "One prompt, consecutive seeds"  # app.COMPARE_SEEDS; not imported, the app is a subprocess
+COMPARE_SEEDS = "One prompt, consecutive seeds"
+# A loaded server, as the page sees it: every event that carries event data (a gallery's select) reaches the queue
+# two seconds late, after a click sent right behind it.
+LATE_SELECTS = """(() => {
+  const send = window.fetch.bind(window);
+  window.fetch = async (url, init) => {
+    if (String(url).includes('/queue/join') && String(init?.body).includes('"event_data":{')) {
+      await new Promise((resolve) => setTimeout(resolve, 2000));
+    }
+    return send(url, init);
+  };
+})();"""  # app.COMPARE_SEEDS; not imported, the app is a subprocess
 COMPARE_MODELS = "One prompt and seed, each model"  # app.COMPARE_MODELS
 COMPARE_PROMPTS = "One prompt per line, same seed"  # app.COMPARE_PROMPTS
 FAST = dict(prompt="a lighthouse at dusk", steps=3)  # steps are a runtime input: no recompilation
@@ -860,16 +871,18 @@ def _artifacts() -> Path:
     return artifacts
 
 
-def _steered_in_browser(server, tmp_path, panel: str, upload: str, shown: str, screenshot: str,
+def _steered_in_browser(server, tmp_path, panel: str, upload: str, shown: str, send: str, screenshot: str,
                         **screenshot_options) -> tuple[str, bytes]:
     """In the browser: opens the accordion titled `panel`, uploads a picture to the image input `upload`
     (its id), waits for the image `shown` (a selector), generates, and takes a screenshot (`screenshot`,
-    in artifacts/). Returns the first image's PNG parameters and the bytes of `shown`."""
+    in artifacts/); then the button `send` (its id) puts the second image in `upload`. Returns the first image's
+    PNG parameters and the bytes of `shown` before the send."""
     from playwright.sync_api import expect
 
     picture = _control_picture(tmp_path / "picture.png")
     with _browser(tmp_path) as browser:
         page = browser.new_page()
+        page.add_init_script(LATE_SELECTS)
         page.goto(server.url, wait_until="load")
         expect(page.locator("#generate")).to_be_visible()
         page.get_by_text(panel, exact=True).click()
@@ -883,10 +896,19 @@ def _steered_in_browser(server, tmp_path, panel: str, upload: str, shown: str, s
         page.screenshot(path=str(_artifacts() / screenshot), **screenshot_options)
         source = page.locator(shown).get_attribute("src")
         first = page.locator("#gallery img").first.get_attribute("src")
-    with urllib.request.urlopen(urllib.parse.urljoin(server.url, source), timeout=30) as response:
-        made = response.read()
-    with urllib.request.urlopen(urllib.parse.urljoin(server.url, first), timeout=30) as response:
-        return Image.open(io.BytesIO(response.read())).info["parameters"], made
+        second, uploaded = page.locator("#gallery img").nth(1).get_attribute("src"), page.locator(
+            f"#{upload} img").get_attribute("src")
+        page.locator("#gallery .thumbnail-item").nth(1).click()
+        page.locator(f"#{send}").click()
+        expect(page.locator(f"#{upload} img")).not_to_have_attribute("src", uploaded)
+        sent = page.locator(f"#{upload} img").get_attribute("src")
+
+    def fetched(url: str) -> bytes:
+        with urllib.request.urlopen(urllib.parse.urljoin(server.url, url), timeout=30) as response:
+            return response.read()
+
+    assert np.array_equal(*(np.asarray(Image.open(io.BytesIO(fetched(url))).convert("RGB")) for url in (sent, second)))
+    return Image.open(io.BytesIO(fetched(first))).info["parameters"], fetched(source)
 
 
 @pytest.mark.server
@@ -894,7 +916,7 @@ def _steered_in_browser(server, tmp_path, panel: str, upload: str, shown: str, s
 def test_browser_controlnet(server, tmp_path):
     """The ControlNet panel: an uploaded picture shows its Canny map, and Generate steers with it."""
     parameters, made = _steered_in_browser(server, tmp_path, "ControlNet", "control-image", "#control-map img",
-                                           "app-controlnet.png", full_page=True)
+                                           "send-control", "app-controlnet.png", full_page=True)
     edges = np.asarray(Image.open(io.BytesIO(made)).convert("L"))
     assert set(np.unique(edges)) == {0, 255} and (edges == 255).mean() < 0.2, "a map of thin edges"
     assert 'ControlNet 0: "Module: canny, Model: tiny-canny, Weight: 1' in parameters, parameters
@@ -906,7 +928,7 @@ def test_browser_image_prompt(server, tmp_path):
     """The Image prompt panel (two adapters: the first takes the picture, the other sits out), and
     Generate steers with it."""
     parameters, _ = _steered_in_browser(server, tmp_path, "Image prompt", "ip-adapter-image",
-                                        "#ip-adapter-image img", "app-ip-adapter.png")
+                                        "#ip-adapter-image img", "send-ip-adapter", "app-ip-adapter.png")
     assert "ip-adapter-plus" not in parameters, "the adapter that sits out is not recorded"
     assert 'ControlNet 0: "Module: ip-adapter_clip_h, Model: ip-adapter, Weight: 0.6,' in parameters, parameters
 
@@ -987,6 +1009,7 @@ def test_browser_first_five_minutes(shapes_server, tmp_path):
     Image.new("RGB", (64, 64), (30, 60, 220)).save(upload)
     with _browser(tmp_path) as browser:
         page = browser.new_page()
+        page.add_init_script(LATE_SELECTS)  # a click acts on the image the page shows selected, however late its select
         page.goto(shapes_server.url, wait_until="load")
         expect(page.locator("#generate")).to_be_visible()
         # 9: one line of notice above the controls; the details behind a disclosure.
@@ -1231,8 +1254,8 @@ def test_the_page_builds_for_one_image_a_call():
     blocks = app.create_demo(app.Handlers(DemoService([Model("tiny", pipe)], max_images_per_core=1)))
     hidden = {getattr(c, "label", None) for c in blocks.blocks.values() if getattr(c, "visible", True) is False}
     assert {"Images per core", "Seeds"} <= hidden
-    # A click that reads the selected image queues behind the select before it, in one line: a select answered
-    # outside the queue could land after the click on a loaded server, which then said "select an image first".
-    lines = {(fn.name, fn.queue, fn.concurrency_id, fn.concurrency_limit) for fn in blocks.fns.values()
-             if fn.name in ("select", "require_picked")}
-    assert lines == {("select", True, "selection", 1), ("require_picked", True, "selection", 1)}, lines
+    # What Send and Reuse act on is read in the page with the click (the browser tests check it under late selects),
+    # and a gallery's select only shows its info: nothing waits on a select that a loaded server answers late.
+    picks = [fn for fn in blocks.fns.values() if fn.name == "picked"]  # Send, Send to Upscale, Reuse, Reuse (history)
+    assert len(picks) == 4 and all(fn.js and "thumbnail-item.selected" in fn.js for fn in picks)
+    assert {fn.name for fn in blocks.fns.values() if any(t[1] == "select" for t in fn.targets)} == {"selected_info"}
