@@ -10,6 +10,7 @@ service's (`sdxl.serving.demo`, `sdxl.serving.results`).
 import contextlib
 import functools
 import inspect
+import json
 import logging
 import random
 import time
@@ -624,7 +625,10 @@ def _wire_live(handlers: Handlers, p: dict, controls: list[dict]) -> None:
     Compare's text box and Seeds slider."""
     service = handlers.service
     sizes = {results.size_label(*size): size for model in service.models for size in model.sizes}  # every model's
-    p["size"].change(lambda label: list(sizes[label]), p["size"], [p["width"], p["height"]], api_name=False)
+    # In the page, so that a Generate clicked right after a size is chosen reads it: a request to the server
+    # could reach a loaded one after the click's.
+    p["size"].change(None, p["size"], [p["width"], p["height"]], js=f"(label) => ({json.dumps(sizes)})[label]",
+                     api_name=False)
     # A model chosen by hand brings its own sizes and defaults (one chosen by reusing a picture's settings brings
     # the picture's).
     p["model"].input(handlers.model_defaults, p["model"], [p["size"], p["steps"], p["guidance"], p["sampler"]],

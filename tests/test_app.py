@@ -874,7 +874,7 @@ def _artifacts() -> Path:
 def _steered_in_browser(server, tmp_path, panel: str, upload: str, shown: str, send: str, screenshot: str,
                         **screenshot_options) -> tuple[str, bytes]:
     """In the browser: opens the accordion titled `panel`, uploads a picture to the image input `upload`
-    (its id), waits for the image `shown` (a selector), generates, and takes a screenshot (`screenshot`,
+    (its id), waits for the image `shown` (a selector), generates at 144x112, and takes a screenshot (`screenshot`,
     in artifacts/); then the button `send` (its id) puts the second image in `upload`. Returns the first image's
     PNG parameters and the bytes of `shown` before the send."""
     from playwright.sync_api import expect
@@ -889,9 +889,11 @@ def _steered_in_browser(server, tmp_path, panel: str, upload: str, shown: str, s
         page.locator(f"#{upload} input[type=file]").set_input_files(picture)
         expect(page.locator(shown)).to_have_count(1)
         page.locator("#prompt textarea").fill("a lighthouse")
-        page.locator("#generate").click()
-        expect(page.locator("#gallery img")).to_have_count(4, timeout=CALL_TIMEOUT * 1000)
-        expect(page.locator("#status")).to_contain_text("4 images")
+        page.get_by_text("Advanced", exact=True).click()
+        page.get_by_role("combobox", name="Size").click()
+        page.get_by_role("option", name="144×112", exact=True).click()
+        page.locator("#generate").click()  # right after the size is chosen: it renders at that size
+        expect(page.locator("#status")).to_contain_text("4 images in", timeout=CALL_TIMEOUT * 1000)
         page.locator(f"#{upload}").scroll_into_view_if_needed()
         page.screenshot(path=str(_artifacts() / screenshot), **screenshot_options)
         source = page.locator(shown).get_attribute("src")
@@ -908,7 +910,9 @@ def _steered_in_browser(server, tmp_path, panel: str, upload: str, shown: str, s
             return response.read()
 
     assert np.array_equal(*(np.asarray(Image.open(io.BytesIO(fetched(url))).convert("RGB")) for url in (sent, second)))
-    return Image.open(io.BytesIO(fetched(first))).info["parameters"], fetched(source)
+    image = Image.open(io.BytesIO(fetched(first)))
+    assert image.size == (144, 112)
+    return image.info["parameters"], fetched(source)
 
 
 @pytest.mark.server
@@ -1259,3 +1263,8 @@ def test_the_page_builds_for_one_image_a_call():
     picks = [fn for fn in blocks.fns.values() if fn.name == "picked"]  # Send, Send to Upscale, Reuse, Reuse (history)
     assert len(picks) == 4 and all(fn.js and "thumbnail-item.selected" in fn.js for fn in picks)
     assert {fn.name for fn in blocks.fns.values() if any(t[1] == "select" for t in fn.targets)} == {"selected_info"}
+    # So is the size a Generate reads: the width and height follow the Size choice in the page, each label its own.
+    size = next(block for block in blocks.blocks.values() if getattr(block, "label", None) == "Size")
+    (follow,) = [fn for fn in blocks.fns.values() if (size._id, "change") in fn.targets]
+    table = json.loads(re.fullmatch(r"\(label\) => \((\{.*\})\)\[label\]", follow.js).group(1))
+    assert follow.fn is None and table == {label: [*map(int, re.findall(r"\d+", label))] for label, _ in size.choices}
