@@ -50,20 +50,20 @@ CALL_TIMEOUT = 180  # seconds for one request, compilation of a new size include
 # Seconds the browser tests give a page's round trip (a queued event such as Reuse, a layout): CI's two cores,
 # shared with the other test worker, made 30 too few (a pass costs none of it: a wait ends once its condition holds).
 PAGE_TIMEOUT = 90
-COMPARE_SEEDS = "One prompt, consecutive seeds"
-# A loaded server, as the page sees it: every event that carries event data (a gallery's select) reaches the queue
-# two seconds late, after a click sent right behind it.
+COMPARE_SEEDS = "One prompt, consecutive seeds"  # app.COMPARE_SEEDS; not imported, the app is a subprocess
+COMPARE_MODELS = "One prompt and seed, each model"  # app.COMPARE_MODELS
+COMPARE_PROMPTS = "One prompt per line, same seed"  # app.COMPARE_PROMPTS
+# A loaded server, as the page sees it: every request that carries event data (a gallery's select, queued or not)
+# reaches it two seconds late, after a click sent right behind it.
 LATE_SELECTS = """(() => {
   const send = window.fetch.bind(window);
   window.fetch = async (url, init) => {
-    if (String(url).includes('/queue/join') && String(init?.body).includes('"event_data":{')) {
+    if (String(init?.body).includes('"event_data":{')) {
       await new Promise((resolve) => setTimeout(resolve, 2000));
     }
     return send(url, init);
   };
-})();"""  # app.COMPARE_SEEDS; not imported, the app is a subprocess
-COMPARE_MODELS = "One prompt and seed, each model"  # app.COMPARE_MODELS
-COMPARE_PROMPTS = "One prompt per line, same seed"  # app.COMPARE_PROMPTS
+})();"""
 FAST = dict(prompt="a lighthouse at dusk", steps=3)  # steps are a runtime input: no recompilation
 
 _servers: list["Server"] = []  # every server this module started, for the failure log
